@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Runs the test suite (CPU only), setting up its environment on first use.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+cd "$ROOT"
+"$PY" -m ruff check sluice tests
+exec "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,5 @@
+import sys
+
+from sluice.entrypoints.cli import main
+
+sys.exit(main())

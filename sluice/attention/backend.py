@@ -1,0 +1,34 @@
+"""The interface every attention backend implements."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from sluice.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store key/value at `metadata.slot_mapping`, then attend causally over each
+        request's paged context."""
+        ...
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name == "torch_ref":
+        from sluice.attention.torch_ref import TorchRefBackend
+
+        return TorchRefBackend()
+    raise ValueError(f"attention backend must be one of ['torch_ref'], got {name!r}")

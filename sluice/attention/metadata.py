@@ -1,0 +1,32 @@
+"""Attention metadata: one shape for prefill, decode and mixed batches.
+
+The query tokens of all scheduled requests are flattened into one sequence; request i owns
+query tokens `query_start_loc[i]:query_start_loc[i+1]`, which are the last `query_len` tokens of
+its `seq_lens[i]` tokens of context. K/V of every query token is written to `slot_mapping`
+(`slot = block_id * block_size + offset`), then attention reads the whole context through
+`block_tables`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_actual_tokens: int  # query tokens that are real (the rest is padding)
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the model's device
+    seq_lens: torch.Tensor  # [num_reqs] int32: context length incl. this step's tokens
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 means "do not store"
+    # Host copies, so the reference backend never syncs with the device.
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens_cpu.shape[0]

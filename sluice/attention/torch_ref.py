@@ -1,0 +1,81 @@
+"""Paged attention in plain torch: the CPU reference every other backend is tested against.
+
+Clarity over speed: one loop over requests, vectorised gathers within each. Steps of `forward`:
+1. store the key/value of every query token at its slot (slot -1 = padding, skipped), so a request
+   can read a prefix another request of the same batch has just written;
+2. per request, gather its `seq_len` context tokens through its block table row and attend its
+   `query_len` queries (the last `query_len` positions) causally over them, in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.attention.metadata import AttentionMetadata
+
+
+class TorchRefBackend:
+    name = "torch_ref"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, KVH, D]
+        value: torch.Tensor,  # [T, KVH, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        output = torch.zeros_like(query)  # padding tokens past the requests stay zero
+        # No cache bound (a profiling run): every request must be a fresh prefill.
+        has_cache = kv_cache.numel() > 0
+        if has_cache:
+            block_size = kv_cache.shape[2]
+            key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, KVH, D]
+            value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+            slots = metadata.slot_mapping[: key.shape[0]]
+            stored = slots >= 0
+            key_cache[slots[stored]] = key[stored].to(key_cache.dtype)
+            value_cache[slots[stored]] = value[stored].to(value_cache.dtype)
+
+        query_start_loc = metadata.query_start_loc_cpu.tolist()
+        seq_lens = metadata.seq_lens_cpu.tolist()
+        for i, seq_len in enumerate(seq_lens):
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            if end == start:
+                continue
+            if not has_cache:
+                if seq_len != end - start:
+                    raise ValueError(
+                        f"request {i} has context {seq_len} > its {end - start} query tokens, "
+                        "but no KV cache is bound"
+                    )
+                keys, values = key[start:end], value[start:end]
+            else:
+                num_blocks = -(-seq_len // block_size)
+                block_ids = metadata.block_tables[i, :num_blocks].long()
+                offsets = torch.arange(block_size, device=block_ids.device)
+                context_slots = (block_ids[:, None] * block_size + offsets).flatten()[:seq_len]
+                keys, values = key_cache[context_slots], value_cache[context_slots]
+            output[start:end] = _causal_attention(query[start:end], keys, values, scale)
+        return output
+
+
+def _causal_attention(
+    query: torch.Tensor,  # [Q, H, D]: the last Q positions of the context
+    keys: torch.Tensor,  # [S, KVH, D]
+    values: torch.Tensor,  # [S, KVH, D]
+    scale: float,
+) -> torch.Tensor:  # [Q, H, D], dtype of query
+    num_queries, num_heads, head_dim = query.shape
+    seq_len, num_kv_heads = keys.shape[0], keys.shape[1]
+    group = num_heads // num_kv_heads  # query heads served by one KV head
+    q = query.float().view(num_queries, num_kv_heads, group, head_dim)
+    scores = torch.einsum("qhgd,shd->hgqs", q, keys.float()) * scale  # [KVH, G, Q, S]
+    query_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+    key_pos = torch.arange(seq_len, device=query.device)
+    future = key_pos[None, :] > query_pos[:, None]  # [Q, S]
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    out = torch.einsum("hgqs,shd->qhgd", probs, values.float())
+    return out.reshape(num_queries, num_heads, head_dim).to(query.dtype)

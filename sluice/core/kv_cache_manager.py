@@ -1,0 +1,172 @@
+"""Which KV blocks each request owns: prefix-cache lookup, slot allocation, freeing.
+
+Per request: `get_computed_blocks` (once, before first scheduling or after preemption) finds the
+cached prefix; `allocate_slots` (every step it is scheduled) takes those hits and enough new blocks
+for the step's tokens, or returns None without changing anything; `free` returns every block,
+tail first. Full blocks enter the prefix cache as soon as their tokens are scheduled, in prefill
+and in decode alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from sluice.core.block_pool import BlockPool
+from sluice.core.kv_cache_utils import KVCacheBlock, hash_block_tokens, sha256_hash
+
+if TYPE_CHECKING:
+    from sluice.core.request import Request
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_fn: Callable[[bytes], bytes] = sha256_hash,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_fn = hash_fn
+        self.block_pool = BlockPool(num_blocks, enable_caching, hash_fn)
+        # Blocks of each request, in token order: block i holds tokens [i*bs, (i+1)*bs).
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already in the prefix cache (or skipped).
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache hit rate, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend request.block_hashes to cover every full block of its tokens."""
+        block_hashes = request.block_hashes
+        num_full_blocks = request.num_tokens // self.block_size
+        if len(block_hashes) >= num_full_blocks:
+            return
+        token_ids = request.all_token_ids
+        parent = block_hashes[-1].hash_value if block_hashes else None
+        for i in range(len(block_hashes), num_full_blocks):
+            start = i * self.block_size
+            block_hash = hash_block_tokens(
+                self.hash_fn, parent, token_ids[start:start + self.block_size])
+            block_hashes.append(block_hash)
+            parent = block_hash.hash_value
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of `request` (hit blocks, hit tokens); does not take refs.
+
+        The last token is never a hit: its logits are needed, so it is always computed.
+        """
+        if not self.enable_caching or request.skip_prefix_cache:
+            return [], 0
+        self.update_block_hashes(request)
+        max_hit_blocks = max(0, (request.num_tokens - 1) // self.block_size)
+        hits: list[KVCacheBlock] = []
+        hit_ids: set[int] = set()
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            # A block already hit would sit at two positions: only under a forced hash collision.
+            if block is None or block.block_id in hit_ids:
+                break
+            hits.append(block)
+            hit_ids.add(block.block_id)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` (+ lookahead) after the computed and hit tokens.
+
+        Returns the newly allocated blocks, or None (and changes nothing) if too few are free.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+        new_computed_blocks = new_computed_blocks or []
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id, [])
+        assert not (blocks and new_computed_blocks), (
+            f"request {request_id} already owns blocks; prefix hits come only before them")
+
+        num_computed_tokens = (request.num_computed_tokens
+                               + len(new_computed_blocks) * self.block_size)
+        num_required_blocks = -(-(num_computed_tokens + num_new_tokens + num_lookahead_tokens)
+                                // self.block_size)
+        num_new_blocks = max(0, num_required_blocks - len(blocks) - len(new_computed_blocks))
+        # Hits with ref 0 sit in the free queue: touching them takes them out of the free count.
+        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks + num_free_hits > self.block_pool.get_num_free_blocks():
+            return None
+
+        # Touch before allocating, so that get_new_blocks cannot evict the hits.
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks = self.req_to_blocks.setdefault(request_id, blocks)
+        blocks.extend(new_computed_blocks)
+        blocks.extend(new_blocks)
+        if not self.enable_caching:
+            return new_blocks
+
+        # Hits are cached already; lookahead (speculative) slots hold no known tokens yet.
+        num_cached_blocks = max(self.num_cached_blocks.get(request_id, 0),
+                                len(new_computed_blocks))
+        num_full_blocks = (min(num_computed_tokens + num_new_tokens, request.num_tokens)
+                           // self.block_size)
+        if num_full_blocks > num_cached_blocks:
+            self.update_block_hashes(request)
+            self.block_pool.cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks)
+            num_cached_blocks = num_full_blocks
+        self.num_cached_blocks[request_id] = num_cached_blocks
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Return every block of `request`, tail first so its chain is evicted leaf first."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """Block ids of the request in token order ([] for a request without blocks)."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Pool invariants, plus: the requests' blocks account for every reference."""
+        self.block_pool.check_integrity()
+        num_pairs = 0
+        for request_id, blocks in self.req_to_blocks.items():
+            assert len({id(block) for block in blocks}) == len(blocks), (
+                f"request {request_id} holds a block twice")
+            for block in blocks:
+                assert not block.is_null, f"request {request_id} holds the null block"
+                assert block.ref_cnt >= 1, (
+                    f"request {request_id} holds block {block.block_id} with ref_cnt "
+                    f"{block.ref_cnt}")
+            assert self.num_cached_blocks.get(request_id, 0) <= len(blocks), (
+                f"request {request_id} has more cached blocks than blocks")
+            num_pairs += len(blocks)
+        num_refs = sum(block.ref_cnt for block in self.block_pool.blocks)
+        assert num_refs == num_pairs, (
+            f"ref counts sum to {num_refs} but requests hold {num_pairs} (request, block) pairs")

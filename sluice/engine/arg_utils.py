@@ -1,0 +1,111 @@
+"""Engine arguments: the keyword arguments of `LLM(...)` and the CLI flags, validated once and
+turned into the frozen configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from sluice.config import CacheConfig, ModelConfig, SchedulerConfig, verify_positive
+from sluice.model.hf_config import HFModelConfig, load_hf_config
+
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the built-in tiny model
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    max_num_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 4 << 30
+    device: str = "auto"
+    attention_backend: str = "auto"
+    # Accepted for compatibility with vLLM scripts.
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    trust_remote_code: bool = False
+    disable_log_stats: bool = True
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine arguments {unknown}; allowed: {sorted(known)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, HFModelConfig]:
+        model = self.model
+        if model is None:
+            from sluice.model.tiny import default_model_dir
+
+            model = default_model_dir()
+        hf_config = load_hf_config(model)
+
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1 for now, got {self.tensor_parallel_size}")
+        for name in ("block_size", "max_num_seqs", "max_num_partial_prefills"):
+            verify_positive(name, getattr(self, name))
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            verify_positive(name, getattr(self, name), allow_none=True)
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, "
+                             f"got {self.long_prefill_token_threshold!r}")
+
+        max_model_len = self.max_model_len or hf_config.max_position_embeddings
+        if max_model_len > hf_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) must be <= the model's "
+                f"max_position_embeddings ({hf_config.max_position_embeddings})")
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = _DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                max_batched = max(max_batched, max_model_len)
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be >= max_model_len "
+                f"({max_model_len}) when chunked prefill is disabled: a whole prompt must fit "
+                "in one step")
+
+        model_config = ModelConfig(
+            model=model,
+            tokenizer=self.tokenizer or model,
+            dtype=self.dtype,
+            seed=self.seed,
+            max_model_len=max_model_len,
+            device=self.device,
+            attention_backend=self.attention_backend,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            cpu_kv_cache_bytes=self.cpu_kv_cache_bytes,
+        )
+        scheduler_config = SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_batched,
+            max_num_seqs=self.max_num_seqs,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+        )
+        return model_config, cache_config, scheduler_config, hf_config

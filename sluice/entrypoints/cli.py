@@ -1,0 +1,128 @@
+"""The `sluice` command: generate, make-model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import fields
+from sluice.engine.arg_utils import EngineArgs
+
+# flag name -> (EngineArgs field, type); booleans get --flag / --no-flag.
+_ENGINE_FLAGS: list[tuple[str, type, str]] = [
+    ("model", str, "Hugging Face model folder (default: the built-in tiny model)"),
+    ("tokenizer", str, "tokenizer folder (default: the model folder)"),
+    ("dtype", str, "auto | float32 | bfloat16 | float16"),
+    ("seed", int, "random seed"),
+    ("max-model-len", int, "context length (default: from config.json)"),
+    ("block-size", int, "tokens per KV cache block"),
+    ("enable-prefix-caching", bool, "reuse KV of shared prefixes"),
+    ("enable-chunked-prefill", bool, "split long prompts over steps"),
+    ("max-num-batched-tokens", int, "token budget of one step"),
+    ("max-num-seqs", int, "most sequences in one step"),
+    ("max-num-partial-prefills", int, "prompts prefilled in chunks at once"),
+    ("long-prefill-token-threshold", int, "chunk size cap for long prompts (0: none)"),
+    ("num-gpu-blocks-override", int, "number of KV cache blocks"),
+    ("gpu-memory-utilization", float, "fraction of GPU memory to use"),
+    ("device", str, "auto | cpu | cuda"),
+    ("enforce-eager", bool, "accepted for vLLM compatibility (no CUDA graphs yet)"),
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineArgs()
+    group = parser.add_argument_group("engine")
+    for flag, kind, help_text in _ENGINE_FLAGS:
+        dest = flag.replace("-", "_")
+        default = getattr(defaults, dest)
+        if kind is bool:
+            group.add_argument(f"--{flag}", dest=dest, default=default,
+                               action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            group.add_argument(f"--{flag}", dest=dest, type=kind, default=default,
+                               help=f"{help_text} (default: {default})")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from sluice import LLM, SamplingParams
+
+    prompts = ns.prompt or ["The quick brown fox"]
+    params = SamplingParams(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                            max_tokens=ns.max_tokens, seed=ns.sampling_seed,
+                            ignore_eos=ns.ignore_eos)
+    llm = LLM(**vars(engine_args_from(ns)))
+    start = time.perf_counter()
+    if ns.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                           use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_generated = 0
+    for prompt, output in zip(prompts, outputs):
+        for completion in output.outputs:
+            num_generated += len(completion.token_ids)
+            if ns.json:
+                print(json.dumps({"prompt": prompt, "text": completion.text,
+                                  "token_ids": completion.token_ids,
+                                  "finish_reason": completion.finish_reason}))
+            else:
+                print(f"prompt: {prompt!r}\noutput: {completion.text!r} "
+                      f"({len(completion.token_ids)} tokens, {completion.finish_reason})")
+    print(f"model: {llm.engine_args.model or llm.llm_engine.model_config.model} | "
+          f"{num_generated} tokens in {elapsed:.2f} s", file=sys.stderr)
+    return 0
+
+
+def _cmd_make_model(ns: argparse.Namespace) -> int:
+    from sluice.model.tiny import make_tiny_model
+
+    kwargs = {} if ns.dtype is None else {"dtype": ns.dtype}
+    path = make_tiny_model(ns.dir, arch=ns.arch, preset=ns.preset, seed=ns.seed, **kwargs)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON line per completion")
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    make = sub.add_parser("make-model", help="write a random-weight model folder")
+    make.add_argument("dir")
+    make.add_argument("--arch", default="qwen3", help="qwen3 | llama | qwen2")
+    make.add_argument("--preset", default="tiny", help="tiny | qwen3-0.6b")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: preset's)")
+    make.set_defaults(func=_cmd_make_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"sluice: error: {e}", file=sys.stderr)
+        return 2
+

@@ -1,0 +1,106 @@
+"""The offline API, shaped like vLLM's `LLM` so that vLLM scripts run unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sluice.engine.arg_utils import EngineArgs
+from sluice.engine.llm_engine import LLMEngine
+from sluice.engine.processors import PromptType, RequestOutputKind
+from sluice.outputs import RequestOutput
+from sluice.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate from a Hugging Face model folder.
+
+    >>> llm = LLM(model="path/to/Qwen3-0.6B")
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(self.engine_args)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params_list)} entries but there are "
+                                 f"{len(prompts)} prompts; give one, or one per prompt")
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                # Each request gets its own copy: the engine fills in its stop token ids.
+                request_ids.append(engine.add_request(
+                    None, prompt, params.clone(), RequestOutputKind.FINAL_ONLY))
+        except ValueError:
+            engine.abort_request(request_ids)  # a bad prompt leaves no request behind
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = messages
+        if not conversations or isinstance(conversations[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            token_ids = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=True,
+                add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+            if hasattr(token_ids, "keys"):  # transformers 5 returns a BatchEncoding
+                token_ids = token_ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm and len(request_ids) > 1:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts",
+                            dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        except BaseException:
+            engine.abort_request([r for r in request_ids if r not in results])
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return [results[r] for r in request_ids]

@@ -1,0 +1,141 @@
+"""The parts of a Hugging Face `config.json` that sluice's models need, with HF's defaults.
+
+Both config styles are read: transformers 4 (`rope_theta` + `rope_scaling`, `torch_dtype`) and
+transformers 5 (`rope_parameters`, `dtype`). RoPE settings are normalised to `rope_theta` plus
+`rope_scaling` (None for plain RoPE, else a dict with `rope_type`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.model.registry import resolve_architecture
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+# HF config-class defaults that differ per model type (fields absent from config.json).
+_MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+        "head_dim": None,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "qwen2": {"vocab_size": 151936, "max_position_embeddings": 32768, "head_dim": None},
+    "qwen3": {"vocab_size": 151936, "max_position_embeddings": 32768, "head_dim": 128},
+}
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True, slots=True)
+class HFModelConfig:
+    architectures: list[str]
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE; else {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}.
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    torch_dtype: str | None  # "bfloat16" | "float16" | "float32" | None (not stated)
+    attention_bias: bool  # bias on q/k/v (and o for Llama/Qwen3); always True for Qwen2 q/k/v
+    eos_token_id: int | list[int] | None
+    bos_token_id: int | None
+
+
+def load_hf_config(model_dir: str) -> HFModelConfig:
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model folder {model_dir!r} does not exist")
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model folder {model_dir!r} has no config.json")
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    return parse_hf_config(raw)
+
+
+def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
+    architectures = list(raw.get("architectures") or [])
+    resolve_architecture(architectures)  # raises, listing the supported ones
+    model_type = raw.get("model_type", "")
+    defaults = _MODEL_TYPE_DEFAULTS.get(model_type, _MODEL_TYPE_DEFAULTS["llama"])
+
+    def get(key: str) -> Any:
+        return raw[key] if raw.get(key) is not None else defaults.get(key)
+
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
+    if raw.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported (allowed: false)")
+    if raw.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=True is not supported (allowed: false)")
+
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(raw.get(key), int):
+            raise ValueError(f"config.json must give an integer {key!r}, got {raw.get(key)!r}")
+    num_heads = raw["num_attention_heads"]
+    head_dim = get("head_dim") or raw["hidden_size"] // num_heads
+    max_position_embeddings = get("max_position_embeddings")
+    rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
+    return HFModelConfig(
+        architectures=architectures,
+        model_type=model_type,
+        vocab_size=get("vocab_size"),
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
+        eos_token_id=get("eos_token_id"),
+        bos_token_id=get("bos_token_id"),
+    )
+
+
+def _parse_rope(
+    raw: dict[str, Any], max_position_embeddings: int
+) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5 folds rope_theta into rope_parameters; transformers 4 keeps it top level.
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type rope_parameters are not supported, got {params!r}")
+    rope_theta = float(params.get("rope_theta") or raw.get("rope_theta") or _DEFAULT_ROPE_THETA)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported (supported: {list(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "default":
+        return rope_theta, None
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+    if missing:
+        raise ValueError(f"llama3 rope scaling needs {missing}, got {params!r}")
+    return rope_theta, {
+        "rope_type": "llama3",
+        "factor": float(params["factor"]),
+        "low_freq_factor": float(params["low_freq_factor"]),
+        "high_freq_factor": float(params["high_freq_factor"]),
+        "original_max_position_embeddings": int(
+            params.get("original_max_position_embeddings") or max_position_embeddings
+        ),
+    }

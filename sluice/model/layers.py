@@ -1,0 +1,211 @@
+"""Building blocks of the decoder models: norm, rotary embedding, activation, linear layers.
+
+Parameters are created with `torch.empty` (the loader fills them) on the current default device and
+dtype. Every parameter carries `weight_loader(param, loaded_weight, shard_id)`: layers that merge
+several checkpoint tensors into one parameter (q/k/v, gate/up) place each shard themselves, so the
+model files stay a plain description of the network and tensor parallelism can later slice here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _check_shape(target: torch.Tensor, loaded_weight: torch.Tensor, what: str) -> None:
+    if target.shape != loaded_weight.shape:
+        raise ValueError(
+            f"shape mismatch for {what}: parameter expects {list(target.shape)}, "
+            f"checkpoint has {list(loaded_weight.shape)}"
+        )
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
+) -> None:
+    if shard_id is not None:
+        raise ValueError(f"parameter is not merged, got shard id {shard_id!r}")
+    _check_shape(param, loaded_weight, "parameter")
+    param.data.copy_(loaded_weight)
+
+
+def _new_param(*shape: int) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = default_weight_loader
+    return param
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _new_param(hidden_size)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32, weight applied in the input dtype, as HF does.
+        x_f32 = x.float()
+        x_f32 = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x_f32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., hidden]. With `residual`, normalises `x + residual` and also returns that
+        sum as the next residual (the pre-norm decoder's skip connection)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept,
+    a smooth blend in between."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate the two halves of each head) over a precomputed cos/sin table."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        # float32 whatever the default dtype: positions up to 1e5+ need the precision.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (base**exponents)  # [head_dim / 2]
+        if rope_scaling is not None:
+            if rope_scaling.get("rope_type") != "llama3":
+                raise ValueError(
+                    f"rope_type must be one of ['llama3'] when scaling, got {rope_scaling!r}"
+                )
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        positions = torch.arange(max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
+        # cos_sin_cache: [max_pos, head_dim], cos in the first half, sin in the second.
+        cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; query: [T, H * D] or [T, H, D]; key likewise. Same shapes back."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [T, D / 2]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D / 2]
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        heads = x.view(x.shape[0], -1, self.head_dim).float()  # [T, H, D]
+        x1, x2 = heads.chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return rotated.to(x.dtype).view(x.shape)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, 2 * I] (gate, up) -> [T, I]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); W: [output_size, input_size]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = _new_param(output_size, input_size)
+        self.bias = _new_param(output_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several linear maps of the same input stacked along the output, e.g. gate_up_proj.
+    Shard i (an int) fills output rows [sum(output_sizes[:i]), sum(output_sizes[:i+1]))."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = list(output_sizes)
+        self.weight.weight_loader = self.weight_loader
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def shard_range(self, shard_id: Any) -> tuple[int, int]:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"shard id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}"
+            )
+        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any
+    ) -> None:
+        offset, size = self.shard_range(shard_id)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, loaded_weight, f"shard {shard_id!r}")
+        target.copy_(loaded_weight)
+
+
+class QKVLinear(MergedLinear):
+    """q, k and v projections in one matmul. Weight: [(H + 2 * KVH) * D, hidden]; shard ids
+    "q", "k", "v". Output [T, (H + 2 * KVH) * D]: split it by `q_size`, `kv_size`."""
+
+    _SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool
+    ) -> None:
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias)
+        self.q_size = q_size
+        self.kv_size = kv_size
+
+    def shard_range(self, shard_id: Any) -> tuple[int, int]:
+        if shard_id not in self._SHARD_INDEX:
+            raise ValueError(f"shard id must be one of ['q', 'k', 'v'], got {shard_id!r}")
+        return super().shard_range(self._SHARD_INDEX[shard_id])
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = _new_param(vocab_size, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, hidden]."""
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = _new_param(vocab_size, hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] in float32. The matmul runs in the weight
+        dtype as in HF (an fp32 copy of a large vocab matrix per step would cost more than it
+        buys); sampling then works in float32."""
+        return F.linear(hidden, self.weight).float()

@@ -1,0 +1,145 @@
+"""Build a model on its device and stream Hugging Face safetensors weights into it.
+
+Weights go tensor by tensor from `safe_open` into the parameters' `weight_loader`s, so peak host
+memory is one tensor, not the checkpoint.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from sluice.attention.backend import AttentionBackend
+from sluice.model.hf_config import HFModelConfig
+from sluice.model.layers import default_weight_loader
+from sluice.model.registry import get_model_class
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str, hf_config: HFModelConfig) -> torch.dtype:
+    """"auto" takes config.json's dtype (float32 when it names none)."""
+    if dtype == "auto":
+        name = hf_config.torch_dtype or "float32"
+        if name not in _DTYPES:
+            raise ValueError(f"config.json dtype must be one of {list(_DTYPES)}, got {name!r}")
+        return _DTYPES[name]
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    model_dir: str,
+    hf_config: HFModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_backend: AttentionBackend,
+) -> nn.Module:
+    """The model of `hf_config.architectures`, in eval mode, weights from `model_dir`."""
+    files = safetensors_files(model_dir)
+    model_class = get_model_class(hf_config.architectures)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_class(hf_config, attn_backend)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    with torch.no_grad():
+        model.load_weights(iterate_weights(files, dtype))
+    return model.eval().requires_grad_(False)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint files: the shards of model.safetensors.index.json, else model.safetensors,
+    else every *.safetensors in the folder."""
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model folder {model_dir!r} does not exist")
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        paths = [os.path.join(model_dir, shard) for shard in shards]
+        for shard, path in zip(shards, paths):
+            if not os.path.isfile(path):
+                raise ValueError(
+                    f"shard {shard!r} listed in {index_path!r} is missing from {model_dir!r}"
+                )
+        return paths
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    paths = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not paths:
+        raise ValueError(f"model folder {model_dir!r} has no *.safetensors weights")
+    return paths
+
+
+def iterate_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of `files`, floating point ones cast to `dtype`."""
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def load_packed_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    packed_modules: dict[str, tuple[str, str | int]],
+    skip: tuple[str, ...] = (),
+) -> None:
+    """Load HF-named tensors into `model`, merging those `packed_modules` names.
+
+    packed_modules: checkpoint module name -> (model module name, shard id), e.g.
+        {"q_proj": ("qkv_proj", "q"), "gate_proj": ("gate_up_proj", 0)}.
+    skip: checkpoint names to ignore (e.g. rotary `inv_freq`, a tied `lm_head.weight`).
+    Every checkpoint tensor must find a parameter and every parameter (every shard of a merged
+    one) must be loaded; a tied parameter shows up once, under its first name.
+    """
+    params = dict(model.named_parameters())
+    expected: set[tuple[str, str | int | None]] = set()
+    for param_name in params:
+        module_name = param_name.split(".")[-2] if "." in param_name else ""
+        shards = [sid for target, sid in packed_modules.values() if target == module_name]
+        expected.update((param_name, sid) for sid in shards or [None])
+
+    loaded: set[tuple[str, str | int | None]] = set()
+    for name, tensor in weights:
+        if any(name.endswith(suffix) for suffix in skip):
+            continue
+        param_name, shard_id = name, None
+        for ckpt_module, (model_module, sid) in packed_modules.items():
+            if f".{ckpt_module}." in name:
+                param_name = name.replace(f".{ckpt_module}.", f".{model_module}.", 1)
+                shard_id = sid
+                break
+        param = params.get(param_name)
+        if param is None:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has no destination in {type(model).__name__}"
+            )
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(
+                f"cannot load checkpoint tensor {name!r} into {param_name!r}: {e}"
+            ) from None
+        loaded.add((param_name, shard_id))
+
+    missing = sorted(
+        name if sid is None else f"{name} (shard {sid!r})" for name, sid in expected - loaded
+    )
+    if missing:
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        shown = ", ".join(missing[:8]) + more
+        raise ValueError(f"parameters of {type(model).__name__} not in the checkpoint: {shown}")

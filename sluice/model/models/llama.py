@@ -1,0 +1,177 @@
+"""Llama (2, 3, 3.1 with llama3 RoPE scaling) and Qwen2, which is Llama with a q/k/v bias.
+
+Pre-norm decoder: x -> RMSNorm -> attention -> + x -> RMSNorm -> SwiGLU MLP -> + x. The residual
+sum is carried between layers and fused into the next RMSNorm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from sluice.attention.backend import AttentionBackend
+from sluice.attention.metadata import AttentionMetadata
+from sluice.model.attention import Attention
+from sluice.model.hf_config import HFModelConfig
+from sluice.model.layers import (
+    Linear,
+    LMHead,
+    MergedLinear,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    VocabEmbedding,
+)
+from sluice.model.loader import load_packed_weights
+
+# HF module name -> (sluice merged module, shard id)
+PACKED_MODULES: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: HFModelConfig,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: AttentionBackend,
+        qkv_bias: bool,
+        o_bias: bool,
+    ) -> None:
+        super().__init__()
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = config.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, num_heads, num_kv_heads, head_dim, qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, config.hidden_size, bias=o_bias)
+        self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, attn_backend)
+        self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """positions: [T]; hidden: [T, hidden] -> [T, hidden]."""
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)  # [T, (KV)H * D] each
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, self_attn: nn.Module, config: HFModelConfig) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        config: HFModelConfig,
+        build_attention: Callable[[RotaryEmbedding], nn.Module],
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(build_attention(rotary_emb), config)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules = PACKED_MODULES
+
+    def __init__(self, config: HFModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_builder(config, attn_backend))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def attention_builder(
+        config: HFModelConfig, attn_backend: AttentionBackend
+    ) -> Callable[[RotaryEmbedding], nn.Module]:
+        bias = config.attention_bias
+        return lambda rotary_emb: LlamaAttention(config, rotary_emb, attn_backend, bias, bias)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden [T, hidden]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skip = ("rotary_emb.inv_freq",)
+        if self.config.tie_word_embeddings:
+            skip += ("lm_head.weight",)  # some tied checkpoints still carry a copy
+        load_packed_weights(self, weights, self.packed_modules, skip)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with a bias on q, k and v (not on o)."""
+
+    @staticmethod
+    def attention_builder(
+        config: HFModelConfig, attn_backend: AttentionBackend
+    ) -> Callable[[RotaryEmbedding], nn.Module]:
+        return lambda rotary_emb: LlamaAttention(
+            config, rotary_emb, attn_backend, qkv_bias=True, o_bias=False
+        )

@@ -1,0 +1,60 @@
+"""Sizing and allocating the paged KV cache.
+
+Layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`; block 0 is the null block
+(reserved by the block pool for padding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.config import CacheConfig, SchedulerConfig
+from sluice.model.hf_config import HFModelConfig
+
+# Kept free on a GPU for activations, logits and the allocator's fragmentation.
+_GPU_ACTIVATION_RESERVE_BYTES = 2 << 30
+
+
+def bytes_per_block(hf_config: HFModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * block_size * hf_config.num_key_value_heads * hf_config.head_dim * elem
+    return per_layer * hf_config.num_hidden_layers
+
+
+def determine_num_blocks(
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    hf_config: HFModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Blocks that fit the memory budget (or the override)."""
+    if cache_config.num_gpu_blocks_override is not None:
+        return cache_config.num_gpu_blocks_override
+    block_bytes = bytes_per_block(hf_config, cache_config.block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = int(total * cache_config.gpu_memory_utilization) - used
+        budget -= _GPU_ACTIVATION_RESERVE_BYTES
+        num_blocks = budget // block_bytes
+    else:
+        # On the CPU never allocate more than every sequence at full length could use, plus the
+        # null block: the rest could only hold evicted prefixes and costs RAM and zeroing time.
+        blocks_per_seq = -(-scheduler_config.max_model_len // cache_config.block_size)
+        needed = scheduler_config.max_num_seqs * blocks_per_seq + 1
+        num_blocks = min(cache_config.cpu_kv_cache_bytes // block_bytes, needed)
+    if num_blocks < 2:
+        raise ValueError(
+            f"the KV cache budget fits {num_blocks} blocks of {block_bytes} bytes; at least 2 are "
+            "needed: raise gpu_memory_utilization / the CPU KV budget, or lower block_size")
+    return int(num_blocks)
+
+
+def allocate_kv_caches(
+    hf_config: HFModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    shape = (2, num_blocks, block_size, hf_config.num_key_value_heads, hf_config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device)
+            for _ in range(hf_config.num_hidden_layers)]

@@ -1,0 +1,218 @@
+"""Next-token sampling for a batch of last-position logits, with vLLM v1 semantics.
+
+Per step:
+1. logprobs of the raw model distribution (log_softmax of the logits as given), if a row asks;
+2. blocked tokens (EOS / stop ids while below min_tokens) get -inf;
+3. penalties: repetition over prompt + output tokens, frequency and presence over output tokens;
+4. greedy rows take the argmax of the penalised logits;
+5. random rows: temperature, min-p, top-k, top-p, then the exponential race argmax(p / q) with
+   q ~ Exp(1), which draws from p exactly.
+
+A seeded row is reproducible whatever the batch: its q comes from its own generator, exactly V
+exponentials per step when it samples and none when it is greedy. Every mask sets logits to -inf,
+so a masked token has probability exactly 0 and can never win the race.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sluice.worker.sampling_metadata import SamplingMetadata
+
+# Greedy is temperature below this (as SamplingParams.greedy).
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    # [B] int64
+    sampled_token_ids: torch.Tensor
+    # [B, max_num_logprobs + 1]: the sampled token, then the top-N ids.
+    logprob_token_ids: torch.Tensor | None
+    # [B, max_num_logprobs + 1] float32, matching logprob_token_ids.
+    logprobs: torch.Tensor | None
+    # [B] int64: rank of the sampled token in the raw distribution (1 = most likely).
+    sampled_token_ranks: torch.Tensor | None
+
+
+class Sampler(nn.Module):
+    def __init__(self, default_generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        # Rows without their own generator draw from this (None: torch's global RNG).
+        self.default_generator = default_generator
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        # logits: [B, V] float32
+        assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
+        logits = logits.to(torch.float32)
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        logits = apply_blocked_tokens(logits, metadata.blocked_token_ids)
+        if not metadata.no_penalties:
+            logits = apply_penalties(
+                logits,
+                metadata.prompt_token_ids,
+                metadata.output_token_ids,
+                metadata.presence_penalties,
+                metadata.frequency_penalties,
+                metadata.repetition_penalties,
+            )
+        sampled = self._sample(logits, metadata)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        ids, lps, ranks = compute_topk_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
+        return SamplerOutput(sampled, ids, lps, ranks)
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        greedy = None
+        if not metadata.all_random:
+            greedy = logits.argmax(dim=-1)
+            if metadata.all_greedy:
+                return greedy
+
+        is_greedy = metadata.temperature < _SAMPLING_EPS
+        # Greedy rows divide by 1 so the shared tensor math stays finite; their result is unused.
+        temperature = torch.where(is_greedy, 1.0, metadata.temperature)
+        logits = logits / temperature[:, None]
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        if metadata.top_k is not None or metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = logits.softmax(dim=-1)
+
+        sampled = self._exponential_race(probs, metadata)
+        if greedy is None:
+            return sampled
+        return torch.where(is_greedy, greedy, sampled)
+
+    def _exponential_race(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        # probs: [B, V]. argmax(p / q) with q ~ Exp(1) i.i.d. is a draw from p.
+        num_rows, vocab_size = probs.shape
+        generators = metadata.generators
+        if len(generators) < num_rows:
+            q = torch.empty_like(probs).exponential_(generator=self.default_generator)
+        else:
+            q = torch.ones_like(probs)
+        if generators:
+            # A greedy seeded row must not consume its generator (one sync, only in mixed batches).
+            random_rows = None if metadata.all_random else (
+                metadata.temperature >= _SAMPLING_EPS).tolist()
+            for row, generator in generators.items():
+                if random_rows is None or random_rows[row]:
+                    q[row] = torch.empty(vocab_size, device=probs.device,
+                                         dtype=probs.dtype).exponential_(generator=generator)
+        # q == 0 would turn a zero-probability token into 0 / 0 = nan, which argmax picks.
+        q.clamp_min_(torch.finfo(q.dtype).tiny)
+        return probs.div(q).argmax(dim=-1)
+
+
+def apply_blocked_tokens(logits: torch.Tensor,
+                         blocked_token_ids: dict[int, set[int]]) -> torch.Tensor:
+    """Out of place: blocked (row, token) pairs get -inf. logits: [B, V]."""
+    rows = [row for row, token_ids in blocked_token_ids.items() for _ in token_ids]
+    if not rows:
+        return logits
+    cols = [token_id for token_ids in blocked_token_ids.values() for token_id in token_ids]
+    logits = logits.clone()
+    logits[torch.tensor(rows, device=logits.device),
+           torch.tensor(cols, device=logits.device)] = float("-inf")
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor | None,
+    output_token_ids: list[list[int]],
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Out of place. logits: [B, V]; prompt_token_ids: [B, P] padded with V; penalties: [B].
+
+    Repetition: a token seen in the prompt or output has a positive logit divided by the
+    penalty and a negative one multiplied. Then logit -= frequency * count_in_output
+    + presence * (count_in_output > 0).
+    """
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    # The extra column V absorbs padding.
+    max_output_len = max((len(ids) for ids in output_token_ids), default=0)
+    width = max(max_output_len, 1)
+    padded_output = torch.tensor([ids + [vocab_size] * (width - len(ids))
+                                  for ids in output_token_ids], dtype=torch.int64, device=device)
+    output_counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=device)
+    output_counts.scatter_add_(1, padded_output, torch.ones_like(padded_output, dtype=logits.dtype))
+    output_counts = output_counts[:, :vocab_size]
+    output_mask = output_counts > 0
+
+    seen = output_mask
+    if prompt_token_ids is not None:
+        prompt_mask = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=device)
+        prompt_mask.scatter_(1, prompt_token_ids.to(device=device, dtype=torch.int64), True)
+        seen = seen | prompt_mask[:, :vocab_size]
+
+    repetition = repetition_penalties[:, None]
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - frequency_penalties[:, None] * output_counts
+    return logits - presence_penalties[:, None] * output_mask.to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Out of place: drop tokens whose probability is below min_p * the top probability.
+
+    logits: [B, V]; min_p: [B], 0.0 = off.
+    """
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Out of place, by a full sort: keep the k most likely tokens (ties broken by the sort),
+    then the smallest prefix of them whose mass reaches top_p. The top token is always kept.
+
+    logits: [B, V]; top_k: [B] int64, 0 = off; top_p: [B] float32, 1.0 = off.
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    # drop: [B, V] in sorted order.
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)
+        positions = torch.arange(vocab_size, device=logits.device)
+        drop = positions[None, :] >= k[:, None]
+    if top_p is not None:
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # Rows at 1.0 are off: rounding in the cumsum must not cut their tail.
+        drop = drop | ((mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None])
+    drop[:, 0] = False
+    mask = torch.empty_like(drop).scatter_(-1, sorted_ids, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def compute_topk_logprobs(
+    logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logprobs: [N, V] log-softmax; token_ids: [N].
+
+    Returns ids [N, num_logprobs + 1] int64 and lps [N, num_logprobs + 1] float32 (the given
+    token first, then the top num_logprobs), and ranks [N] int64: the number of tokens at least
+    as likely as the given one (1 = most likely).
+    """
+    token_ids = token_ids.to(torch.int64)[:, None]
+    token_logprobs = logprobs.gather(-1, token_ids)
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)
+    if num_logprobs > 0:
+        top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+        token_ids = torch.cat([token_ids, top_ids], dim=1)
+        token_logprobs = torch.cat([token_logprobs, top_logprobs], dim=1)
+    return token_ids, token_logprobs.to(torch.float32), ranks

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random models saved by Hugging Face transformers (float32), with the
+built-in byte-level BPE tokenizer, loaded by sluice through the same loader as real folders."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Keep tests on the CPU and deterministic whatever machine runs them.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+ARCHS = ("qwen3", "llama", "qwen2")
+
+
+def save_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: object) -> str:
+    """Build a tiny transformers model of `arch`, save it with its tokenizer, return the folder."""
+    import transformers
+
+    from sluice.model.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer(out_dir)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+    if arch == "qwen3":
+        config = transformers.Qwen3Config(**common, tie_word_embeddings=True)
+        model_cls = transformers.Qwen3ForCausalLM
+    elif arch == "llama":
+        config = transformers.LlamaConfig(
+            **common, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+        model_cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=False)
+        model_cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def hf_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {arch: save_hf_model(str(tmp_path_factory.mktemp(f"hf-{arch}")), arch)
+            for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(hf_model_dirs: dict[str, str]) -> str:
+    return hf_model_dirs["qwen3"]

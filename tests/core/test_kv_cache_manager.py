@@ -1,0 +1,408 @@
+"""KV cache manager: prefix hits, sharing, caching in decode, tail-first freeing, all-or-nothing
+allocation, and a randomized workload that must leave every block free and the pool intact."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.core.kv_cache_manager import KVCacheManager
+from sluice.core.kv_cache_utils import KVCacheBlock
+from sluice.core.request import Request
+from sluice.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def make_request(request_id: str, token_ids: list[int], prompt_logprobs: int | None = None
+                 ) -> Request:
+    params = SamplingParams(temperature=0.0, prompt_logprobs=prompt_logprobs)
+    return Request(request_id, token_ids, params)
+
+
+def prefill(manager: KVCacheManager, request: Request) -> list[KVCacheBlock]:
+    """Look up the prefix cache and allocate the whole rest of the prompt, as one step would."""
+    hits, num_hit_tokens = manager.get_computed_blocks(request)
+    new_blocks = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits)
+    assert new_blocks is not None
+    request.num_computed_tokens = request.num_tokens
+    manager.check_integrity()
+    return new_blocks
+
+
+def num_hit_tokens(manager: KVCacheManager, token_ids: list[int]) -> int:
+    return manager.get_computed_blocks(make_request("probe", token_ids))[1]
+
+
+def ref_cnts(manager: KVCacheManager) -> list[int]:
+    return [block.ref_cnt for block in manager.block_pool.blocks]
+
+
+def test_tail_first_free_evicts_the_leaf_and_keeps_the_prefix() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE)
+    prompt = list(range(12))
+    first = make_request("a", prompt)
+    prefill(manager, first)
+    assert manager.get_block_ids("a") == [1, 2, 3]
+    manager.free(first)
+    assert manager.get_num_free_blocks() == 3
+
+    # One block for an unrelated request evicts the chain's leaf (block 3), not its root.
+    other = make_request("b", [100, 101, 102])
+    assert [b.block_id for b in prefill(manager, other)] == [3]
+    manager.free(other)
+
+    again = make_request("c", prompt + [12])
+    hits, num_tokens = manager.get_computed_blocks(again)
+    assert [b.block_id for b in hits] == [1, 2]
+    assert num_tokens == 8
+    manager.check_integrity()
+
+
+def test_shared_prefix_blocks_are_shared_by_ref_count() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    first, second = make_request("a", prompt), make_request("b", prompt)
+    prefill(manager, first)
+    hits, num_tokens = manager.get_computed_blocks(second)
+    assert num_tokens == 8
+    new_blocks = manager.allocate_slots(second, 1, hits)
+    assert new_blocks is not None and len(new_blocks) == 1
+    first_blocks, second_blocks = manager.req_to_blocks["a"], manager.req_to_blocks["b"]
+    assert second_blocks[:2] == first_blocks[:2]
+    assert all(a is b for a, b in zip(second_blocks[:2], first_blocks[:2]))
+    assert second_blocks[2] is not first_blocks[2]
+    assert [b.ref_cnt for b in second_blocks] == [2, 2, 1]
+    assert manager.get_num_free_blocks() == 7 - 4
+    manager.check_integrity()
+
+    manager.free(first)
+    assert [b.ref_cnt for b in second_blocks] == [1, 1, 1]
+    assert manager.get_num_free_blocks() == 7 - 3
+    manager.check_integrity()
+    manager.free(second)
+    assert manager.get_num_free_blocks() == 7
+    assert manager.usage == 0.0
+    manager.check_integrity()
+
+
+def test_block_filled_in_decode_becomes_a_prefix_hit() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    request = make_request("a", [1, 2, 3, 4, 5, 6])
+    prefill(manager, request)
+    for token in (7, 8):
+        # A decode step: the sampled token is appended, then its KV is scheduled.
+        request.append_output_token_ids([token])
+        assert num_hit_tokens(manager, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4
+        assert manager.allocate_slots(request, 1) == []
+        request.num_computed_tokens += 1
+        manager.check_integrity()
+    assert num_hit_tokens(manager, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+    assert len(request.block_hashes) == 2
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    prompt = list(range(8))
+    prefill(manager, make_request("a", prompt))
+    second = make_request("b", prompt)
+    hits, num_tokens = manager.get_computed_blocks(second)
+    assert (len(hits), num_tokens) == (1, 4)
+    assert manager.prefix_cache_queries == 16
+    assert manager.prefix_cache_hits == 4
+    new_blocks = manager.allocate_slots(second, 4, hits)
+    assert new_blocks is not None and len(new_blocks) == 1
+    # The recomputed last block duplicates a cached one: it stays uncached, the map is unchanged.
+    assert new_blocks[0].block_hash is None
+    assert len(manager.block_pool.cached_block_hash_to_block) == 2
+    manager.check_integrity()
+
+
+def test_forced_hash_collision_never_returns_other_tokens() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, hash_fn=lambda b: b"\0" * 32)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    prefill(manager, make_request("a", prompt))
+    assert len(manager.block_pool.cached_block_hash_to_block) == 2
+    assert num_hit_tokens(manager, [11, 12, 13, 14, 15, 16, 17, 18, 19]) == 0
+    assert num_hit_tokens(manager, [1, 2, 3, 4, 50, 60, 70, 80, 9]) == 4
+    same = make_request("b", prompt)
+    hits, num_tokens = manager.get_computed_blocks(same)
+    assert num_tokens == 8
+    assert hits == manager.req_to_blocks["a"][:2]
+
+
+def test_forced_collision_never_puts_one_block_at_two_positions() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=2, hash_fn=lambda b: b"\0" * 32)
+    prompt = [3, 3, 3, 3, 3, 3, 3]
+    prefill(manager, make_request("a", prompt))
+    hits, num_tokens = manager.get_computed_blocks(make_request("b", prompt))
+    assert (len(hits), num_tokens) == (1, 2)
+
+
+def test_allocate_slots_changes_nothing_when_out_of_blocks() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE)
+    first = make_request("a", list(range(8)))
+    prefill(manager, first)
+    before = ref_cnts(manager)
+    second = make_request("b", list(range(100, 109)))
+    assert manager.allocate_slots(second, 9) is None
+    assert ref_cnts(manager) == before
+    assert manager.get_num_free_blocks() == 1
+    assert "b" not in manager.req_to_blocks
+    manager.check_integrity()
+
+
+def test_free_prefix_hits_count_against_the_free_pool() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE)
+    prompt = list(range(8))
+    first = make_request("a", prompt)
+    prefill(manager, first)
+    manager.free(first)
+    assert manager.get_num_free_blocks() == 3
+
+    # 2 free hits + 2 new blocks > 3 free: refused, and the hits stay free and cached.
+    longer = make_request("b", prompt + list(range(100, 109)))
+    hits, num_tokens = manager.get_computed_blocks(longer)
+    assert num_tokens == 8
+    assert manager.allocate_slots(longer, 9, hits) is None
+    assert [b.ref_cnt for b in hits] == [0, 0]
+    assert manager.get_num_free_blocks() == 3
+    assert len(manager.block_pool.cached_block_hash_to_block) == 2
+    manager.check_integrity()
+
+    # 2 free hits + 1 new block fit exactly.
+    fits = make_request("c", prompt + [100, 101])
+    hits, num_tokens = manager.get_computed_blocks(fits)
+    new_blocks = manager.allocate_slots(fits, 2, hits)
+    assert new_blocks is not None and len(new_blocks) == 1
+    assert manager.get_block_ids("c") == [1, 2, 3]
+    assert manager.get_num_free_blocks() == 0
+    manager.check_integrity()
+
+
+def test_lookahead_slots_are_allocated_but_not_cached() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    request = make_request("a", list(range(8)))
+    new_blocks = manager.allocate_slots(request, 4)
+    assert new_blocks is not None and len(new_blocks) == 1
+    # Only the scheduled tokens are cached, though the request already has 2 full blocks.
+    assert len(manager.block_pool.cached_block_hash_to_block) == 1
+    request.num_computed_tokens = 4
+    new_blocks = manager.allocate_slots(request, 4, num_lookahead_tokens=3)
+    assert new_blocks is not None and len(new_blocks) == 2
+    assert len(manager.block_pool.cached_block_hash_to_block) == 2
+    assert [b.block_hash is None for b in manager.req_to_blocks["a"]] == [False, False, True]
+    # Nothing new is needed for zero tokens.
+    request.num_computed_tokens = 8
+    assert manager.allocate_slots(request, 0) == []
+    manager.check_integrity()
+
+
+def test_skip_prefix_cache_gets_no_hits_but_its_blocks_are_cached() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    prompt = list(range(9))
+    prefill(manager, make_request("a", prompt))
+    wants_logprobs = make_request("b", prompt, prompt_logprobs=1)
+    assert wants_logprobs.skip_prefix_cache
+    assert manager.get_computed_blocks(wants_logprobs) == ([], 0)
+    # Only the first prefill's lookup is counted.
+    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (9, 0)
+
+    other = list(range(50, 59))
+    prefill(manager, make_request("c", other, prompt_logprobs=1))
+    assert num_hit_tokens(manager, other) == 8
+
+
+def test_caching_disabled_never_hits() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_caching=False)
+    prompt = list(range(9))
+    prefill(manager, make_request("a", prompt))
+    second = make_request("b", prompt)
+    assert manager.get_computed_blocks(second) == ([], 0)
+    assert second.block_hashes == []
+    assert manager.block_pool.cached_block_hash_to_block == {}
+    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (0, 0)
+
+
+def test_free_is_idempotent_and_forgets_the_request() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    request = make_request("a", list(range(5)))
+    prefill(manager, request)
+    assert manager.get_block_ids("a") == [1, 2]
+    manager.free(request)
+    manager.free(request)
+    manager.free(make_request("unknown", [1]))
+    assert manager.get_block_ids("a") == []
+    assert manager.get_num_free_blocks() == 7
+    manager.check_integrity()
+
+
+def test_reset_prefix_cache_needs_every_block_free() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    request = make_request("a", list(range(9)))
+    prefill(manager, request)
+    assert manager.reset_prefix_cache() is False
+    manager.free(request)
+    assert manager.reset_prefix_cache() is True
+    assert num_hit_tokens(manager, list(range(9))) == 0
+
+
+def test_invalid_arguments_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        KVCacheManager(num_blocks=8, block_size=0)
+    with pytest.raises(ValueError, match="num_blocks must be >= 2 .* got 1"):
+        KVCacheManager(num_blocks=1, block_size=4)
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    request = make_request("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="num_new_tokens must be >= 0, got -1"):
+        manager.allocate_slots(request, -1)
+    with pytest.raises(ValueError, match="num_lookahead_tokens must be >= 0, got -2"):
+        manager.allocate_slots(request, 1, num_lookahead_tokens=-2)
+
+
+def test_check_integrity_catches_a_leaked_reference() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    prefill(manager, make_request("a", list(range(5))))
+    manager.block_pool.blocks[1].ref_cnt += 1
+    with pytest.raises(AssertionError, match="ref counts sum to 3 but requests hold 2"):
+        manager.check_integrity()
+
+
+# ----------------------------------------------------------------------------- random workload
+
+ALPHABET = st.integers(min_value=0, max_value=2)
+OPERATION = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 1000), st.lists(ALPHABET, min_size=1, max_size=12)),
+    st.tuples(st.just("schedule"), st.integers(0, 1000), st.integers(1, 8)),
+    st.tuples(st.just("step"), st.integers(0, 1000), st.integers(1, 8)),
+    st.tuples(st.just("abort"), st.integers(0, 1000), st.just(0)),
+    st.tuples(st.just("preempt"), st.integers(0, 1000), st.just(0)),
+)
+
+
+class Workload:
+    """Drives a KVCacheManager like a scheduler would, tracking what each KV slot holds.
+
+    A slot's KV is a function of the token prefix up to and including its position, so a slot
+    is recorded as that prefix: a prefix hit is correct only if every hit slot holds exactly the
+    requesting sequence's prefix.
+    """
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+        self.block_size = manager.block_size
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_added = 0
+
+    def add(self, pick: int, suffix: list[int]) -> None:
+        # Half the time, extend a prefix of a live request so that prompts share blocks.
+        known = self.waiting + self.running
+        prompt = list(suffix)
+        if known and pick % 2:
+            source = known[pick % len(known)].all_token_ids
+            prompt = source[:pick % (len(source) + 1)] + prompt
+        self.waiting.append(make_request(f"r{self.num_added}", prompt))
+        self.num_added += 1
+
+    def schedule(self, pick: int, chunk: int) -> None:
+        if not self.waiting:
+            return
+        request = self.waiting[pick % len(self.waiting)]
+        hits, num_hit_tokens = self.manager.get_computed_blocks(request)
+        self.check_hits(request, hits, num_hit_tokens)
+        num_new_tokens = min(chunk, request.num_tokens - num_hit_tokens)
+        assert num_new_tokens >= 1
+        if self.allocate(request, num_new_tokens, hits, num_hit_tokens):
+            self.waiting.remove(request)
+            self.running.append(request)
+
+    def step(self, pick: int, chunk: int) -> None:
+        if not self.running:
+            return
+        request = self.running[pick % len(self.running)]
+        num_new_tokens = min(chunk, request.num_tokens - request.num_computed_tokens)
+        self.allocate(request, num_new_tokens, [], request.num_computed_tokens)
+
+    def allocate(self, request: Request, num_new_tokens: int, hits: list[KVCacheBlock],
+                 num_computed_tokens: int) -> bool:
+        before = (ref_cnts(self.manager), self.manager.get_num_free_blocks(),
+                  dict(self.manager.block_pool.cached_block_hash_to_block),
+                  self.manager.get_block_ids(request.request_id))
+        if self.manager.allocate_slots(request, num_new_tokens, hits) is None:
+            after = (ref_cnts(self.manager), self.manager.get_num_free_blocks(),
+                     dict(self.manager.block_pool.cached_block_hash_to_block),
+                     self.manager.get_block_ids(request.request_id))
+            assert after == before
+            return False
+        blocks = self.manager.req_to_blocks[request.request_id]
+        for position in range(num_computed_tokens, num_computed_tokens + num_new_tokens):
+            block = blocks[position // self.block_size]
+            self.slots[block.block_id, position % self.block_size] = tuple(
+                request.all_token_ids[:position + 1])
+        request.num_computed_tokens = num_computed_tokens + num_new_tokens
+        if request.num_computed_tokens == request.num_tokens:
+            # The step's sampled token, from the same tiny alphabet.
+            request.append_output_token_ids([sum(request.all_token_ids) % 3])
+        return True
+
+    def check_hits(self, request: Request, hits: list[KVCacheBlock], num_hit_tokens: int) -> None:
+        assert num_hit_tokens == len(hits) * self.block_size < request.num_tokens
+        for position in range(num_hit_tokens):
+            block = hits[position // self.block_size]
+            assert self.slots[block.block_id, position % self.block_size] == tuple(
+                request.all_token_ids[:position + 1])
+
+    def abort(self, pick: int) -> None:
+        known = self.waiting + self.running
+        if not known:
+            return
+        request = known[pick % len(known)]
+        self.manager.free(request)
+        (self.waiting if request in self.waiting else self.running).remove(request)
+
+    def preempt(self, pick: int) -> None:
+        if not self.running:
+            return
+        request = self.running.pop(pick % len(self.running))
+        self.manager.free(request)
+        request.num_computed_tokens = 0
+        self.waiting.append(request)
+
+    def finish_all(self) -> None:
+        for request in self.waiting + self.running:
+            self.manager.free(request)
+        self.waiting.clear()
+        self.running.clear()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    num_blocks=st.integers(2, 12),
+    block_size=st.sampled_from([1, 2, 4]),
+    enable_caching=st.booleans(),
+    operations=st.lists(OPERATION, min_size=20, max_size=60),
+)
+def test_random_workload_keeps_the_pool_consistent_and_returns_every_block(
+    num_blocks: int, block_size: int, enable_caching: bool,
+    operations: list[tuple[str, int, object]],
+) -> None:
+    manager = KVCacheManager(num_blocks, block_size, enable_caching)
+    workload = Workload(manager)
+    for name, pick, argument in operations:
+        if name == "add":
+            workload.add(pick, argument)
+        elif name == "abort" or name == "preempt":
+            getattr(workload, name)(pick)
+        else:
+            getattr(workload, name)(pick, argument)
+        manager.check_integrity()
+    workload.finish_all()
+    manager.check_integrity()
+    assert manager.req_to_blocks == {}
+    assert manager.get_num_free_blocks() == num_blocks - 1
+    assert manager.usage == 0.0
+    assert manager.prefix_cache_hits <= manager.prefix_cache_queries
+    assert manager.reset_prefix_cache() is True

@@ -1,0 +1,235 @@
+"""sluice's models give HF's logits, whatever way the tokens are batched through the paged cache.
+
+Each tiny HF model is saved with `save_pretrained`, loaded back with sluice's loader, and run
+through a paged KV cache with shuffled, non-contiguous blocks: one prefill batch, chunked
+prefill reading a cached prefix, and one-token decode steps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from sluice.attention.metadata import AttentionMetadata
+from sluice.attention.torch_ref import TorchRefBackend
+from sluice.model.attention import bind_kv_caches
+from sluice.model.hf_config import HFModelConfig, load_hf_config
+from sluice.model.loader import load_model
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=300,
+    max_position_embeddings=512,
+)
+
+# name -> (HF config class, HF model class, extra config)
+VARIANTS: dict[str, tuple[type, type, dict]] = {
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    ),
+    "llama_llama3_rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    "llama_tied": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"tie_word_embeddings": True},
+    ),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+}
+
+PROMPT_LENS = [13, 6, 21]
+
+
+def make_hf_model(variant: str, model_dir: Path, **save_kwargs) -> nn.Module:
+    """A random tiny HF model saved to `model_dir`. Weights are redrawn wider than HF's init
+    (and norms/biases away from 1/0) so a misplaced tensor moves the logits visibly."""
+    config_class, model_class, extra = VARIANTS[variant]
+    torch.manual_seed(0)
+    hf_model = model_class(config_class(**TINY, **extra)).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+    hf_model.save_pretrained(model_dir, **save_kwargs)
+    return hf_model
+
+
+def make_prompts(seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, TINY["vocab_size"], (n,), generator=generator).tolist()
+        for n in PROMPT_LENS
+    ]
+
+
+def hf_logits(hf_model: nn.Module, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([prompt])).logits[0].float()  # [len, vocab]
+
+
+class PagedRunner:
+    """A stand-in for the model runner: per-request block tables drawn from a shuffled free
+    list as tokens arrive, metadata built for each step."""
+
+    def __init__(
+        self, model: nn.Module, config: HFModelConfig, block_size: int, num_blocks: int = 64
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [torch.zeros(shape) for _ in range(config.num_hidden_layers)]
+        bind_kv_caches(model, self.kv_caches)
+        self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2))
+        self.free_blocks = self.free_blocks.tolist()
+        self.block_tables: dict[int, list[int]] = defaultdict(list)
+        self.num_computed: dict[int, int] = defaultdict(int)
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Compute `chunks[req]` (the next tokens of each request); logits [len, vocab] each."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc, seq_lens = [0], []
+        for req, tokens in chunks.items():
+            start = self.num_computed[req]
+            end = start + len(tokens)
+            table = self.block_tables[req]
+            for pos in range(start, end):
+                if pos // self.block_size == len(table):
+                    table.append(self.free_blocks.pop())
+                positions.append(pos)
+                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            input_ids += tokens
+            query_start_loc.append(query_start_loc[-1] + len(tokens))
+            seq_lens.append(end)
+            self.num_computed[req] = end
+        width = max(len(self.block_tables[req]) for req in chunks)
+        block_tables = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for i, req in enumerate(chunks):
+            block_tables[i, : len(self.block_tables[req])] = torch.tensor(self.block_tables[req])
+        metadata = AttentionMetadata(
+            num_actual_tokens=len(input_ids),
+            max_query_len=max(len(t) for t in chunks.values()),
+            max_seq_len=max(seq_lens),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=block_tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc_cpu=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+        )
+        with torch.no_grad():
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), metadata)
+            logits = self.model.compute_logits(hidden)
+        assert logits.dtype == torch.float32
+        return {
+            req: logits[query_start_loc[i] : query_start_loc[i + 1]]
+            for i, req in enumerate(chunks)
+        }
+
+
+def load_sluice_model(model_dir: Path) -> tuple[nn.Module, HFModelConfig]:
+    config = load_hf_config(str(model_dir))
+    model = load_model(str(model_dir), config, torch.float32, torch.device("cpu"), TorchRefBackend())
+    return model, config
+
+
+def prefill_logits(model: nn.Module, config: HFModelConfig, prompts: list[list[int]]):
+    runner = PagedRunner(model, config, block_size=4)
+    return runner.step(dict(enumerate(prompts)))
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request, tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp(request.param)
+    hf_model = make_hf_model(request.param, model_dir)
+    prompts = make_prompts()
+    expected = [hf_logits(hf_model, p) for p in prompts]
+    model, config = load_sluice_model(model_dir)
+    return request.param, model, config, prompts, expected
+
+
+def assert_logits_match(got: dict[int, list[torch.Tensor]], expected: list[torch.Tensor]) -> None:
+    for req, reference in enumerate(expected):
+        torch.testing.assert_close(torch.cat(got[req]), reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_single_prefill_batch_matches_hf(variant, block_size):
+    _, model, config, prompts, expected = variant
+    runner = PagedRunner(model, config, block_size)
+    got = runner.step(dict(enumerate(prompts)))
+    assert_logits_match({req: [logits] for req, logits in got.items()}, expected)
+
+
+def test_chunked_prefill_reading_cached_prefix_matches_hf(variant):
+    _, model, config, prompts, expected = variant
+    runner = PagedRunner(model, config, block_size=4)
+    got: dict[int, list[torch.Tensor]] = defaultdict(list)
+    # Step 1: first chunks of requests 0 and 1 (ending mid-block); step 2: their rest plus all
+    # of request 2; step 3: request 2 is not done in step 2, so a third chunk tops it up.
+    steps = [
+        {0: prompts[0][:5], 1: prompts[1][:1]},
+        {0: prompts[0][5:], 1: prompts[1][1:], 2: prompts[2][:10]},
+        {2: prompts[2][10:]},
+    ]
+    for chunks in steps:
+        for req, logits in runner.step(chunks).items():
+            got[req].append(logits)
+    assert_logits_match(got, expected)
+
+
+def test_decode_steps_match_hf(variant):
+    _, model, config, prompts, expected = variant
+    runner = PagedRunner(model, config, block_size=4)
+    got: dict[int, list[torch.Tensor]] = defaultdict(list)
+    # Prefill all but the last few tokens, then feed one token per request per step; requests
+    # leave the batch at different steps.
+    num_decode = [5, 1, 9]
+    prefill = {req: p[: len(p) - n] for req, (p, n) in enumerate(zip(prompts, num_decode))}
+    for req, logits in runner.step(prefill).items():
+        got[req].append(logits)
+    for step in range(max(num_decode)):
+        chunks = {
+            req: [p[len(p) - n + step]]
+            for req, (p, n) in enumerate(zip(prompts, num_decode))
+            if step < n
+        }
+        for req, logits in runner.step(chunks).items():
+            assert logits.shape == (1, TINY["vocab_size"])
+            got[req].append(logits)
+    assert_logits_match(got, expected)
+
+
+def test_tied_embeddings_share_one_tensor(variant):
+    name, model, config, _, _ = variant
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert config.tie_word_embeddings == (name == "llama_tied")
+    assert tied == config.tie_word_embeddings
