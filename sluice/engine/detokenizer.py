@@ -67,6 +67,17 @@ class IncrementalDetokenizer:
             return None
         return self._truncate_at_stop_string(num_chars_before)
 
+    def flush(self) -> None:
+        """The output ended: add the text still waiting for the rest of a character (it shows
+        as U+FFFD), so the final text equals decoding all output tokens at once."""
+        ids = self._window_ids
+        if self._read_offset < len(ids):
+            prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+            full_text = self._decode(ids[self._prefix_offset:])
+            self.output_text += full_text[len(prefix_text):]
+            del ids[:]
+            self._prefix_offset = self._read_offset = 0
+
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to show now. While not finished, the tail that could still start a stop
         string is held back. `delta`: only what was not returned before; else all of it."""

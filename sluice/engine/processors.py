@@ -239,6 +239,7 @@ class OutputProcessor:
                 out.stop_reason, str)
             stop_string = sample.detokenizer.update(out.new_token_ids, stop_terminated)
             if out.finished:
+                sample.detokenizer.flush()
                 sample.finish_reason = out.finish_reason
                 sample.stop_reason = out.stop_reason
             elif stop_string is not None:

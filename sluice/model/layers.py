@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
         # Statistics in float32, weight applied in the input dtype, as HF does.
         x_f32 = x.float()
         x_f32 = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x_f32.to(x.dtype)
+        return self.weight * x_f32.to(x.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

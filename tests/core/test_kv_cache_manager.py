@@ -271,14 +271,15 @@ def test_check_integrity_catches_a_leaked_reference() -> None:
 
 # ----------------------------------------------------------------------------- random workload
 
-ALPHABET = st.integers(min_value=0, max_value=2)
-OPERATION = st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 1000), st.lists(ALPHABET, min_size=1, max_size=12)),
-    st.tuples(st.just("schedule"), st.integers(0, 1000), st.integers(1, 8)),
-    st.tuples(st.just("step"), st.integers(0, 1000), st.integers(1, 8)),
-    st.tuples(st.just("abort"), st.integers(0, 1000), st.just(0)),
-    st.tuples(st.just("preempt"), st.integers(0, 1000), st.just(0)),
+# Weighted so that requests live long enough to share, fill and evict blocks.
+OPERATION_NAMES = ["add"] * 2 + ["schedule"] * 3 + ["step"] * 4 + ["abort", "preempt"]
+OPERATION = st.tuples(
+    st.sampled_from(OPERATION_NAMES),
+    st.integers(0, 1000),  # which request
+    st.integers(1, 8),  # chunk size, in tokens
+    st.lists(st.integers(0, 2), min_size=1, max_size=10),  # new tokens, from a tiny alphabet
 )
+MAX_OUTPUT_TOKENS = 3
 
 
 class Workload:
@@ -295,17 +296,32 @@ class Workload:
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.num_added = 0
+        # Token sequences of every request so far: new prompts extend their prefixes.
+        self.history: list[list[int]] = []
+        # Prefix-cache lookups, in tokens, to check the manager's counters.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    def apply(self, name: str, pick: int, chunk: int, tokens: list[int]) -> None:
+        if name == "add":
+            self.add(pick, tokens)
+        elif name == "schedule":
+            self.schedule(pick, chunk)
+        elif name == "step":
+            self.step(pick, chunk)
+        elif name == "abort":
+            self.abort(pick)
+        else:
+            self.preempt(pick)
 
     def add(self, pick: int, suffix: list[int]) -> None:
-        # Half the time, extend a prefix of a live request so that prompts share blocks.
-        known = self.waiting + self.running
         prompt = list(suffix)
-        if known and pick % 2:
-            source = known[pick % len(known)].all_token_ids
+        if self.history and pick % 3:
+            source = self.history[pick % len(self.history)]
             prompt = source[:pick % (len(source) + 1)] + prompt
-        self.waiting.append(make_request(f"r{self.num_added}", prompt))
-        self.num_added += 1
+        request = make_request(f"r{len(self.history)}", prompt)
+        self.history.append(request.all_token_ids)
+        self.waiting.append(request)
 
     def schedule(self, pick: int, chunk: int) -> None:
         if not self.waiting:
@@ -313,6 +329,9 @@ class Workload:
         request = self.waiting[pick % len(self.waiting)]
         hits, num_hit_tokens = self.manager.get_computed_blocks(request)
         self.check_hits(request, hits, num_hit_tokens)
+        if self.manager.enable_caching:
+            self.num_queried_tokens += request.num_tokens
+            self.num_hit_tokens += num_hit_tokens
         num_new_tokens = min(chunk, request.num_tokens - num_hit_tokens)
         assert num_new_tokens >= 1
         if self.allocate(request, num_new_tokens, hits, num_hit_tokens):
@@ -320,22 +339,18 @@ class Workload:
             self.running.append(request)
 
     def step(self, pick: int, chunk: int) -> None:
-        if not self.running:
-            return
-        request = self.running[pick % len(self.running)]
-        num_new_tokens = min(chunk, request.num_tokens - request.num_computed_tokens)
-        self.allocate(request, num_new_tokens, [], request.num_computed_tokens)
+        """One engine step: every running request gets up to `chunk` tokens (a prefill chunk or
+        a decode token), starting from the `pick`-th."""
+        order = [self.running[(pick + i) % len(self.running)] for i in range(len(self.running))]
+        for request in order:
+            num_new_tokens = min(chunk, request.num_tokens - request.num_computed_tokens)
+            self.allocate(request, num_new_tokens, [], request.num_computed_tokens)
 
     def allocate(self, request: Request, num_new_tokens: int, hits: list[KVCacheBlock],
                  num_computed_tokens: int) -> bool:
-        before = (ref_cnts(self.manager), self.manager.get_num_free_blocks(),
-                  dict(self.manager.block_pool.cached_block_hash_to_block),
-                  self.manager.get_block_ids(request.request_id))
+        before = self.snapshot(request)
         if self.manager.allocate_slots(request, num_new_tokens, hits) is None:
-            after = (ref_cnts(self.manager), self.manager.get_num_free_blocks(),
-                     dict(self.manager.block_pool.cached_block_hash_to_block),
-                     self.manager.get_block_ids(request.request_id))
-            assert after == before
+            assert self.snapshot(request) == before
             return False
         blocks = self.manager.req_to_blocks[request.request_id]
         for position in range(num_computed_tokens, num_computed_tokens + num_new_tokens):
@@ -346,7 +361,17 @@ class Workload:
         if request.num_computed_tokens == request.num_tokens:
             # The step's sampled token, from the same tiny alphabet.
             request.append_output_token_ids([sum(request.all_token_ids) % 3])
+            if request.num_output_tokens >= MAX_OUTPUT_TOKENS:
+                self.manager.free(request)
+                if request in self.running:
+                    self.running.remove(request)
         return True
+
+    def snapshot(self, request: Request) -> tuple:
+        return (ref_cnts(self.manager), self.manager.get_num_free_blocks(),
+                dict(self.manager.block_pool.cached_block_hash_to_block),
+                self.manager.get_block_ids(request.request_id),
+                len(self.manager.block_pool.free_block_queue.get_all_free_blocks()))
 
     def check_hits(self, request: Request, hits: list[KVCacheBlock], num_hit_tokens: int) -> None:
         assert num_hit_tokens == len(hits) * self.block_size < request.num_tokens
@@ -380,29 +405,25 @@ class Workload:
 
 @settings(max_examples=100, deadline=None)
 @given(
-    num_blocks=st.integers(2, 12),
+    num_blocks=st.integers(2, 16),
     block_size=st.sampled_from([1, 2, 4]),
     enable_caching=st.booleans(),
     operations=st.lists(OPERATION, min_size=20, max_size=60),
 )
 def test_random_workload_keeps_the_pool_consistent_and_returns_every_block(
     num_blocks: int, block_size: int, enable_caching: bool,
-    operations: list[tuple[str, int, object]],
+    operations: list[tuple[str, int, int, list[int]]],
 ) -> None:
     manager = KVCacheManager(num_blocks, block_size, enable_caching)
     workload = Workload(manager)
-    for name, pick, argument in operations:
-        if name == "add":
-            workload.add(pick, argument)
-        elif name == "abort" or name == "preempt":
-            getattr(workload, name)(pick)
-        else:
-            getattr(workload, name)(pick, argument)
+    for operation in operations:
+        workload.apply(*operation)
         manager.check_integrity()
     workload.finish_all()
     manager.check_integrity()
     assert manager.req_to_blocks == {}
     assert manager.get_num_free_blocks() == num_blocks - 1
     assert manager.usage == 0.0
-    assert manager.prefix_cache_hits <= manager.prefix_cache_queries
+    assert manager.prefix_cache_queries == workload.num_queried_tokens
+    assert manager.prefix_cache_hits == workload.num_hit_tokens
     assert manager.reset_prefix_cache() is True

@@ -125,7 +125,8 @@ class PagedRunner:
                 if pos // self.block_size == len(table):
                     table.append(self.free_blocks.pop())
                 positions.append(pos)
-                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+                block_id, offset = table[pos // self.block_size], pos % self.block_size
+                slots.append(block_id * self.block_size + offset)
             input_ids += tokens
             query_start_loc.append(query_start_loc[-1] + len(tokens))
             seq_lens.append(end)
@@ -157,13 +158,9 @@ class PagedRunner:
 
 def load_sluice_model(model_dir: Path) -> tuple[nn.Module, HFModelConfig]:
     config = load_hf_config(str(model_dir))
-    model = load_model(str(model_dir), config, torch.float32, torch.device("cpu"), TorchRefBackend())
+    cpu = torch.device("cpu")
+    model = load_model(str(model_dir), config, torch.float32, cpu, TorchRefBackend())
     return model, config
-
-
-def prefill_logits(model: nn.Module, config: HFModelConfig, prompts: list[list[int]]):
-    runner = PagedRunner(model, config, block_size=4)
-    return runner.step(dict(enumerate(prompts)))
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
