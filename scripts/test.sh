@@ -3,5 +3,5 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
-"$PY" -m ruff check sluice tests
+"$PY" -m ruff check sluice tests scripts
 exec "$PY" -m pytest -q -p no:cacheprovider "$@"

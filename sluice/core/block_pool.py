@@ -69,6 +69,8 @@ class BlockPool:
             # Another block already holds this content: keep that one, this one stays uncached.
             if block_hash not in cache:
                 block.block_hash = block_hash
+                if i > 0:
+                    block.parent = (blocks[i - 1].block_id, blocks[i - 1].generation)
                 cache[block_hash] = block
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -85,6 +87,8 @@ class BlockPool:
                 evicted = self.cached_block_hash_to_block.pop(block.block_hash)
                 assert evicted is block, f"map entry of block {block.block_id} names another block"
                 block.reset_hash()
+            block.parent = None
+            block.generation += 1
             block.ref_cnt = 1
         return blocks
 

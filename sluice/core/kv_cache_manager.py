@@ -73,14 +73,16 @@ class KVCacheManager:
         self.update_block_hashes(request)
         max_hit_blocks = max(0, (request.num_tokens - 1) // self.block_size)
         hits: list[KVCacheBlock] = []
-        hit_ids: set[int] = set()
         for block_hash in request.block_hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
-            # A block already hit would sit at two positions: only under a forced hash collision.
-            if block is None or block.block_id in hit_ids:
+            if block is None:
+                break
+            # The key compares tokens, not what came before them: check the block was cached
+            # right after the block matched before it (what a hash collision could fake).
+            expected_parent = (hits[-1].block_id, hits[-1].generation) if hits else None
+            if block.parent != expected_parent:
                 break
             hits.append(block)
-            hit_ids.add(block.block_id)
         num_hit_tokens = len(hits) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
@@ -106,6 +108,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request_id, [])
         assert not (blocks and new_computed_blocks), (
             f"request {request_id} already owns blocks; prefix hits come only before them")
+        assert len(blocks) * self.block_size >= request.num_computed_tokens, (
+            f"request {request_id} has {request.num_computed_tokens} computed tokens but "
+            f"{len(blocks)} blocks (num_computed_tokens not reset after free?)")
 
         num_computed_tokens = (request.num_computed_tokens
                                + len(new_computed_blocks) * self.block_size)

@@ -92,6 +92,11 @@ class KVCacheBlock:
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
     # Block 0: padding target, never allocated or freed.
     is_null: bool = False
+    # Bumped each time the block is handed out anew, i.e. each time its content may change.
+    generation: int = 0
+    # (block_id, generation) of the block that preceded this one when it was cached: a hit
+    # must follow exactly that block, so even colliding hashes never splice two chains.
+    parent: tuple[int, int] | None = None
 
     def reset_hash(self) -> None:
         self.block_hash = None

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from dataclasses import fields
+
 from sluice.engine.arg_utils import EngineArgs
 
 # flag name -> (EngineArgs field, type); booleans get --flag / --no-flag.

@@ -27,17 +27,15 @@ def determine_num_blocks(
     hf_config: HFModelConfig,
     dtype: torch.dtype,
     device: torch.device,
+    gpu_bytes_available: int = 0,
 ) -> int:
-    """Blocks that fit the memory budget (or the override)."""
+    """Blocks that fit the memory budget (or the override). On a GPU, `gpu_bytes_available` is
+    this engine's share left after its weights (see ModelRunner)."""
     if cache_config.num_gpu_blocks_override is not None:
         return cache_config.num_gpu_blocks_override
     block_bytes = bytes_per_block(hf_config, cache_config.block_size, dtype)
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * cache_config.gpu_memory_utilization) - used
-        budget -= _GPU_ACTIVATION_RESERVE_BYTES
-        num_blocks = budget // block_bytes
+        num_blocks = (gpu_bytes_available - _GPU_ACTIVATION_RESERVE_BYTES) // block_bytes
     else:
         # On the CPU never allocate more than every sequence at full length could use, plus the
         # null block: the rest could only hold evicted prefixes and costs RAM and zeroing time.

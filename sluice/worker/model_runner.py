@@ -8,6 +8,7 @@ It never decides policy: which tokens to compute comes entirely from the schedul
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,8 +83,20 @@ class ModelRunner:
             backend_name = "torch_ref"
         self.attn_backend = get_attention_backend(backend_name)
         torch.manual_seed(model_config.seed)
+        # This engine's GPU share: gpu_memory_utilization of the device, but never more than was
+        # free when it started (another engine in the process may hold the rest), less weights.
+        gpu_share = 0
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            gpu_share = min(free, int(total * cache_config.gpu_memory_utilization))
+            allocated_before = torch.cuda.memory_allocated(self.device)
         self.model = load_model(model_config.model, hf_config, self.dtype, self.device,
                                 self.attn_backend)
+        if self.device.type == "cuda":
+            gpu_share -= torch.cuda.memory_allocated(self.device) - allocated_before
+        self.gpu_bytes_available = gpu_share
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(default_generator=generator)
@@ -95,7 +108,7 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         return determine_num_blocks(self.cache_config, self.scheduler_config, self.hf_config,
-                                    self.dtype, self.device)
+                                    self.dtype, self.device, self.gpu_bytes_available)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size,

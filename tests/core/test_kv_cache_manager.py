@@ -102,6 +102,19 @@ def test_block_filled_in_decode_becomes_a_prefix_hit() -> None:
     assert len(request.block_hashes) == 2
 
 
+def test_blocks_computed_after_a_prefix_hit_are_cached() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
+    prefill(manager, make_request("a", list(range(9))))
+    extended = list(range(8)) + [100, 101, 102, 103, 104]
+    second = make_request("b", extended)
+    hits, num_tokens = manager.get_computed_blocks(second)
+    assert num_tokens == 8
+    new_blocks = manager.allocate_slots(second, 5, hits)
+    assert new_blocks is not None and len(new_blocks) == 2
+    assert num_hit_tokens(manager, extended + [7]) == 12
+    manager.check_integrity()
+
+
 def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
     prompt = list(range(8))
@@ -138,6 +151,20 @@ def test_forced_collision_never_puts_one_block_at_two_positions() -> None:
     prefill(manager, make_request("a", prompt))
     hits, num_tokens = manager.get_computed_blocks(make_request("b", prompt))
     assert (len(hits), num_tokens) == (1, 2)
+
+
+def test_forced_collision_never_splices_a_block_after_another_parent() -> None:
+    # Every hash collides, so keys differ only by tokens: chain "a" is [X, Y], chain "r" is
+    # [Z, W]. A prompt [X, W] must not get r's W block: its KV was computed after Z, not X.
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, hash_fn=lambda b: b"\0" * 32)
+    x, y, z, w = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]
+    prefill(manager, make_request("a", x + y + [0]))
+    prefill(manager, make_request("r", z + w + [0]))
+    hits, num_tokens = manager.get_computed_blocks(make_request("b", x + w + [0]))
+    assert num_tokens == 4
+    assert hits == manager.req_to_blocks["a"][:1]
+    # A block handed out again is a new generation: an old child no longer follows it.
+    assert num_hit_tokens(manager, z + w + [0]) == 8
 
 
 def test_allocate_slots_changes_nothing_when_out_of_blocks() -> None:
@@ -277,7 +304,7 @@ OPERATION = st.tuples(
     st.sampled_from(OPERATION_NAMES),
     st.integers(0, 1000),  # which request
     st.integers(1, 8),  # chunk size, in tokens
-    st.lists(st.integers(0, 2), min_size=1, max_size=10),  # new tokens, from a tiny alphabet
+    st.lists(st.integers(0, 2), max_size=10),  # new tokens, from a tiny alphabet
 )
 MAX_OUTPUT_TOKENS = 3
 
@@ -319,7 +346,8 @@ class Workload:
         if self.history and pick % 3:
             source = self.history[pick % len(self.history)]
             prompt = source[:pick % (len(source) + 1)] + prompt
-        request = make_request(f"r{len(self.history)}", prompt)
+        # An empty suffix repeats a known prefix: whole prompts then hit, but for the last token.
+        request = make_request(f"r{len(self.history)}", prompt or [0])
         self.history.append(request.all_token_ids)
         self.waiting.append(request)
 
@@ -336,7 +364,8 @@ class Workload:
         assert num_new_tokens >= 1
         if self.allocate(request, num_new_tokens, hits, num_hit_tokens):
             self.waiting.remove(request)
-            self.running.append(request)
+            if not self.sample_and_maybe_finish(request):
+                self.running.append(request)
 
     def step(self, pick: int, chunk: int) -> None:
         """One engine step: every running request gets up to `chunk` tokens (a prefill chunk or
@@ -344,7 +373,9 @@ class Workload:
         order = [self.running[(pick + i) % len(self.running)] for i in range(len(self.running))]
         for request in order:
             num_new_tokens = min(chunk, request.num_tokens - request.num_computed_tokens)
-            self.allocate(request, num_new_tokens, [], request.num_computed_tokens)
+            if (self.allocate(request, num_new_tokens, [], request.num_computed_tokens)
+                    and self.sample_and_maybe_finish(request)):
+                self.running.remove(request)
 
     def allocate(self, request: Request, num_new_tokens: int, hits: list[KVCacheBlock],
                  num_computed_tokens: int) -> bool:
@@ -358,13 +389,17 @@ class Workload:
             self.slots[block.block_id, position % self.block_size] = tuple(
                 request.all_token_ids[:position + 1])
         request.num_computed_tokens = num_computed_tokens + num_new_tokens
-        if request.num_computed_tokens == request.num_tokens:
-            # The step's sampled token, from the same tiny alphabet.
-            request.append_output_token_ids([sum(request.all_token_ids) % 3])
-            if request.num_output_tokens >= MAX_OUTPUT_TOKENS:
-                self.manager.free(request)
-                if request in self.running:
-                    self.running.remove(request)
+        return True
+
+    def sample_and_maybe_finish(self, request: Request) -> bool:
+        """After a step that computed every token, append the sampled token (from the same tiny
+        alphabet); free the request once it has its output. Returns whether it finished."""
+        if request.num_computed_tokens < request.num_tokens:
+            return False
+        request.append_output_token_ids([sum(request.all_token_ids) % 3])
+        if request.num_output_tokens < MAX_OUTPUT_TOKENS:
+            return False
+        self.manager.free(request)
         return True
 
     def snapshot(self, request: Request) -> tuple:
@@ -408,7 +443,7 @@ class Workload:
     num_blocks=st.integers(2, 16),
     block_size=st.sampled_from([1, 2, 4]),
     enable_caching=st.booleans(),
-    operations=st.lists(OPERATION, min_size=20, max_size=60),
+    operations=st.lists(OPERATION, min_size=30, max_size=80),
 )
 def test_random_workload_keeps_the_pool_consistent_and_returns_every_block(
     num_blocks: int, block_size: int, enable_caching: bool,

@@ -22,7 +22,7 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENS]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
     import transformers
 
@@ -37,7 +37,7 @@ def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> l
     return out[0, len(prompt):].tolist()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_model(model_dir: str):  # noqa: ANN202
     import transformers
 

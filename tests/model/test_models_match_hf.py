@@ -230,3 +230,10 @@ def test_tied_embeddings_share_one_tensor(variant):
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert config.tie_word_embeddings == (name == "llama_tied")
     assert tied == config.tie_word_embeddings
+
+
+def test_bind_kv_caches_needs_one_tensor_per_layer(variant):
+    _, model, config, _, _ = variant
+    caches = [torch.zeros(2, 1, 4, config.num_key_value_heads, config.head_dim)] * 3
+    with pytest.raises(ValueError, match="got 3 KV cache tensors .* 2 attention layers"):
+        bind_kv_caches(model, caches)
