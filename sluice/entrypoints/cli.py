@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: preset's)")
     make.set_defaults(func=_cmd_make_model)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    # Each benchmark module adds its own subcommand: module.add_parser(bench_sub).
+    _ = bench_sub
     return parser
 
 
