@@ -13,7 +13,8 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None  # None: from config.json
     device: str = "auto"  # "auto" | "cpu" | "cuda"
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # "auto": triton on a GPU, torch_ref on the CPU
+    enforce_eager: bool = False  # no CUDA graphs, no torch.compile
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ class EngineArgs:
     cpu_kv_cache_bytes: int = 4 << 30
     device: str = "auto"
     attention_backend: str = "auto"
-    # Accepted for compatibility with vLLM scripts.
     enforce_eager: bool = False
+    # Accepted for compatibility with vLLM scripts.
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
     disable_log_stats: bool = True
@@ -92,6 +92,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             device=self.device,
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

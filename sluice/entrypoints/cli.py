@@ -27,7 +27,7 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("num-gpu-blocks-override", int, "number of KV cache blocks"),
     ("gpu-memory-utilization", float, "fraction of GPU memory to use"),
     ("device", str, "auto | cpu | cuda"),
-    ("enforce-eager", bool, "accepted for vLLM compatibility (no CUDA graphs yet)"),
+    ("enforce-eager", bool, "no CUDA graphs and no torch.compile (GPU)"),
 ]
 
 

@@ -39,17 +39,28 @@ def _new_param(*shape: int) -> nn.Parameter:
     return param
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden]. Statistics in float32, weight applied in the input dtype, as HF does."""
+    x_f32 = x.float()
+    x_f32 = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x_f32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalise `x + residual`; also return that sum (the next residual)."""
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _new_param(hidden_size)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32, weight applied in the input dtype, as HF does.
-        x_f32 = x.float()
-        x_f32 = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x_f32.to(x.dtype)
+        # Plain functions, so a runner may swap in one compiled (fused) version for all layers.
+        self.norm_op = rms_norm
+        self.add_norm_op = add_rms_norm
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -57,9 +68,8 @@ class RMSNorm(nn.Module):
         """x: [..., hidden]. With `residual`, normalises `x + residual` and also returns that
         sum as the next residual (the pre-norm decoder's skip connection)."""
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return self.norm_op(x, self.weight, self.eps)
+        return self.add_norm_op(x, residual, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -105,27 +115,45 @@ class RotaryEmbedding(nn.Module):
         # cos_sin_cache: [max_pos, head_dim], cos in the first half, sin in the second.
         cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+        self.rotary_op = apply_rotary
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; query: [T, H * D] or [T, H, D]; key likewise. Same shapes back."""
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [T, D / 2]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D / 2]
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        return self.rotary_op(positions, query, key, self.cos_sin_cache, self.head_dim)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        heads = x.view(x.shape[0], -1, self.head_dim).float()  # [T, H, D]
-        x1, x2 = heads.chunk(2, dim=-1)
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return rotated.to(x.dtype).view(x.shape)
+
+def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotation of query and key heads at `positions` (see RotaryEmbedding)."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # each [T, D / 2]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D / 2]
+    return _rotate(query, cos, sin, head_dim), _rotate(key, cos, sin, head_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            head_dim: int) -> torch.Tensor:
+    heads = x.view(x.shape[0], -1, head_dim).float()  # [T, H, D]
+    x1, x2 = heads.chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype).view(x.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * I] (gate, up) -> [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.op = silu_and_mul
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, 2 * I] (gate, up) -> [T, I]."""
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.op(x)
 
 
 class Linear(nn.Module):

@@ -1,14 +1,20 @@
 """SchedulerOutput in, one forward pass, ModelRunnerOutput out.
 
-The runner keeps each request's state (token ids, block table, sampling generator) from the
+The runner keeps each request's state (token ids, block-table row, sampling generator) from the
 step it first appears until it shows up in `finished_req_ids`; preempted requests keep their
 state (so a seeded generator continues where it stopped) and get a fresh block table on resume.
 It never decides policy: which tokens to compute comes entirely from the scheduler.
+
+Per step: host inputs are built with numpy into pinned buffers and copied to fixed device buffers
+without blocking; a batch of decodes replays a CUDA graph of its padded size when there is one;
+only the rows that reach the end of their known tokens are sampled.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,39 +31,27 @@ from sluice.core.outputs import (
 from sluice.model.attention import bind_kv_caches
 from sluice.model.hf_config import HFModelConfig
 from sluice.model.loader import load_model, resolve_dtype
-from sluice.sampling_params import SamplingParams
+from sluice.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from sluice.worker.input_batch import BlockTables, CachedRequestState, StagedBuffer
 from sluice.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from sluice.worker.sampler import Sampler, compute_topk_logprobs
-from sluice.worker.sampling_metadata import SamplingMetadata
+from sluice.worker.sampling_inputs import build_sampling_metadata
+
+logger = logging.getLogger("sluice")
+
+_MAX_GRAPH_BATCH = 512
 
 
 @dataclass(slots=True)
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]  # prompt + every token sampled so far
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    block_ids: list[int]
-    num_computed_tokens: int
-    # Prompt logprob entries already sent (entry 0 is None); recompute after preemption
-    # must not send them twice.
-    num_prompt_logprobs_sent: int = 0
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-
-@dataclass(slots=True)
-class ModelInputs:
+class StepInputs:
     req_ids: list[str]
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn_metadata: AttentionMetadata
-    query_start_loc: np.ndarray  # [B + 1]
+    states: list[CachedRequestState]
+    num_tokens: int
     num_computed: np.ndarray  # [B] before this step
     num_scheduled: np.ndarray  # [B]
+    query_start_loc: np.ndarray  # [B + 1]
+    block_table_width: int  # the most blocks any request of the step has
+    graph_size: int | None  # the CUDA graph to replay, if any
 
 
 def resolve_device(device: str) -> torch.device:
@@ -72,15 +66,15 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, hf_config: HFModelConfig) -> None:
         self.model_config = model_config
-        self.cache_config = cache_config
         self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
         self.hf_config = hf_config
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, hf_config)
         self.block_size = cache_config.block_size
         backend_name = model_config.attention_backend
         if backend_name == "auto":
-            backend_name = "torch_ref"
+            backend_name = "triton" if self.device.type == "cuda" else "torch_ref"
         self.attn_backend = get_attention_backend(backend_name)
         torch.manual_seed(model_config.seed)
         # This engine's GPU share: gpu_memory_utilization of the device, but never more than was
@@ -96,15 +90,33 @@ class ModelRunner:
                                 self.attn_backend)
         if self.device.type == "cuda":
             gpu_share -= torch.cuda.memory_allocated(self.device) - allocated_before
+            if not model_config.enforce_eager:
+                from sluice.worker.compile import compile_small_ops
+
+                compile_small_ops(self.model)
         self.gpu_bytes_available = gpu_share
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(default_generator=generator)
+
         self.requests: dict[str, CachedRequestState] = {}
+        max_num_reqs = scheduler_config.max_num_seqs
+        self.max_blocks_per_req = -(-scheduler_config.max_model_len // self.block_size)
+        self.block_tables = BlockTables(self.max_blocks_per_req, initial_rows=max_num_reqs)
+        max_tokens = max(scheduler_config.max_num_batched_tokens, max_num_reqs)
+        dev = self.device
+        self.buf_input_ids = StagedBuffer((max_tokens,), torch.int64, dev)
+        self.buf_positions = StagedBuffer((max_tokens,), torch.int64, dev)
+        self.buf_slot_mapping = StagedBuffer((max_tokens,), torch.int64, dev)
+        self.buf_query_start_loc = StagedBuffer((max_num_reqs + 1,), torch.int32, dev)
+        self.buf_seq_lens = StagedBuffer((max_num_reqs,), torch.int32, dev)
+        self.buf_block_tables = StagedBuffer((max_num_reqs, self.max_blocks_per_req),
+                                             torch.int32, dev)
+        self.graphs: DecodeGraphs | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 
-    # ---- KV cache ------------------------------------------------------------------------
+    # ---- KV cache and CUDA graphs --------------------------------------------------------
 
     def determine_num_blocks(self) -> int:
         return determine_num_blocks(self.cache_config, self.scheduler_config, self.hf_config,
@@ -115,6 +127,34 @@ class ModelRunner:
                                             self.dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches)
         self.num_blocks = num_blocks
+        if (self.device.type == "cuda" and not self.model_config.enforce_eager
+                and getattr(self.attn_backend, "supports_cuda_graphs", False)):
+            self._capture_graphs()
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        max_size = min(self.scheduler_config.max_num_seqs, _MAX_GRAPH_BATCH)
+        self.graphs = DecodeGraphs(capture_sizes(max_size))
+        # Capture on all-padding inputs: no KV is stored, nothing is read.
+        self.buf_input_ids.np[:] = 0
+        self.buf_positions.np[:] = 0
+        self.buf_slot_mapping.np[:] = -1
+        self.buf_seq_lens.np[:] = 0
+        self.buf_block_tables.np[:] = 0
+        self.buf_query_start_loc.np[:] = np.arange(self.buf_query_start_loc.np.shape[0])
+        for buf in (self.buf_input_ids, self.buf_positions, self.buf_slot_mapping,
+                    self.buf_seq_lens, self.buf_query_start_loc, self.buf_block_tables):
+            buf.to_device(buf.np.shape[0])
+
+        def make_inputs(size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+            metadata = self._metadata(size, size, max_query_len=1,
+                                      max_seq_len=self.scheduler_config.max_model_len,
+                                      width=self.max_blocks_per_req)
+            return (self.buf_input_ids.device[:size], self.buf_positions.device[:size],
+                    metadata)
+
+        self.graphs.capture(self.model, make_inputs)
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.graphs.sizes)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -123,24 +163,37 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        inputs = self._prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        step = self._prepare_inputs(scheduler_output)
+        if step.graph_size is not None:
+            hidden = self.graphs.replay(step.graph_size)
+        else:
+            num_reqs = len(step.states)
+            metadata = self._metadata(
+                num_reqs, step.num_tokens, max_query_len=int(step.num_scheduled.max()),
+                max_seq_len=int((step.num_computed + step.num_scheduled).max()),
+                width=step.block_table_width)
+            hidden = self.model(self.buf_input_ids.device[:step.num_tokens],
+                                self.buf_positions.device[:step.num_tokens], metadata)
 
-        states = [self.requests[r] for r in inputs.req_ids]
-        seq_lens = inputs.num_computed + inputs.num_scheduled
+        states = step.states
+        seq_lens = step.num_computed + step.num_scheduled
         # A request samples once its chunk reaches the end of its known tokens.
         sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
-        output = ModelRunnerOutput(req_ids=inputs.req_ids,
-                                   sampled_token_ids=[[] for _ in states])
-        self._compute_prompt_logprobs(inputs, states, hidden, output)
+        output = ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in states])
+        self._compute_prompt_logprobs(step, hidden, output)
         if not sample_rows:
             return output
 
-        logits_indices = torch.as_tensor(inputs.query_start_loc[1:][sample_rows] - 1,
-                                         device=self.device)
-        logits = self.model.compute_logits(hidden[logits_indices])  # [S, V] float32
+        if step.num_tokens == len(states) and len(sample_rows) == len(states):
+            sample_hidden = hidden[:len(states)]  # all decodes, all sampling
+        else:
+            logits_indices = step.query_start_loc[1:][sample_rows] - 1
+            sample_hidden = hidden[torch.from_numpy(logits_indices).to(self.device)]
+        logits = self.model.compute_logits(sample_hidden)  # [S, V] float32
         sample_states = [states[i] for i in sample_rows]
-        sampler_output = self.sampler(logits, self._sampling_metadata(sample_states))
+        metadata = build_sampling_metadata(sample_states, self.device,
+                                           self.hf_config.vocab_size)
+        sampler_output = self.sampler(logits, metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
         if sampler_output.logprobs is not None:
             ids = sampler_output.logprob_token_ids.tolist()
@@ -159,143 +212,123 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.block_tables.release_row(state.row)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
+            row = self.block_tables.add_row()
+            self.block_tables.append(row, new.block_ids)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=params,
                 generator=generator,
-                block_ids=list(new.block_ids),
+                row=row,
                 num_computed_tokens=new.num_computed_tokens,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.resumed_from_preemption:
-                state.block_ids = list(cached.new_block_ids)
-            else:
-                state.block_ids.extend(cached.new_block_ids)
+                self.block_tables.replace(state.row, cached.new_block_ids)
+            elif cached.new_block_ids:
+                self.block_tables.append(state.row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs:
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         req_ids = [r.req_id for r in so.scheduled_new_reqs]
         req_ids += [r.req_id for r in so.scheduled_cached_reqs]
         states = [self.requests[r] for r in req_ids]
         num_reqs = len(states)
-        num_scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
-        num_computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
-        seq_lens = num_computed + num_scheduled
+        num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64,
+                                    num_reqs)
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
+        rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
 
-        # Token t belongs to request req_of_token[t] and sits at positions[t] in it.
-        req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
-        positions = num_computed[req_of_token] + (np.arange(num_tokens)
-                                                  - query_start_loc[req_of_token])
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        for i, state in enumerate(states):
-            start, end = num_computed[i], seq_lens[i]
-            input_ids[query_start_loc[i]:query_start_loc[i + 1]] = state.token_ids[start:end]
+        if num_tokens == num_reqs:  # all decodes: one token each, at position num_computed
+            positions = num_computed
+            req_of_token = np.arange(num_reqs)
+            token_iter = (s.token_ids[c] for s, c in zip(states, num_computed.tolist()))
+        else:
+            req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
+            positions = num_computed[req_of_token] + (np.arange(num_tokens)
+                                                      - query_start_loc[req_of_token])
+            token_iter = itertools.chain.from_iterable(
+                s.token_ids[c:c + n]
+                for s, c, n in zip(states, num_computed.tolist(), num_scheduled.tolist()))
+        self.buf_input_ids.np[:num_tokens] = np.fromiter(token_iter, np.int64, num_tokens)
+        self.buf_positions.np[:num_tokens] = positions
+        table = self.block_tables.table
+        block_of_token = table[rows[req_of_token], positions // self.block_size]
+        self.buf_slot_mapping.np[:num_tokens] = (block_of_token.astype(np.int64)
+                                                 * self.block_size
+                                                 + positions % self.block_size)
+        self.buf_query_start_loc.np[:num_reqs + 1] = query_start_loc
+        self.buf_seq_lens.np[:num_reqs] = num_computed + num_scheduled
+        width = int(self.block_tables.num_blocks[rows].max())
+        self.buf_block_tables.np[:num_reqs, :width] = table[rows, :width]
 
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        for i, state in enumerate(states):
-            block_tables[i, :len(state.block_ids)] = state.block_ids
-        block_of_token = block_tables[req_of_token, positions // self.block_size]
-        slot_mapping = block_of_token.astype(np.int64) * self.block_size \
-            + positions % self.block_size
+        graph_size = None
+        if self.graphs is not None and num_tokens == num_reqs:
+            graph_size = self.graphs.padded_size(num_reqs)
+        if graph_size is not None:
+            # Padding rows: no token to store, no context, the null block.
+            self.buf_input_ids.np[num_reqs:graph_size] = 0
+            self.buf_positions.np[num_reqs:graph_size] = 0
+            self.buf_slot_mapping.np[num_reqs:graph_size] = -1
+            self.buf_seq_lens.np[num_reqs:graph_size] = 0
+            self.buf_query_start_loc.np[num_reqs + 1:graph_size + 1] = np.arange(
+                num_reqs + 1, graph_size + 1)
+            self.buf_block_tables.np[num_reqs:graph_size, :width] = 0
+        padded_reqs = graph_size or num_reqs
+        padded_tokens = graph_size or num_tokens
+        self.buf_input_ids.to_device(padded_tokens)
+        self.buf_positions.to_device(padded_tokens)
+        self.buf_slot_mapping.to_device(padded_tokens)
+        self.buf_query_start_loc.to_device(padded_reqs + 1)
+        self.buf_seq_lens.to_device(padded_reqs)
+        self.buf_block_tables.to_device(padded_reqs, width)
+        return StepInputs(req_ids, states, num_tokens, num_computed, num_scheduled,
+                          query_start_loc, width, graph_size)
 
-        dev = self.device
-        query_start_loc_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
-        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        metadata = AttentionMetadata(
+    def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
+                  width: int) -> AttentionMetadata:
+        return AttentionMetadata(
             num_actual_tokens=num_tokens,
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=query_start_loc_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
-            query_start_loc_cpu=query_start_loc_cpu,
-            seq_lens_cpu=seq_lens_cpu,
-        )
-        return ModelInputs(
-            req_ids=req_ids,
-            input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
-            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
-            attn_metadata=metadata,
-            query_start_loc=query_start_loc,
-            num_computed=num_computed,
-            num_scheduled=num_scheduled,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=self.buf_query_start_loc.device[:num_reqs + 1],
+            seq_lens=self.buf_seq_lens.device[:num_reqs],
+            block_tables=self.buf_block_tables.device[:num_reqs, :width],
+            slot_mapping=self.buf_slot_mapping.device[:num_tokens],
+            query_start_loc_cpu=self.buf_query_start_loc.cpu[:num_reqs + 1],
+            seq_lens_cpu=self.buf_seq_lens.cpu[:num_reqs],
         )
 
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        params = [s.sampling_params for s in states]
-        dev = self.device
-
-        def column(values: list[float], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        temperature = [p.temperature for p in params]
-        greedy = [p.greedy for p in params]
-        no_penalties = all(p.presence_penalty == 0 and p.frequency_penalty == 0
-                           and p.repetition_penalty == 1.0 for p in params)
-        prompt_token_ids = None
-        if not no_penalties:
-            vocab = self.hf_config.vocab_size
-            width = max(s.num_prompt_tokens for s in states)
-            padded = np.full((len(states), width), vocab, dtype=np.int64)
-            for i, s in enumerate(states):
-                padded[i, :s.num_prompt_tokens] = s.token_ids[:s.num_prompt_tokens]
-            prompt_token_ids = torch.from_numpy(padded).to(dev)
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        blocked = {i: s.sampling_params.all_stop_token_ids for i, s in enumerate(states)
-                   if len(s.token_ids) - s.num_prompt_tokens < s.sampling_params.min_tokens
-                   and s.sampling_params.all_stop_token_ids}
-        return SamplingMetadata(
-            temperature=column(temperature, torch.float32),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            top_k=column([p.top_k for p in params], torch.int64)
-            if any(p.top_k > 0 for p in params) else None,
-            top_p=column([p.top_p for p in params], torch.float32)
-            if any(p.top_p < 1.0 for p in params) else None,
-            min_p=column([p.min_p for p in params], torch.float32)
-            if any(p.min_p > 0.0 for p in params) else None,
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            max_num_logprobs=max(wanted) if wanted else None,
-            no_penalties=no_penalties,
-            presence_penalties=column([p.presence_penalty for p in params], torch.float32),
-            frequency_penalties=column([p.frequency_penalty for p in params], torch.float32),
-            repetition_penalties=column([p.repetition_penalty for p in params], torch.float32),
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=[s.output_token_ids for s in states],
-            blocked_token_ids=blocked,
-        )
-
-    def _compute_prompt_logprobs(self, inputs: ModelInputs, states: list[CachedRequestState],
-                                 hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _compute_prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,
+                                 output: ModelRunnerOutput) -> None:
         """Logprobs of prompt tokens 1..P-1, from the positions computed this step."""
-        for i, state in enumerate(states):
+        for i, state in enumerate(step.states):
             num_logprobs = state.sampling_params.prompt_logprobs
             if num_logprobs is None or state.num_prompt_logprobs_sent >= state.num_prompt_tokens:
                 continue
             # Prompt token t is predicted by position t - 1.
-            start = int(inputs.num_computed[i])
+            start = int(step.num_computed[i])
             lo = max(state.num_prompt_logprobs_sent, start + 1, 1)
-            hi = min(start + int(inputs.num_scheduled[i]) + 1, state.num_prompt_tokens)
+            hi = min(start + int(step.num_scheduled[i]) + 1, state.num_prompt_tokens)
             entries: list[PositionLogprobs | None] = []
             if state.num_prompt_logprobs_sent == 0:
                 entries.append(None)
             if hi > lo:
-                first_row = int(inputs.query_start_loc[i]) + (lo - 1 - start)
+                first_row = int(step.query_start_loc[i]) + (lo - 1 - start)
                 logits = self.model.compute_logits(hidden[first_row:first_row + hi - lo])
                 logprobs = torch.log_softmax(logits, dim=-1)
                 targets = torch.tensor(state.token_ids[lo:hi], device=self.device)

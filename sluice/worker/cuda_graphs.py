@@ -1,0 +1,66 @@
+"""CUDA graphs of the whole model forward for decode batches.
+
+A decode batch of B requests is one query token each. It is padded to the next captured size
+(1, 2, 4, 8, then multiples of 16): padding rows store nothing (slot -1), have no context
+(seq_len 0) and read the null block. Each graph was captured on the runner's persistent device
+buffers, so replaying it only needs this step's inputs copied into those buffers first. Sampling
+stays outside the graph: which rows sample, and how, changes every step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+
+from sluice.attention.metadata import AttentionMetadata
+
+# (input_ids, positions, metadata) -> hidden [T, hidden]
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def capture_sizes(max_size: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_size]
+    sizes += list(range(16, max_size + 1, 16))
+    if sizes[-1] != max_size:
+        sizes.append(max_size)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sorted(sizes)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        """The captured batch size to run `num_reqs` decodes with, or None (run eagerly)."""
+        i = bisect.bisect_left(self.sizes, num_reqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def capture(self, forward: ForwardFn,
+                make_inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor,
+                                                   AttentionMetadata]]) -> None:
+        """Capture every size, largest first so smaller graphs reuse its memory pool."""
+        for size in reversed(self.sizes):
+            input_ids, positions, metadata = make_inputs(size)
+            forward(input_ids, positions, metadata)  # warm up (compiles kernels)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[size] = forward(input_ids, positions, metadata)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the graph of `size` on whatever the persistent buffers hold: hidden [size, H]."""
+        self.graphs[size].replay()
+        return self.outputs[size]

@@ -1,0 +1,92 @@
+"""Per-request state kept by the model runner, and the persistent input buffers of one step.
+
+Block tables live in one host array with a row per request (a row is taken when the runner first
+sees the request and released when it finishes), updated incrementally as blocks are added. Each
+step gathers the scheduled rows with one fancy index. Inputs are written into pinned host buffers
+and copied to the device without blocking, into device buffers that never move, which is also what
+CUDA graphs replay from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sluice.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + every token sampled so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    row: int  # this request's row in BlockTables
+    num_computed_tokens: int
+    # Prompt logprob entries already sent (entry 0 is None); recompute after preemption
+    # must not send them twice.
+    num_prompt_logprobs_sent: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class BlockTables:
+    """Host block tables, one row per live request: [rows, max_blocks_per_req] int32."""
+
+    def __init__(self, max_blocks_per_req: int, initial_rows: int = 64) -> None:
+        self.max_blocks_per_req = max_blocks_per_req
+        self.table = np.zeros((initial_rows, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(initial_rows, dtype=np.int32)
+        self.free_rows = list(range(initial_rows - 1, -1, -1))
+
+    def add_row(self) -> int:
+        if not self.free_rows:
+            old = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
+            self.free_rows = list(range(2 * old - 1, old - 1, -1))
+        row = self.free_rows.pop()
+        self.num_blocks[row] = 0
+        return row
+
+    def release_row(self, row: int) -> None:
+        self.free_rows.append(row)
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        if end > self.max_blocks_per_req:
+            raise ValueError(f"a request needs {end} blocks, more than max_model_len allows "
+                             f"({self.max_blocks_per_req})")
+        self.table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def replace(self, row: int, block_ids: list[int]) -> None:
+        self.num_blocks[row] = 0
+        self.append(row, block_ids)
+
+
+class StagedBuffer:
+    """A host buffer (pinned when the device is a GPU) with a numpy view, and its device twin."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.np = self.cpu.numpy()
+        self.device = self.cpu if device.type == "cpu" else torch.zeros(
+            shape, dtype=dtype, device=device)
+
+    def to_device(self, n: int, width: int | None = None) -> torch.Tensor:
+        """Copy the first n rows (and `width` columns) to the device; returns that device view."""
+        if width is None:
+            src, dst = self.cpu[:n], self.device[:n]
+        else:
+            src, dst = self.cpu[:n, :width], self.device[:n, :width]
+        if dst is not src:
+            dst.copy_(src, non_blocking=True)
+        return dst
