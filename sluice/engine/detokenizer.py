@@ -30,8 +30,13 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, incremental: bool = True) -> None:
+        """`incremental=False` (only without stop strings): nobody reads the text before the
+        end, so decode once in flush() instead of at every step."""
         self.tokenizer = tokenizer
+        self.incremental = incremental or bool(params.stop)
+        # Output tokens that have text (all but a final EOS / stop token id).
+        self._num_text_tokens = 0
         self.skip_special_tokens = params.skip_special_tokens
         self.min_tokens = params.min_tokens
         self.include_stop_str_in_output = params.include_stop_str_in_output
@@ -57,6 +62,9 @@ class IncrementalDetokenizer:
         (output_text is then cut before it, or after it with include_stop_str_in_output)."""
         self.token_ids.extend(new_token_ids)
         decoded_ids = new_token_ids[:-1] if stop_terminated else new_token_ids
+        self._num_text_tokens += len(decoded_ids)
+        if not self.incremental:
+            return None
         num_chars_before = len(self.output_text)
         for token_id in decoded_ids:
             self._window_ids.append(token_id)
@@ -70,6 +78,9 @@ class IncrementalDetokenizer:
     def flush(self) -> None:
         """The output ended: add the text still waiting for the rest of a character (it shows
         as U+FFFD), so the final text equals decoding all output tokens at once."""
+        if not self.incremental:
+            self.output_text = self._decode(self.token_ids[:self._num_text_tokens])
+            return
         ids = self._window_ids
         if self._read_offset < len(ids):
             prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])

@@ -173,8 +173,9 @@ class OutputProcessor:
         for index, child in enumerate(children):
             samples.append(_SampleState(
                 index=index,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids,
-                                                   child.sampling_params),
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, child.prompt_token_ids, child.sampling_params,
+                    incremental=output_kind != RequestOutputKind.FINAL_ONLY),
                 num_logprobs=params.logprobs,
             ))
             self.child_to_parent[child.request_id] = (request_id, index)
