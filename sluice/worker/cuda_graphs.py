@@ -1,7 +1,7 @@
 """CUDA graphs of the whole model forward for decode batches.
 
 A decode batch of B requests is one query token each. It is padded to the next captured size
-(1, 2, 4, 8, then multiples of 16): padding rows store nothing (slot -1), have no context
+(see capture_sizes): padding rows store nothing (slot -1), have no context
 (seq_len 0) and read the null block. Each graph was captured on the runner's persistent device
 buffers, so replaying it only needs this step's inputs copied into those buffers first. Sampling
 stays outside the graph: which rows sample, and how, changes every step.
@@ -21,8 +21,9 @@ ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tens
 
 
 def capture_sizes(max_size: int) -> list[int]:
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_size]
-    sizes += list(range(16, max_size + 1, 16))
+    """1, 2, 4, 8, then steps of 16 to 128 and of 32 beyond: padding costs at most ~25%."""
+    sizes = [1, 2, 4, 8, *range(16, 129, 16), *range(160, max_size + 1, 32)]
+    sizes = [s for s in sizes if s <= max_size]
     if sizes[-1] != max_size:
         sizes.append(max_size)
     return sizes
