@@ -103,9 +103,16 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
-        new_computed_blocks = new_computed_blocks or []
         request_id = request.request_id
         blocks = self.req_to_blocks.get(request_id, [])
+        if not new_computed_blocks and not num_lookahead_tokens:
+            # The common decode step: the token fits the last block and completes none.
+            end = request.num_computed_tokens + num_new_tokens
+            if (end <= len(blocks) * self.block_size
+                    and (not self.enable_caching or min(end, request.num_tokens)
+                         // self.block_size <= self.num_cached_blocks.get(request_id, 0))):
+                return []
+        new_computed_blocks = new_computed_blocks or []
         assert not (blocks and new_computed_blocks), (
             f"request {request_id} already owns blocks; prefix hits come only before them")
         assert len(blocks) * self.block_size >= request.num_computed_tokens, (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 
 from sluice.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -32,6 +33,10 @@ class EngineCore:
             enable_caching=cache_config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        # Everything built so far (blocks, model, graphs) lives as long as the engine: keep it
+        # out of the cyclic collector, whose full passes would otherwise walk every block.
+        gc.collect()
+        gc.freeze()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
