@@ -1,0 +1,1 @@
+"""Benchmarks: the offline throughput and latency runs, the serving load, rooflines."""
