@@ -1,0 +1,296 @@
+"""Micro-benchmark of the Triton attention kernels on one CUDA GPU, against ceilings measured in
+the same run.
+
+- copy: device-to-device copy bandwidth of a 1 GiB tensor (bytes read + written per second), the
+  practical ceiling of a memory-bound kernel;
+- decode: one attention step (store + attention) of a decode batch, timed as CUDA graph replays
+  with the L2 flushed before each; achieved bytes/s = (K/V context read + Q read + O write) per
+  second, and its fraction of the copy bandwidth (target >= 0.7 at batch 256 x context 1k); the
+  few-long-sequence cases (batch 1 and 8 at 8k) run both the split-KV path and the unified kernel;
+- prefill: one fresh causal prompt of 1k and 8k tokens, TFLOP/s (2 * S^2 * H * D for the causal
+  half of QK^T and PV), next to torch's scaled_dot_product_attention on the same shapes.
+
+Shapes are Qwen3-0.6B's attention: 16 query heads, 8 KV heads, head_dim 128, bf16, block size 16.
+`--sweep` also times a grid of tile shapes for each kernel.
+
+    python -m sluice.bench.kernels --output kernels.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from sluice.attention.metadata import AttentionMetadata
+from sluice.attention.triton import TileConfig
+from sluice.attention.triton_backend import (
+    TritonBackend,
+    TritonBackendConfig,
+    choose_num_splits,
+)
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+DTYPE = torch.bfloat16
+DECODE_CASES = [(256, 1024), (1, 8192), (8, 8192)]  # (batch, context)
+PREFILL_LENS = [1024, 8192]
+DECODE_SWEEP = [TileConfig(16, n, w, s) for n in (32, 64, 128) for s in (2, 3, 4) for w in (4,)] + [
+    TileConfig(16, 64, 2, 3),
+    TileConfig(16, 128, 8, 3),
+    TileConfig(16, 256, 8, 2),
+]
+PREFILL_SWEEP = [
+    TileConfig(128, 64, 8, 3),
+    TileConfig(128, 64, 4, 3),
+    TileConfig(128, 64, 8, 2),
+    TileConfig(128, 128, 8, 3),
+    TileConfig(128, 128, 8, 2),
+    TileConfig(128, 32, 4, 3),
+    TileConfig(64, 64, 4, 3),
+    TileConfig(64, 64, 4, 2),
+    TileConfig(64, 128, 4, 3),
+]
+SPLIT_SWEEP = [
+    TileConfig(16, n, w, s)
+    for n, w, s in [(32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3)]
+]
+
+
+class GraphTimer:
+    """Seconds per call of `fn`, as the median of CUDA graph replays each preceded by an L2
+    flush, so small working sets are read from HBM as in a real step."""
+
+    def __init__(self, device: torch.device, iters: int) -> None:
+        self.iters = iters
+        self.flush = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)  # > L2 (60 MB)
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile and warm up outside the capture
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(self.iters)
+        ]
+        graph.replay()
+        for start, end in events:
+            self.flush.zero_()
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
+
+
+def copy_bandwidth(device: torch.device, iters: int) -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * iters / (start.elapsed_time(end) / 1e3)
+
+
+def make_step(
+    seq_lens: list[int], query_lens: list[int], device: torch.device, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q/k/v, a cache whose blocks are shuffled over the whole pool (a served cache),
+    and the metadata of one step."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks_per_req = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 1
+    perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
+    width = max(blocks_per_req)
+    block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32, device=device)
+    slots, first = [], 0
+    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
+        table = perm[first : first + blocks_per_req[i]]
+        first += blocks_per_req[i]
+        block_tables[i, : len(table)] = table
+        pos = torch.arange(seq_len - query_len, seq_len, device=device)
+        slots.append(table[pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
+    num_tokens = sum(query_lens)
+    qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens).cumsum(0)
+    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=num_tokens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=qsl.to(device),
+        seq_lens=seq_lens_cpu.to(device),
+        block_tables=block_tables,
+        slot_mapping=torch.cat(slots),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens_cpu,
+    )
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=DTYPE)
+
+    kv_cache = randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    query = randn(num_tokens, NUM_HEADS, HEAD_DIM)
+    key, value = (
+        randn(num_tokens, NUM_KV_HEADS, HEAD_DIM),
+        randn(num_tokens, NUM_KV_HEADS, HEAD_DIM),
+    )
+    return query, key, value, kv_cache, metadata
+
+
+def run_decode(
+    timer: GraphTimer,
+    copy_bps: float,
+    batch: int,
+    context: int,
+    configs: dict[str, TritonBackendConfig],
+) -> dict[str, Any]:
+    device = timer.flush.device
+    query, key, value, kv_cache, metadata = make_step([context] * batch, [1] * batch, device)
+    elsize = kv_cache.element_size()
+    bytes_moved = (2 * batch * context * NUM_KV_HEADS + 2 * batch * NUM_HEADS) * HEAD_DIM * elsize
+    results = {}
+    for label, config in configs.items():
+        backend = TritonBackend(config)
+        seconds = timer(lambda b=backend: b.forward(query, key, value, kv_cache, metadata, 0.088))
+        results[label] = {
+            "config": _describe(config),
+            "us": seconds * 1e6,
+            "bytes_per_s": bytes_moved / seconds,
+            "fraction_of_copy": bytes_moved / seconds / copy_bps,
+        }
+    return {"batch": batch, "context": context, "bytes": bytes_moved, "runs": results}
+
+
+def run_prefill(
+    timer: GraphTimer, prompt_len: int, configs: dict[str, TritonBackendConfig]
+) -> dict[str, Any]:
+    device = timer.flush.device
+    query, key, value, kv_cache, metadata = make_step([prompt_len], [prompt_len], device)
+    flops = 2 * prompt_len * prompt_len * NUM_HEADS * HEAD_DIM  # causal half of 4 S^2 H D
+    results = {}
+    for label, config in configs.items():
+        backend = TritonBackend(config)
+        seconds = timer(lambda b=backend: b.forward(query, key, value, kv_cache, metadata, 0.088))
+        results[label] = {
+            "config": _describe(config),
+            "us": seconds * 1e6,
+            "tflops": flops / seconds / 1e12,
+        }
+    # [1, H, S, D], K/V heads repeated beforehand so torch picks its flash-attention kernel.
+    group = NUM_HEADS // NUM_KV_HEADS
+    q = query.transpose(0, 1).unsqueeze(0)
+    k, v = (t.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0) for t in (key, value))
+    seconds = timer(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    )
+    results["torch_sdpa"] = {"us": seconds * 1e6, "tflops": flops / seconds / 1e12}
+    return {"prompt_len": prompt_len, "flops": flops, "runs": results}
+
+
+def _sweep_name(tiles: TileConfig) -> str:
+    return f"{tiles.block_m}m_{tiles.block_n}n_{tiles.num_warps}w_{tiles.num_stages}s"
+
+
+def _describe(config: TritonBackendConfig) -> dict[str, Any]:
+    return asdict(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sluice.bench.kernels",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--output", required=True, help="path of the JSON report")
+    parser.add_argument("--iters", type=int, default=20, help="timed repetitions per case")
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of tile shapes")
+    ns = parser.parse_args(argv)
+    if ns.iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {ns.iters}")
+    if not torch.cuda.is_available():
+        print("sluice.bench.kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    command = shlex.join([sys.executable, "-m", "sluice.bench.kernels", *sys.argv[1:]])
+    print(f"command: {command}")
+    print(f"gpu: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
+    timer = GraphTimer(device, ns.iters)
+    copy_bps = copy_bandwidth(device, ns.iters)
+    print(f"copy bandwidth: {copy_bps / 1e12:.2f} TB/s (read + write)")
+    report: dict[str, Any] = {
+        "command": command,
+        "gpu": props.name,
+        "num_sms": props.multi_processor_count,
+        "copy_bytes_per_s": copy_bps,
+        "decode": [],
+        "prefill": [],
+    }
+
+    for batch, context in DECODE_CASES:
+        configs = {"auto": TritonBackendConfig(), "unified": TritonBackendConfig(split_kv="never")}
+        num_splits = choose_num_splits(batch, NUM_KV_HEADS, context, props.multi_processor_count)
+        if num_splits > 1:
+            configs["split_x2"] = TritonBackendConfig(
+                split_kv="always", num_splits=min(2 * num_splits, 64)
+            )
+            configs["split_half"] = TritonBackendConfig(
+                split_kv="always", num_splits=max(num_splits // 2, 1)
+            )
+        if ns.sweep:
+            sweep = SPLIT_SWEEP if num_splits > 1 else DECODE_SWEEP
+            for tiles in sweep:
+                configs[_sweep_name(tiles)] = (
+                    TritonBackendConfig(split_kv="always", split_tiles=tiles)
+                    if num_splits > 1
+                    else TritonBackendConfig(split_kv="never", decode_tiles=tiles)
+                )
+        record = run_decode(timer, copy_bps, batch, context, configs)
+        report["decode"].append(record)
+        for label, run in record["runs"].items():
+            print(
+                f"decode batch {batch:4d} ctx {context:5d} {label:22s} {run['us']:9.1f} us "
+                f"{run['bytes_per_s'] / 1e12:5.2f} TB/s  {run['fraction_of_copy']:5.1%} of copy"
+            )
+
+    for prompt_len in PREFILL_LENS:
+        configs = {"auto": TritonBackendConfig()}
+        if ns.sweep:
+            for tiles in PREFILL_SWEEP:
+                configs[_sweep_name(tiles)] = TritonBackendConfig(prefill_tiles=tiles)
+        record = run_prefill(timer, prompt_len, configs)
+        report["prefill"].append(record)
+        for label, run in record["runs"].items():
+            print(
+                f"prefill {prompt_len:5d} {label:28s} {run['us']:9.1f} us "
+                f"{run['tflops']:6.1f} TFLOP/s"
+            )
+
+    with open(ns.output, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {ns.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The offline benchmarks: nano-vllm's workload, the roofline, `sluice bench throughput|latency`
+end to end on the CPU, and transformers' continuous-batching baseline."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sluice.bench.hf_baseline import (
+    HFBaselineResult,
+    continuous_batching_config,
+    measure_hf_baseline,
+    unavailable_reason,
+)
+from sluice.bench.latency import parse_sizes
+from sluice.bench.roofline import (
+    GPU_SPECS,
+    GpuSpec,
+    ModelCost,
+    gpu_spec_for,
+    offline_roofline,
+)
+from sluice.bench.throughput import format_throughput
+from sluice.bench.workloads import nano_vllm_workload
+from sluice.model.hf_config import parse_hf_config
+from sluice.model.tiny import _hf_config, make_tiny_model
+
+THROUGHPUT_KEYS = {"machine", "gpu", "command", "model", "num_requests", "prompt_tokens",
+                   "output_tokens", "seconds", "output_tok_s", "total_tok_s", "roofline_tok_s",
+                   "roofline_fraction", "hf_tok_s", "ratio_vs_hf", "sluice_version", "date"}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("bench") / "tiny-qwen3"))
+
+
+def run_sluice(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ})
+
+
+def qwen3_0_6b_cost() -> ModelCost:
+    config = parse_hf_config(_hf_config("qwen3", "qwen3-0.6b", 643, "bfloat16", 0, 1))
+    return ModelCost.from_hf_config(config, dtype_bytes=2)
+
+
+def test_default_workload_is_nano_vllms_bench_exactly() -> None:
+    workload = nano_vllm_workload()
+    assert workload.num_requests == 256
+    assert workload.prompt_tokens == 142_827
+    assert workload.output_tokens == 133_966
+    # nano-vllm's own lines, on the global generator (restored afterwards).
+    state = random.getstate()
+    try:
+        random.seed(0)
+        prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+                   for _ in range(256)]
+        max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    finally:
+        random.setstate(state)
+    assert workload.prompts == prompts
+    assert workload.max_tokens == max_tokens
+
+
+def test_scaled_workload_keeps_bounds_and_is_deterministic() -> None:
+    workload = nano_vllm_workload(num_requests=20, max_input_len=64, max_output_len=32)
+    assert workload == nano_vllm_workload(num_requests=20, max_input_len=64, max_output_len=32)
+    assert workload.num_requests == 20
+    # Lower bounds scale as 100/1024: 64 -> 6, 32 -> 3.
+    assert all(6 <= len(p) <= 64 for p in workload.prompts)
+    assert all(3 <= m <= 32 for m in workload.max_tokens)
+    assert len({len(p) for p in workload.prompts}) > 5
+    folded = workload.fold_token_ids(50)
+    assert [len(p) for p in folded.prompts] == [len(p) for p in workload.prompts]
+    assert max(max(p) for p in folded.prompts) < 50
+    assert folded.prompts[0] == [t % 50 for t in workload.prompts[0]]
+    with pytest.raises(ValueError, match="num_requests"):
+        nano_vllm_workload(num_requests=0)
+
+
+def test_roofline_reproduces_benchmarks_md_for_qwen3_0_6b_on_h200() -> None:
+    cost = qwen3_0_6b_cost()
+    assert cost.weight_bytes == pytest.approx(1.19e9, rel=0.01)
+    assert cost.kv_bytes_per_token == 114_688  # 2 x 28 layers x 8 heads x 128 x 2 bytes
+    workload = nano_vllm_workload()
+    roofline = offline_roofline(cost, [len(p) for p in workload.prompts], workload.max_tokens,
+                                GPU_SPECS["h200"])
+    assert roofline.decode_steps == 1024
+    assert roofline.decode_bytes == pytest.approx(15.1e12, rel=0.005)
+    assert roofline.decode_seconds == pytest.approx(3.14, abs=0.01)
+    assert roofline.prefill_seconds == pytest.approx(0.14, abs=0.005)
+    assert roofline.output_tokens == 133_966
+    assert roofline.output_tok_s == pytest.approx(40_812, rel=0.01)
+
+
+def test_roofline_counts_each_tokens_context_and_each_prompts_causal_pairs() -> None:
+    cost = ModelCost(weight_bytes=1000, kv_bytes_per_token=10, linear_flops_per_token=100,
+                     attention_flops_per_pair=7, lm_head_flops=50)
+    spec = GpuSpec("test", hbm_bytes_per_s=1e4, dense_flops_per_s=1e3)
+    # Prompt 2 tokens, 3 outputs: contexts 2, 3, 4. Prompt 5, 1 output: context 5.
+    roofline = offline_roofline(cost, [2, 5], [3, 1], spec)
+    assert roofline.decode_steps == 3
+    assert roofline.decode_bytes == 3 * 1000 + (2 + 3 + 4 + 5) * 10
+    # Linear: 7 prompt tokens; causal pairs: 2*3/2 + 5*6/2 = 18; one logit row per prompt.
+    assert roofline.prefill_flops == 7 * 100 + 18 * 7 + 2 * 50
+    assert roofline.seconds == pytest.approx(3140 / 1e4 + 926 / 1e3)
+    assert roofline.output_tok_s == pytest.approx(4 / roofline.seconds)
+    with pytest.raises(ValueError, match="max_tokens"):
+        offline_roofline(cost, [2, 5], [3], spec)
+
+
+def test_gpu_spec_lookup() -> None:
+    assert gpu_spec_for("auto", "NVIDIA H100 80GB HBM3") is GPU_SPECS["h100"]
+    assert gpu_spec_for("auto", "NVIDIA H200") is GPU_SPECS["h200"]
+    assert gpu_spec_for("auto", "cpu") is GPU_SPECS["h200"]
+    assert gpu_spec_for("a100").hbm_bytes_per_s == pytest.approx(2.039e12)
+    with pytest.raises(ValueError, match="b200"):
+        gpu_spec_for("b200")
+
+
+def test_bench_throughput_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> None:
+    out_json = tmp_path / "throughput.json"
+    result = run_sluice("bench", "throughput", "--model", tiny_dir, "--device", "cpu",
+                        "--num-requests", "5", "--max-input-len", "40", "--max-output-len", "12",
+                        "--output", str(out_json))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out_json.read_text())
+    assert THROUGHPUT_KEYS <= set(record)
+    workload = nano_vllm_workload(5, 40, 12)
+    assert record["num_requests"] == 5
+    assert record["prompt_tokens"] == workload.prompt_tokens
+    assert record["output_tokens"] == workload.output_tokens
+    assert record["gpu"] == "cpu" and record["model"] == tiny_dir
+    assert record["seconds"] > 0 and record["output_tok_s"] > 0
+    assert record["output_tok_s"] == pytest.approx(record["output_tokens"] / record["seconds"])
+    assert record["total_tok_s"] == pytest.approx(
+        (workload.prompt_tokens + workload.output_tokens) / record["seconds"])
+    assert record["roofline_tok_s"] > 0
+    assert record["roofline_fraction"] == pytest.approx(
+        record["output_tok_s"] / record["roofline_tok_s"])
+    assert record["hf_tok_s"] is None and record["ratio_vs_hf"] is None
+    assert record["command"].startswith("sluice bench throughput --model")
+    assert "output tok/s" in result.stdout and "roofline (NVIDIA H200 spec" in result.stdout
+
+
+def test_bench_latency_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> None:
+    out_json = tmp_path / "latency.json"
+    result = run_sluice("bench", "latency", "--model", tiny_dir, "--device", "cpu",
+                        "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "5",
+                        "--prefill-lens", "16,40", "--num-iters", "2", "--output", str(out_json))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out_json.read_text())
+    assert [d["batch_size"] for d in record["decode"]] == [1, 3]
+    for d in record["decode"]:
+        assert d["itl_ms"] > 0 and d["t_out_s"] > 0 and d["t_1_s"] > 0
+        step_s = max(d["t_out_s"] - d["t_1_s"], 1e-9) / 4
+        assert d["itl_ms"] == pytest.approx(1e3 * step_s)
+        assert d["output_tok_s"] == pytest.approx(d["batch_size"] / step_s)
+    assert [p["prefill_len"] for p in record["prefill"]] == [16, 40]
+    assert all(p["ttft_ms"] > 0 for p in record["prefill"])
+    assert record["gpu"] == "cpu" and record["num_iters"] == 2
+    assert "ITL (ms/token)" in result.stdout and "TTFT (ms)" in result.stdout
+
+
+def test_bench_latency_rejects_bad_arguments(tiny_dir: str) -> None:
+    result = run_sluice("bench", "latency", "--model", tiny_dir, "--device", "cpu",
+                        "--output-len", "1")
+    assert result.returncode == 2
+    assert "output_len" in result.stderr and "Traceback" not in result.stderr
+    with pytest.raises(ValueError, match="batch_sizes"):
+        parse_sizes("batch_sizes", "1,0")
+    with pytest.raises(ValueError, match="prefill_lens"):
+        parse_sizes("prefill_lens", "a")
+    assert parse_sizes("batch_sizes", "1, 64") == [1, 64]
+
+
+def test_hf_continuous_batching_config_is_benchmarks_md() -> None:
+    assert unavailable_reason() is None  # transformers 5 here
+    config = continuous_batching_config()
+    page_size = getattr(config, "page_size", None) or config.block_size
+    assert page_size == 256
+    assert config.max_batch_tokens == 16384
+    assert config.use_cuda_graph is True
+
+
+def test_hf_baseline_generates_every_requested_token_on_cpu(tiny_dir: str) -> None:
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    max_tokens = [7, 12]
+    # A small cache and batch: the default's [16384, 16384 + N] attention masks cost GBs on CPU.
+    result = measure_hf_baseline(tiny_dir, prompts, max_tokens, torch.float32,
+                                 torch.device("cpu"), max_batch_tokens=256, num_blocks=4)
+    assert result.unavailable_reason is None
+    assert result.output_tokens == 19
+    assert result.seconds > 0 and result.output_tok_s == pytest.approx(19 / result.seconds)
+    assert "sdpa" in result.attn_implementation
+
+
+def test_unavailable_hf_baseline_is_reported_not_raised() -> None:
+    result = HFBaselineResult("4.40.0", unavailable_reason="transformers 4.40.0 has no "
+                              "continuous batching API")
+    assert result.output_tok_s is None
+    record = {
+        "command": "sluice bench throughput", "machine": {"hostname": "h", "gpu": "cpu",
+                                                          "torch": "2", "transformers": "4.40.0"},
+        "model": "m", "architecture": "Qwen3ForCausalLM", "dtype": "bfloat16", "device": "cpu",
+        "num_requests": 1, "prompt_tokens": 10, "output_tokens": 5, "seconds": 1.0,
+        "output_tok_s": 5.0, "total_tok_s": 15.0,
+        "gpu_spec": {"name": "NVIDIA H200", "hbm_bytes_per_s": 4.8e12,
+                     "dense_flops_per_s": 989e12},
+        "roofline_tok_s": 100.0, "roofline_seconds": 0.05, "roofline_fraction": 0.05,
+        "hf_tok_s": result.output_tok_s, "hf_unavailable_reason": result.unavailable_reason,
+    }
+    text = format_throughput(record, hf_requested=True)
+    assert "HF baseline unavailable: transformers 4.40.0 has no continuous batching API" in text
+    assert "reached 5.0%" in text
