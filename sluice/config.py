@@ -38,6 +38,8 @@ class SchedulerConfig:
     # (0: no cap beyond the token budget).
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
+    # Schedule step N+1 while the device computes step N (outputs arrive one step later).
+    async_scheduling: bool = False
 
 
 def verify_positive(name: str, value: int | None, allow_none: bool = False) -> None:

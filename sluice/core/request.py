@@ -65,6 +65,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         # Tokens whose KV is in the cache (computed, or found in the prefix cache).
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled whose ids have not come back yet (async scheduling:
+        # the next step is scheduled while the GPU still computes this one).
+        self.num_output_placeholders = 0
         # Prefix-cache hit at first scheduling (reported as RequestOutput.num_cached_tokens).
         self.num_cached_tokens = -1
         # Chained hashes of this request's full blocks, extended by the KV cache manager.

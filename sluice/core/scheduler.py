@@ -115,6 +115,8 @@ class Scheduler:
         while (self.waiting and not preempted and token_budget > 0
                and len(self.running) < cfg.max_num_seqs):
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: it comes back before resuming
             computed_blocks, num_computed = [], 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
@@ -169,9 +171,13 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         # The tokens are as good as computed once handed to the runner (the runner writes their
-        # KV before anyone reads it), which is also what the prefix cache assumed above.
+        # KV before anyone reads it), which is also what the prefix cache assumed above. A chunk
+        # that reaches the end of the known tokens samples one more: a placeholder until then.
         for req_id, num_new in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_new
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         return output
 
     def update_from_output(
@@ -182,6 +188,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
+            request.num_output_placeholders -= len(sampled)
             new_token_ids: list[int] = []
             for token_id in sampled:
                 request.append_output_token_ids([token_id])
@@ -205,14 +212,19 @@ class Scheduler:
                 first_scheduled_time=request.first_scheduled_time,
             ))
             if request.is_finished():
-                self.running.remove(request)
+                # Preempted while its token was in flight, it waits in the queue.
+                (self.running if request in self.running else self.waiting).remove(request)
                 self._free_request(request)
         return outputs
 
     # ---- internals -----------------------------------------------------------------------
 
     def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+        placeholders = request.num_output_placeholders
+        if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
+                             or request.num_tokens + placeholders >= self.config.max_model_len):
+            return 0  # the token in flight is its last one
+        num_new = request.num_tokens + placeholders - request.num_computed_tokens
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         # KV never goes past max_model_len positions.

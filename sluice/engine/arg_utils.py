@@ -31,6 +31,7 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: on when running on a GPU
     # Accepted for compatibility with vLLM scripts.
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
@@ -108,5 +109,15 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            async_scheduling=self._async_scheduling(),
         )
         return model_config, cache_config, scheduler_config, hf_config
+
+    def _async_scheduling(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        if self.device == "auto":
+            import torch
+
+            return torch.cuda.is_available()
+        return self.device.startswith("cuda")

@@ -7,11 +7,12 @@ from collections.abc import Iterable
 
 from sluice.config import CacheConfig, ModelConfig, SchedulerConfig
 from sluice.core.kv_cache_manager import KVCacheManager
-from sluice.core.outputs import EngineCoreOutput
+from sluice.core.outputs import EngineCoreOutput, SchedulerOutput
 from sluice.core.request import Request, RequestStatus
 from sluice.core.scheduler import Scheduler
 from sluice.model.hf_config import HFModelConfig
 from sluice.worker.model_runner import ModelRunner
+from sluice.worker.step_handle import StepHandle
 
 
 class EngineCore:
@@ -33,6 +34,8 @@ class EngineCore:
             enable_caching=cache_config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self.async_scheduling = scheduler_config.async_scheduling
+        self.in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # Everything built so far (blocks, model, graphs) lives as long as the engine: keep it
         # out of the cyclic collector, whose full passes would otherwise walk every block.
         gc.collect()
@@ -48,15 +51,31 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests():
-            return []
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            # Cannot happen while one max_model_len request fits the cache; never spin.
-            raise RuntimeError(f"scheduler made no progress with "
-                               f"{self.scheduler.get_num_unfinished_requests()} requests")
-        runner_output = self.model_runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        """One step. With async scheduling, launch the next step before taking the results
+        of the one in flight, so scheduling and output handling overlap the device; outputs
+        then trail by one step, and a request that stopped may have computed one token more
+        (discarded)."""
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                launched = (scheduler_output, self.model_runner.launch(scheduler_output))
+            elif self.in_flight is None:
+                # Cannot happen while one max_model_len request fits the cache; never spin.
+                raise RuntimeError(f"scheduler made no progress with "
+                                   f"{self.scheduler.get_num_unfinished_requests()} requests")
+        outputs: list[EngineCoreOutput] = []
+        if self.in_flight is not None:
+            scheduler_output, handle = self.in_flight
+            outputs = self.scheduler.update_from_output(scheduler_output, handle.result())
+            self.in_flight = None
+        if launched is not None:
+            if self.async_scheduling:
+                self.in_flight = launched
+            else:
+                scheduler_output, handle = launched
+                outputs = self.scheduler.update_from_output(scheduler_output, handle.result())
+        return outputs

@@ -29,6 +29,10 @@ class CachedRequestState:
     # Prompt logprob entries already sent (entry 0 is None); recompute after preemption
     # must not send them twice.
     num_prompt_logprobs_sent: int = 0
+    # The launched step whose sampled token for this request is still on the device (async
+    # scheduling), and the token's row in that step's samples.
+    pending_step: object | None = None
+    pending_index: int = -1
 
     @property
     def output_token_ids(self) -> list[int]:

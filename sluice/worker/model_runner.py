@@ -31,11 +31,13 @@ from sluice.core.outputs import (
 from sluice.model.attention import bind_kv_caches
 from sluice.model.hf_config import HFModelConfig
 from sluice.model.loader import load_model, resolve_dtype
+from sluice.sampling_params import SamplingParams
 from sluice.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from sluice.worker.input_batch import BlockTables, CachedRequestState, StagedBuffer
 from sluice.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from sluice.worker.sampler import Sampler, compute_topk_logprobs
 from sluice.worker.sampling_inputs import build_sampling_metadata
+from sluice.worker.step_handle import StepHandle, position_logprobs
 
 logger = logging.getLogger("sluice")
 
@@ -112,6 +114,15 @@ class ModelRunner:
         self.buf_seq_lens = StagedBuffer((max_num_reqs,), torch.int32, dev)
         self.buf_block_tables = StagedBuffer((max_num_reqs, self.max_blocks_per_req),
                                              torch.int32, dev)
+        self.buf_logits_indices = StagedBuffer((max_tokens,), torch.int64, dev)
+        # Where tokens still in flight go in this step's input ids: (destination, source row).
+        self.buf_pending = StagedBuffer((2, max_num_reqs), torch.int64, dev)
+        # Two pinned buffers for sampled ids: a step may land while the next one is launched.
+        self._sampled_host = [torch.zeros(max_num_reqs, dtype=torch.int64,
+                                          pin_memory=dev.type == "cuda") for _ in range(2)]
+        self._launch_parity = 0
+        self._last_step: StepHandle | None = None
+        self._inputs_copied: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -158,11 +169,22 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.launch(scheduler_output).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Queue one step on the device without waiting for it; tokens of a step still in
+        flight are read on the device."""
         self._update_states(scheduler_output)
+        previous = self._last_step
         if scheduler_output.is_empty:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return StepHandle(EMPTY_MODEL_RUNNER_OUTPUT, previous)
+        if previous is not None and any(
+                s.pending_step is not None and _needs_token_history(s.sampling_params)
+                for s in (self.requests[r] for r in scheduler_output.num_scheduled_tokens)):
+            previous.result()  # penalties and min_tokens count tokens on the host
         step = self._prepare_inputs(scheduler_output)
         if step.graph_size is not None:
             hidden = self.graphs.replay(step.graph_size)
@@ -176,37 +198,31 @@ class ModelRunner:
                                 self.buf_positions.device[:step.num_tokens], metadata)
 
         states = step.states
-        seq_lens = step.num_computed + step.num_scheduled
-        # A request samples once its chunk reaches the end of its known tokens.
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        seq_lens = (step.num_computed + step.num_scheduled).tolist()
         output = ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in states])
+        handle = StepHandle(output, previous)
+        self._last_step = handle
         self._compute_prompt_logprobs(step, hidden, output)
+        # A request samples once its chunk reaches the end of its tokens (known or in flight).
+        sample_rows = [i for i, s in enumerate(states)
+                       if seq_lens[i] == len(s.token_ids) + (s.pending_step is not None)]
         if not sample_rows:
-            return output
-
+            return handle
         if step.num_tokens == len(states) and len(sample_rows) == len(states):
             sample_hidden = hidden[:len(states)]  # all decodes, all sampling
         else:
-            logits_indices = step.query_start_loc[1:][sample_rows] - 1
-            sample_hidden = hidden[torch.from_numpy(logits_indices).to(self.device)]
+            indices = self.buf_logits_indices
+            indices.np[:len(sample_rows)] = step.query_start_loc[1:][sample_rows] - 1
+            sample_hidden = hidden[indices.to_device(len(sample_rows))]
         logits = self.model.compute_logits(sample_hidden)  # [S, V] float32
         sample_states = [states[i] for i in sample_rows]
         metadata = build_sampling_metadata(sample_states, self.device,
                                            self.hf_config.vocab_size)
         sampler_output = self.sampler(logits, metadata)
-        sampled = sampler_output.sampled_token_ids.tolist()
-        if sampler_output.logprobs is not None:
-            ids = sampler_output.logprob_token_ids.tolist()
-            lps = sampler_output.logprobs.tolist()
-            ranks = sampler_output.sampled_token_ranks.tolist()
-        for j, (row, state) in enumerate(zip(sample_rows, sample_states)):
-            state.token_ids.append(sampled[j])
-            output.sampled_token_ids[row] = [sampled[j]]
-            num_logprobs = state.sampling_params.logprobs
-            if num_logprobs is not None:
-                output.logprobs[state.req_id] = [
-                    _position_logprobs(ids[j], lps[j], ranks[j], num_logprobs)]
-        return output
+        self._launch_parity ^= 1
+        handle.set_samples(sample_rows, sample_states, sampler_output,
+                           self._sampled_host[self._launch_parity])
+        return handle
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -253,18 +269,31 @@ class ModelRunner:
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
 
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()  # the last step's copies have left the buffers
+        # A token sampled by a step still in flight is only on the device: a 0 stands in for it
+        # here and the device copy is patched in after the upload.
+        pending: dict[StepHandle, tuple[list[int], list[int]]] = {}
+        chunks = []
+        for i, (s, c, n) in enumerate(zip(states, num_computed.tolist(),
+                                          num_scheduled.tolist())):
+            if c + n <= len(s.token_ids):
+                chunks.append(s.token_ids[c:c + n])
+            else:
+                assert c + n == len(s.token_ids) + 1 and s.pending_step is not None, s.req_id
+                chunks.append(s.token_ids[c:] + [0])
+                dst, src = pending.setdefault(s.pending_step, ([], []))
+                dst.append(int(query_start_loc[i]) + n - 1)
+                src.append(s.pending_index)
         if num_tokens == num_reqs:  # all decodes: one token each, at position num_computed
             positions = num_computed
             req_of_token = np.arange(num_reqs)
-            token_iter = (s.token_ids[c] for s, c in zip(states, num_computed.tolist()))
         else:
             req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
             positions = num_computed[req_of_token] + (np.arange(num_tokens)
                                                       - query_start_loc[req_of_token])
-            token_iter = itertools.chain.from_iterable(
-                s.token_ids[c:c + n]
-                for s, c, n in zip(states, num_computed.tolist(), num_scheduled.tolist()))
-        self.buf_input_ids.np[:num_tokens] = np.fromiter(token_iter, np.int64, num_tokens)
+        self.buf_input_ids.np[:num_tokens] = np.fromiter(
+            itertools.chain.from_iterable(chunks), np.int64, num_tokens)
         self.buf_positions.np[:num_tokens] = positions
         table = self.block_tables.table
         block_of_token = table[rows[req_of_token], positions // self.block_size]
@@ -296,6 +325,14 @@ class ModelRunner:
         self.buf_query_start_loc.to_device(padded_reqs + 1)
         self.buf_seq_lens.to_device(padded_reqs)
         self.buf_block_tables.to_device(padded_reqs, width)
+        for handle, (dst, src) in pending.items():
+            self.buf_pending.np[0, :len(dst)] = dst
+            self.buf_pending.np[1, :len(src)] = src
+            index = self.buf_pending.to_device(2, len(dst))
+            self.buf_input_ids.device.index_copy_(0, index[0], handle.sampled[index[1]])
+        if self.device.type == "cuda":
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
         return StepInputs(req_ids, states, num_tokens, num_computed, num_scheduled,
                           query_start_loc, width, graph_size)
 
@@ -334,16 +371,12 @@ class ModelRunner:
                 targets = torch.tensor(state.token_ids[lo:hi], device=self.device)
                 ids, lps, ranks = compute_topk_logprobs(logprobs, num_logprobs, targets)
                 for row_ids, row_lps, rank in zip(ids.tolist(), lps.tolist(), ranks.tolist()):
-                    entries.append(_position_logprobs(row_ids, row_lps, rank, num_logprobs))
+                    entries.append(position_logprobs(row_ids, row_lps, rank, num_logprobs))
             if entries:
                 state.num_prompt_logprobs_sent = max(state.num_prompt_logprobs_sent, 1, hi)
                 output.prompt_logprobs[state.req_id] = entries
 
 
-def _position_logprobs(ids: list[int], lps: list[float], rank: int,
-                       num_logprobs: int) -> PositionLogprobs:
-    """The chosen token (first) with its rank, then the top-N with ranks 1..N."""
-    entry: PositionLogprobs = {ids[0]: (lps[0], rank)}
-    for j in range(1, num_logprobs + 1):
-        entry.setdefault(ids[j], (lps[j], j))
-    return entry
+def _needs_token_history(params: SamplingParams) -> bool:
+    return bool(params.min_tokens or params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0)

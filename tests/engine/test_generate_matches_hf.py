@@ -79,6 +79,10 @@ CONFIGS = {
                               max_model_len=152),
     "small_chunks_two_partial": dict(max_num_batched_tokens=16, max_num_partial_prefills=2),
     "long_prefill_threshold": dict(long_prefill_token_threshold=16, max_num_partial_prefills=3),
+    # The next step is scheduled before the last one's tokens are back (the GPU default).
+    "async_scheduling": dict(async_scheduling=True),
+    "async_scheduling_with_preemption": dict(async_scheduling=True, num_gpu_blocks_override=20,
+                                             max_num_batched_tokens=64, max_model_len=152),
 }
 
 
@@ -95,7 +99,7 @@ def test_optimisations_leave_greedy_output_unchanged(qwen3_dir: str, name: str) 
     llm = LLM(**{**base, **CONFIGS[name]})
     got, _ = sluice_greedy(llm, prompts)
     assert got == want
-    if name == "forced_preemption":
+    if "preemption" in name:
         assert llm.llm_engine.scheduler.num_preemptions_total > 0
     assert_integrity_and_all_free(llm)
 
@@ -110,13 +114,13 @@ def test_shared_prefix_is_cached_and_computes_fewer_tokens(qwen3_dir: str) -> No
 
     computed: list[int] = []
     runner = llm.llm_engine.engine_core.model_runner
-    execute = runner.execute_model
+    launch = runner.launch
 
-    def counting_execute(scheduler_output):  # noqa: ANN001, ANN202
+    def counting_launch(scheduler_output):  # noqa: ANN001, ANN202
         computed.append(scheduler_output.total_num_scheduled_tokens)
-        return execute(scheduler_output)
+        return launch(scheduler_output)
 
-    runner.execute_model = counting_execute
+    runner.launch = counting_launch
     want_second, _ = sluice_greedy(LLM(model=qwen3_dir, dtype="float32", block_size=8,
                                        max_model_len=256, enable_prefix_caching=False),
                                    [second], max_tokens=4)

@@ -12,9 +12,10 @@ from sluice.engine.processors import RequestOutputKind
 from tests.engine.test_generate_matches_hf import _hf_model, assert_integrity_and_all_free
 
 
-@pytest.fixture(scope="module")
-def llm(qwen3_dir: str) -> LLM:
-    return LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256, seed=0)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
+def llm(qwen3_dir: str, request: pytest.FixtureRequest) -> LLM:
+    return LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256, seed=0,
+               async_scheduling=request.param)
 
 
 def ids_prompt(tokens: list[int]) -> dict:
@@ -198,9 +199,12 @@ def test_engine_args_are_validated(qwen3_dir: str) -> None:
             max_model_len=64)
 
 
-def test_random_workload_with_aborts_and_preemption_returns_every_block(qwen3_dir: str) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_random_workload_with_aborts_and_preemption_returns_every_block(
+        qwen3_dir: str, async_scheduling: bool) -> None:
     llm = LLM(model=qwen3_dir, dtype="float32", block_size=4, max_model_len=96,
-              num_gpu_blocks_override=40, max_num_batched_tokens=48, max_num_seqs=6)
+              num_gpu_blocks_override=40, max_num_batched_tokens=48, max_num_seqs=6,
+              async_scheduling=async_scheduling)
     engine = llm.llm_engine
     rng = random.Random(0)
     shared = [rng.randrange(3, 600) for _ in range(24)]
@@ -230,3 +234,28 @@ def test_random_workload_with_aborts_and_preemption_returns_every_block(qwen3_di
     assert finished > 10
     assert engine.scheduler.num_preemptions_total > 0
     assert_integrity_and_all_free(llm)
+
+
+def test_penalties_and_min_tokens_give_the_same_output_with_async_scheduling(
+        qwen3_dir: str) -> None:
+    # Penalties and min_tokens count generated tokens on the host: with a token in flight the
+    # runner must settle it first, or the counts would be one short.
+    prompts = [ids_prompt(list(range(40, 40 + n))) for n in (7, 19, 33)]
+    params = [greedy(16, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5),
+              greedy(16, ignore_eos=True, repetition_penalty=1.8),
+              greedy(16, min_tokens=12, stop_token_ids=list(range(0, 643, 2)))]
+    outputs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256,
+                  async_scheduling=async_scheduling)
+        outputs[async_scheduling] = [o.outputs[0].token_ids
+                                     for o in llm.generate(prompts, params)]
+        assert_integrity_and_all_free(llm)
+    assert outputs[True] == outputs[False]
+    plain = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256)
+    unpenalised = plain.generate(prompts[:1], greedy(16, ignore_eos=True))[0].outputs[0]
+    assert outputs[False][0] != unpenalised.token_ids
+    # min_tokens: no even id (stop ids) among the first 12; then the first even id ends it.
+    third = outputs[False][2]
+    assert all(t % 2 for t in third[:12])
+    assert len(third) == 16 or third[-1] % 2 == 0

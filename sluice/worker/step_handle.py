@@ -1,0 +1,81 @@
+"""A launched step: the GPU work is queued, the sampled tokens come back on `result()`.
+
+With async scheduling the engine schedules and launches step N+1 before it asks for step N's
+result, so the host work of both overlaps the GPU. Until then a sampled token lives only on the
+device; the next step reads it from there (see ModelRunner._prepare_inputs). Results are taken
+in launch order: a handle first settles the one before it, so tokens are appended in order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.core.outputs import ModelRunnerOutput, PositionLogprobs
+from sluice.worker.input_batch import CachedRequestState
+from sluice.worker.sampler import SamplerOutput
+
+
+class StepHandle:
+    def __init__(self, output: ModelRunnerOutput, previous: StepHandle | None = None) -> None:
+        self.output = output
+        self.previous = previous
+        self.sample_rows: list[int] = []
+        self.sample_states: list[CachedRequestState] = []
+        self.sampled: torch.Tensor | None = None  # [S] int64 on the device
+        self._sampled_host: torch.Tensor | None = None  # [>= S] pinned, filled asynchronously
+        self._sampler_output: SamplerOutput | None = None
+        self._event: torch.cuda.Event | None = None
+        self._done = False
+
+    def set_samples(self, sample_rows: list[int], sample_states: list[CachedRequestState],
+                    sampler_output: SamplerOutput, sampled_host: torch.Tensor) -> None:
+        self.sample_rows = sample_rows
+        self.sample_states = sample_states
+        self.sampled = sampler_output.sampled_token_ids
+        self._sampler_output = sampler_output
+        num = len(sample_rows)
+        self._sampled_host = sampled_host[:num]
+        self._sampled_host.copy_(self.sampled, non_blocking=True)
+        if self.sampled.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        for j, state in enumerate(sample_states):
+            state.pending_step, state.pending_index = self, j
+
+    def result(self) -> ModelRunnerOutput:
+        if self._done:
+            return self.output
+        if self.previous is not None:
+            self.previous.result()
+            self.previous = None
+        self._done = True
+        if not self.sample_rows:
+            return self.output
+        if self._event is not None:
+            self._event.synchronize()
+        sampled = self._sampled_host.tolist()
+        sampler_output = self._sampler_output
+        if sampler_output.logprobs is not None:
+            ids = sampler_output.logprob_token_ids.tolist()
+            lps = sampler_output.logprobs.tolist()
+            ranks = sampler_output.sampled_token_ranks.tolist()
+        for j, (row, state) in enumerate(zip(self.sample_rows, self.sample_states)):
+            state.token_ids.append(sampled[j])
+            if state.pending_step is self:
+                state.pending_step, state.pending_index = None, -1
+            self.output.sampled_token_ids[row] = [sampled[j]]
+            num_logprobs = state.sampling_params.logprobs
+            if num_logprobs is not None:
+                self.output.logprobs[state.req_id] = [
+                    position_logprobs(ids[j], lps[j], ranks[j], num_logprobs)]
+        self._sampler_output = None
+        return self.output
+
+
+def position_logprobs(ids: list[int], lps: list[float], rank: int,
+                      num_logprobs: int) -> PositionLogprobs:
+    """The chosen token (first) with its rank, then the top-N with ranks 1..N."""
+    entry: PositionLogprobs = {ids[0]: (lps[0], rank)}
+    for j in range(1, num_logprobs + 1):
+        entry.setdefault(ids[j], (lps[j], j))
+    return entry
