@@ -35,13 +35,15 @@ def determine_num_blocks(
         return cache_config.num_gpu_blocks_override
     block_bytes = bytes_per_block(hf_config, cache_config.block_size, dtype)
     if device.type == "cuda":
-        num_blocks = (gpu_bytes_available - _GPU_ACTIVATION_RESERVE_BYTES) // block_bytes
+        budget = gpu_bytes_available - _GPU_ACTIVATION_RESERVE_BYTES
     else:
-        # On the CPU never allocate more than every sequence at full length could use, plus the
-        # null block: the rest could only hold evicted prefixes and costs RAM and zeroing time.
-        blocks_per_seq = -(-scheduler_config.max_model_len // cache_config.block_size)
-        needed = scheduler_config.max_num_seqs * blocks_per_seq + 1
-        num_blocks = min(cache_config.cpu_kv_cache_bytes // block_bytes, needed)
+        budget = cache_config.cpu_kv_cache_bytes
+    # Never more than every sequence at full length could use, plus the null block: beyond that
+    # blocks only hold evicted prefixes, and each costs host memory for its bookkeeping (a small
+    # model on a big GPU would otherwise get millions).
+    blocks_per_seq = -(-scheduler_config.max_model_len // cache_config.block_size)
+    needed = scheduler_config.max_num_seqs * blocks_per_seq + 1
+    num_blocks = min(budget // block_bytes, needed)
     if num_blocks < 2:
         raise ValueError(
             f"the KV cache budget fits {num_blocks} blocks of {block_bytes} bytes; at least 2 are "
