@@ -205,6 +205,24 @@ class OutputProcessor:
                 children.append(child)
         return children
 
+    def abort_requests_with_outputs(
+        self, request_ids: list[str]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Abort requests from the front end: a last, finished RequestOutput for each (samples
+        still going end with finish_reason "abort"), and the child ids the core must abort."""
+        outputs = []
+        for request_id in request_ids:
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            for sample in state.samples:
+                if sample.finish_reason is None:
+                    sample.detokenizer.flush()
+                    sample.finish_reason = "abort"
+            state.metrics.finished_time = time.time()
+            outputs.append(self._make_output(state, finished=True))
+        return outputs, self.abort_requests(request_ids)
+
     def process_outputs(
         self, core_outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:

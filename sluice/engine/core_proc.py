@@ -1,0 +1,324 @@
+"""The engine core in its own process, driven over ZMQ by AsyncLLM.
+
+Lifecycle: `launch_engine_core` (in the front end) binds two sockets, a PUSH for requests and a
+PULL for outputs (ipc:// in a temp dir, or loopback TCP on a free port), and starts
+`run_engine_core` with multiprocessing "spawn" (a fresh interpreter, so CUDA can initialize).
+The process connects, builds the EngineCore from the engine arguments (a plain dict), sends
+`Ready`, then loops: take every waiting message (blocking in a short poll only while it has no
+work), apply adds / aborts / finishes / utility calls, run one step, send its outputs with the
+scheduler stats. A frame that does not decode is logged and dropped. Any other exception ends
+the loop: the process sends `EngineDead` with the error and exits with status 1. It exits
+quietly when its parent process is gone. SIGINT is ignored: the front end decides when to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import zmq
+
+from sluice.core.request import RequestStatus
+from sluice.engine.arg_utils import EngineArgs
+from sluice.engine.core import EngineCore
+from sluice.engine.stats import SchedulerStats
+from sluice.engine.wire import (
+    AbortRequests,
+    Encoder,
+    EngineCoreOutputItem,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    FinishRequests,
+    Ready,
+    RequestDecoder,
+    ResponseDecoder,
+    UtilityReply,
+    UtilityRequest,
+    WireError,
+)
+from sluice.worker.model_runner import resolve_device
+
+logger = logging.getLogger("sluice")
+
+# While idle, how often (ms) to look up from the input socket to check the parent is alive.
+_IDLE_POLL_MS = 500
+# How long (ms) a closing socket may keep trying to deliver the last frames (a dead notice).
+_CLOSE_LINGER_MS = 2000
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone (crashed, killed, shut down, or it failed to start);
+    the text says why."""
+
+
+def _leave_a_cpu_to_the_front_end(device: str) -> None:
+    """On the CPU, torch's intra-op threads would take every core; the front end's
+    detokenizing then preempts one of them and each step waits on that thread."""
+    if resolve_device(device).type != "cpu":
+        return
+    if hasattr(os, "sched_getaffinity"):
+        num_cpus = len(os.sched_getaffinity(0))
+    else:
+        num_cpus = os.cpu_count() or 1
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), num_cpus - 1)))
+
+
+def make_scheduler_stats(engine_core: EngineCore) -> SchedulerStats:
+    scheduler = engine_core.scheduler
+    manager = engine_core.kv_cache_manager
+    return SchedulerStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        kv_cache_usage=manager.usage,
+        prefix_cache_queries=manager.prefix_cache_queries,
+        prefix_cache_hits=manager.prefix_cache_hits,
+        num_preemptions_total=scheduler.num_preemptions_total,
+        num_free_blocks=manager.get_num_free_blocks(),
+        num_blocks=manager.block_pool.num_blocks - 1,
+    )
+
+
+class EngineCoreProc:
+    """The busy loop around one EngineCore, reading and writing the given sockets."""
+
+    def __init__(self, engine_args: EngineArgs, input_socket: zmq.Socket,
+                 output_socket: zmq.Socket, parent_pid: int) -> None:
+        model_config, cache_config, scheduler_config, hf_config = engine_args.create_configs()
+        _leave_a_cpu_to_the_front_end(model_config.device)
+        self.engine_core = EngineCore(model_config, cache_config, scheduler_config, hf_config)
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self.parent_pid = parent_pid
+        self.encoder = Encoder()
+        self.decoder = RequestDecoder()
+        self.poller = zmq.Poller()
+        self.poller.register(input_socket, zmq.POLLIN)
+
+    def send_ready(self) -> None:
+        self._send(Ready(
+            num_blocks=self.engine_core.kv_cache_manager.block_pool.num_blocks - 1,
+            block_size=self.cache_config.block_size,
+            max_model_len=self.scheduler_config.max_model_len,
+            pid=os.getpid(),
+        ))
+
+    def run_busy_loop(self) -> None:
+        """Returns when the parent process is gone; raises on any engine error."""
+        core = self.engine_core
+        while self._parent_alive():
+            has_work = core.has_unfinished_requests()
+            changed = self._process_input(block=not has_work)
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                self._send(EngineCoreOutputs(
+                    outputs=[EngineCoreOutputItem.from_output(o) for o in outputs],
+                    scheduler_stats=make_scheduler_stats(core),
+                    timestamp=time.time(),
+                ))
+            elif changed:
+                # Idle after aborts or finishes: let the front end see the freed blocks.
+                self._send(EngineCoreOutputs(outputs=[],
+                                             scheduler_stats=make_scheduler_stats(core),
+                                             timestamp=time.time()))
+
+    def _process_input(self, block: bool) -> bool:
+        """Apply every waiting message; while idle, first wait up to _IDLE_POLL_MS for one.
+        Returns whether requests were added or ended."""
+        if block and not self.poller.poll(_IDLE_POLL_MS):
+            return False
+        changed = False
+        while True:
+            try:
+                frame = self.input_socket.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return changed
+            try:
+                message = self.decoder.decode(frame.buffer)
+            except WireError as exc:
+                logger.error("engine core dropped a frame: %s", exc)
+                continue
+            changed |= self._handle(message)
+
+    def _handle(self, message: object) -> bool:
+        core = self.engine_core
+        if isinstance(message, EngineCoreRequest):
+            try:
+                core.add_request(message.to_request())
+            except ValueError as exc:
+                # The front end validates first; never let one bad request stop the engine.
+                logger.error("engine core rejected request %r: %s", message.request_id, exc)
+                self._send(EngineCoreOutputs(
+                    outputs=[EngineCoreOutputItem(req_id=message.request_id, new_token_ids=[],
+                                                  finish_reason="abort")],
+                    scheduler_stats=make_scheduler_stats(core), timestamp=time.time()))
+                return False
+            return True
+        if isinstance(message, AbortRequests):
+            core.abort_requests(message.request_ids)
+            return True
+        if isinstance(message, FinishRequests):
+            core.finish_requests(message.request_ids, RequestStatus.FINISHED_STOPPED)
+            return True
+        if isinstance(message, UtilityRequest):
+            self._send(self._call_utility(message))
+            return False
+        raise AssertionError(f"unhandled message {type(message).__name__}")
+
+    def _call_utility(self, call: UtilityRequest) -> UtilityReply:
+        core = self.engine_core
+        try:
+            if call.name == "stats":
+                result: Any = make_scheduler_stats(core)
+            elif call.name == "reset_prefix_cache":
+                result = core.kv_cache_manager.reset_prefix_cache()
+            elif call.name == "check_integrity":
+                core.kv_cache_manager.check_integrity()
+                result = True
+            else:
+                return UtilityReply(call_id=call.call_id,
+                                    error=f"unknown utility {call.name!r}")
+        except AssertionError as exc:
+            return UtilityReply(call_id=call.call_id, error=f"{call.name} failed: {exc}")
+        return UtilityReply(call_id=call.call_id, result=result)
+
+    def _send(self, message: object) -> None:
+        self.output_socket.send(self.encoder.encode(message), copy=False)
+
+    def _parent_alive(self) -> bool:
+        # A child whose parent died is re-parented, so its parent pid changes.
+        return os.getppid() == self.parent_pid
+
+
+def run_engine_core(engine_args: dict[str, Any], input_address: str, output_address: str,
+                    parent_pid: int, log_level: int) -> None:
+    """The spawned process's entry point. Exits 0 when the parent is gone, 1 on an error."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(format="%(asctime)s %(levelname)s [engine core] %(message)s")
+    logger.setLevel(log_level)
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+    input_socket.connect(input_address)
+    output_socket.connect(output_address)
+    status = 0
+    try:
+        proc = EngineCoreProc(EngineArgs(**engine_args), input_socket, output_socket,
+                              parent_pid)
+        proc.send_ready()
+        proc.run_busy_loop()
+    except BaseException as exc:  # report anything, even SystemExit, before going
+        status = 1
+        logger.exception("engine core died")
+        dead = EngineDead(error=f"{type(exc).__name__}: {exc}",
+                          traceback="".join(traceback.format_exception(exc)))
+        try:
+            output_socket.send(Encoder().encode(dead))
+        except zmq.ZMQError:
+            pass
+    finally:
+        input_socket.close(linger=0)
+        output_socket.close(linger=_CLOSE_LINGER_MS)
+        context.term()
+    sys.exit(status)
+
+
+# ---- the front end's side ------------------------------------------------------------------
+
+# Unix socket paths longer than this do not fit sockaddr_un; such a temp dir falls back to TCP.
+_MAX_IPC_PATH = 100
+
+
+def _bind(socket: zmq.Socket, ipc_path: str) -> str:
+    """Bind to an ipc:// path, or to a free loopback TCP port if the path is too long;
+    returns the address to connect to."""
+    if len(ipc_path) <= _MAX_IPC_PATH:
+        socket.bind(f"ipc://{ipc_path}")
+        return f"ipc://{ipc_path}"
+    socket.bind("tcp://127.0.0.1:*")
+    return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+@dataclass(slots=True)
+class EngineCoreHandle:
+    """The front end's hold on a started engine-core process and its two sockets."""
+
+    process: BaseProcess
+    context: zmq.Context
+    input_socket: zmq.Socket  # PUSH, requests to the core; sends never block (no HWM)
+    output_socket: zmq.Socket  # PULL, outputs from the core
+    input_address: str
+    output_address: str
+    ipc_dir: str
+
+    def wait_for_ready(self, timeout_s: float) -> Ready:
+        """Block until the core says Ready; EngineDeadError if it dies or is too slow."""
+        decoder = ResponseDecoder()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.output_socket.poll(200):
+                message = decoder.decode(self.output_socket.recv())
+                if isinstance(message, Ready):
+                    return message
+                if isinstance(message, EngineDead):
+                    raise EngineDeadError(f"the engine core failed to start: {message.error}\n"
+                                          f"{message.traceback}")
+                logger.warning("engine core sent %s before ready", type(message).__name__)
+            elif not self.process.is_alive():
+                raise EngineDeadError(f"the engine core exited with status "
+                                      f"{self.process.exitcode} while starting")
+        raise EngineDeadError(f"the engine core was not ready after {timeout_s} s")
+
+    def release(self) -> None:
+        """Stop the process (SIGTERM, then SIGKILL) and free the sockets and the temp dir.
+        Must not reference the AsyncLLM: it also runs as its weakref finalizer."""
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5.0)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5.0)
+        self.input_socket.close(linger=0)
+        self.output_socket.close(linger=0)
+        self.context.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def launch_engine_core(core_args: dict[str, Any], log_level: int) -> EngineCoreHandle:
+    """Bind the sockets and start the engine-core process (it is not ready yet)."""
+    ipc_dir = tempfile.mkdtemp(prefix="sluice-")
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PUSH)
+    input_socket.setsockopt(zmq.SNDHWM, 0)
+    output_socket = context.socket(zmq.PULL)
+    output_socket.setsockopt(zmq.RCVHWM, 0)
+    input_address = _bind(input_socket, f"{ipc_dir}/input")
+    output_address = _bind(output_socket, f"{ipc_dir}/output")
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core,
+        args=(core_args, input_address, output_address, os.getpid(), log_level),
+        name="sluice-engine-core",
+        daemon=True,
+    )
+    handle = EngineCoreHandle(process, context, input_socket, output_socket, input_address,
+                              output_address, ipc_dir)
+    try:
+        process.start()
+    except BaseException:
+        handle.release()
+        raise
+    return handle
