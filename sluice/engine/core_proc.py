@@ -2,7 +2,8 @@
 
 Lifecycle: `launch_engine_core` (in the front end) binds two sockets, a PUSH for requests and a
 PULL for outputs (ipc:// in a temp dir, or loopback TCP on a free port), and starts
-`run_engine_core` with multiprocessing "spawn" (a fresh interpreter, so CUDA can initialize).
+`run_engine_core` in a child interpreter (`python -m sluice.engine.core_proc JSON`), so CUDA can
+initialize there and nothing is pickled.
 The process connects, builds the EngineCore from the engine arguments (a plain dict), sends
 `Ready`, then loops: take every waiting message (blocking in a short poll only while it has no
 work), apply adds / aborts / finishes / utility calls, run one step, send its outputs with the
@@ -13,22 +14,23 @@ quietly when its parent process is gone. SIGINT is ignored: the front end decide
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
 import zmq
 
+import sluice
 from sluice.core.request import RequestStatus
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.core import EngineCore
@@ -257,7 +259,7 @@ def _bind(socket: zmq.Socket, ipc_path: str) -> str:
 class EngineCoreHandle:
     """The front end's hold on a started engine-core process and its two sockets."""
 
-    process: BaseProcess
+    process: ChildProcess
     context: zmq.Context
     input_socket: zmq.Socket  # PUSH, requests to the core; sends never block (no HWM)
     output_socket: zmq.Socket  # PULL, outputs from the core
@@ -308,17 +310,56 @@ def launch_engine_core(core_args: dict[str, Any], log_level: int) -> EngineCoreH
     output_socket.setsockopt(zmq.RCVHWM, 0)
     input_address = _bind(input_socket, f"{ipc_dir}/input")
     output_address = _bind(output_socket, f"{ipc_dir}/output")
-    process = multiprocessing.get_context("spawn").Process(
-        target=run_engine_core,
-        args=(core_args, input_address, output_address, os.getpid(), log_level),
-        name="sluice-engine-core",
-        daemon=True,
-    )
-    handle = EngineCoreHandle(process, context, input_socket, output_socket, input_address,
-                              output_address, ipc_dir)
+    # A fresh interpreter (so CUDA initializes there), given its arguments as JSON: no pickle,
+    # not even at start-up.
+    startup = json.dumps({"engine_args": core_args, "input_address": input_address,
+                          "output_address": output_address, "parent_pid": os.getpid(),
+                          "log_level": log_level})
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(sluice.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     try:
-        process.start()
+        popen = subprocess.Popen([sys.executable, "-m", "sluice.engine.core_proc", startup],
+                                 env=env, stdin=subprocess.DEVNULL)
     except BaseException:
-        handle.release()
+        input_socket.close(linger=0)
+        output_socket.close(linger=0)
+        context.term()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
         raise
-    return handle
+    return EngineCoreHandle(ChildProcess(popen), context, input_socket, output_socket,
+                            input_address, output_address, ipc_dir)
+
+
+class ChildProcess:
+    """The few process operations the front end uses, over subprocess.Popen."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def terminate(self) -> None:
+        self.popen.terminate()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+if __name__ == "__main__":
+    run_engine_core(**json.loads(sys.argv[1]))
