@@ -31,4 +31,8 @@ def get_attention_backend(name: str) -> AttentionBackend:
         from sluice.attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend()
-    raise ValueError(f"attention backend must be one of ['torch_ref'], got {name!r}")
+    if name == "triton":
+        from sluice.attention.triton_backend import TritonBackend
+
+        return TritonBackend()
+    raise ValueError(f"attention backend must be one of ['torch_ref', 'triton'], got {name!r}")

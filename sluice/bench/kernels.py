@@ -28,8 +28,10 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+import triton
 
 from sluice.attention.metadata import AttentionMetadata
+from sluice.attention.torch_ref import TorchRefBackend
 from sluice.attention.triton import TileConfig
 from sluice.attention.triton_backend import (
     TritonBackend,
@@ -39,27 +41,30 @@ from sluice.attention.triton_backend import (
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
 DTYPE = torch.bfloat16
-DECODE_CASES = [(256, 1024), (1, 8192), (8, 8192)]  # (batch, context)
+SCALE = HEAD_DIM**-0.5
+DECODE_CASES = [(256, 1024), (1, 8192), (8, 8192), (32, 2048)]  # (batch, context)
+MIXED_CASE = (255, 1024, 2048)  # decodes, their context, one fresh prefill chunk
 PREFILL_LENS = [1024, 8192]
-DECODE_SWEEP = [TileConfig(16, n, w, s) for n in (32, 64, 128) for s in (2, 3, 4) for w in (4,)] + [
-    TileConfig(16, 64, 2, 3),
-    TileConfig(16, 128, 8, 3),
-    TileConfig(16, 256, 8, 2),
-]
+DECODE_SWEEP = [
+    TileConfig(16, n, w, s)
+    for n, w, s in [
+        (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (64, 2, 3),
+        (128, 4, 3), (128, 4, 4), (128, 8, 3),
+    ]
+]  # fmt: skip
 PREFILL_SWEEP = [
     TileConfig(128, 64, 8, 3),
-    TileConfig(128, 64, 4, 3),
-    TileConfig(128, 64, 8, 2),
-    TileConfig(128, 128, 8, 3),
+    TileConfig(128, 64, 8, 4),
     TileConfig(128, 128, 8, 2),
-    TileConfig(128, 32, 4, 3),
-    TileConfig(64, 64, 4, 3),
+    TileConfig(128, 128, 8, 3),
+    TileConfig(128, 128, 8, 4),
     TileConfig(64, 64, 4, 2),
-    TileConfig(64, 128, 4, 3),
+    TileConfig(64, 64, 4, 3),
+    TileConfig(256, 64, 8, 3),
 ]
 SPLIT_SWEEP = [
     TileConfig(16, n, w, s)
-    for n, w, s in [(32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3)]
+    for n, w, s in [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3)]
 ]
 
 
@@ -165,18 +170,26 @@ def run_decode(
     configs: dict[str, TritonBackendConfig],
 ) -> dict[str, Any]:
     device = timer.flush.device
-    query, key, value, kv_cache, metadata = make_step([context] * batch, [1] * batch, device)
+    step = make_step([context] * batch, [1] * batch, device)
+    query, key, value, kv_cache, metadata = step
     elsize = kv_cache.element_size()
     bytes_moved = (2 * batch * context * NUM_KV_HEADS + 2 * batch * NUM_HEADS) * HEAD_DIM * elsize
+    expected = TorchRefBackend().forward(query, key, value, kv_cache, metadata, SCALE)
     results = {}
     for label, config in configs.items():
         backend = TritonBackend(config)
-        seconds = timer(lambda b=backend: b.forward(query, key, value, kv_cache, metadata, 0.088))
+        try:
+            seconds = timer(lambda b=backend: b.forward(*step, SCALE))
+        except triton.runtime.errors.OutOfResources as e:  # a sweep shape too big for the SM
+            results[label] = {"config": _describe(config), "error": str(e)}
+            continue
+        out = backend.forward(query, key, value, kv_cache, metadata, SCALE)
         results[label] = {
             "config": _describe(config),
             "us": seconds * 1e6,
             "bytes_per_s": bytes_moved / seconds,
             "fraction_of_copy": bytes_moved / seconds / copy_bps,
+            "max_abs_diff_vs_torch_ref": (out.float() - expected.float()).abs().max().item(),
         }
     return {"batch": batch, "context": context, "bytes": bytes_moved, "runs": results}
 
@@ -185,26 +198,62 @@ def run_prefill(
     timer: GraphTimer, prompt_len: int, configs: dict[str, TritonBackendConfig]
 ) -> dict[str, Any]:
     device = timer.flush.device
-    query, key, value, kv_cache, metadata = make_step([prompt_len], [prompt_len], device)
+    step = make_step([prompt_len], [prompt_len], device)
+    query, key, value, kv_cache, metadata = step
     flops = 2 * prompt_len * prompt_len * NUM_HEADS * HEAD_DIM  # causal half of 4 S^2 H D
-    results = {}
-    for label, config in configs.items():
-        backend = TritonBackend(config)
-        seconds = timer(lambda b=backend: b.forward(query, key, value, kv_cache, metadata, 0.088))
-        results[label] = {
-            "config": _describe(config),
-            "us": seconds * 1e6,
-            "tflops": flops / seconds / 1e12,
-        }
     # [1, H, S, D], K/V heads repeated beforehand so torch picks its flash-attention kernel.
     group = NUM_HEADS // NUM_KV_HEADS
     q = query.transpose(0, 1).unsqueeze(0)
     k, v = (t.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0) for t in (key, value))
-    seconds = timer(
-        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    )
-    results["torch_sdpa"] = {"us": seconds * 1e6, "tflops": flops / seconds / 1e12}
+
+    def sdpa() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    seconds = timer(sdpa)
+    expected = sdpa()[0].transpose(0, 1).float()  # [S, H, D]
+    sdpa_run = {"us": seconds * 1e6, "tflops": flops / seconds / 1e12}
+    results: dict[str, Any] = {"torch_sdpa": sdpa_run}
+    for label, config in configs.items():
+        backend = TritonBackend(config)
+        try:
+            seconds = timer(lambda b=backend: b.forward(*step, SCALE))
+        except triton.runtime.errors.OutOfResources as e:
+            results[label] = {"config": _describe(config), "error": str(e)}
+            continue
+        out = backend.forward(query, key, value, kv_cache, metadata, SCALE)
+        results[label] = {
+            "config": _describe(config),
+            "us": seconds * 1e6,
+            "tflops": flops / seconds / 1e12,
+            "max_abs_diff_vs_sdpa": (out.float() - expected).abs().max().item(),
+        }
     return {"prompt_len": prompt_len, "flops": flops, "runs": results}
+
+
+def run_mixed(timer: GraphTimer, decodes: int, context: int, chunk: int) -> dict[str, Any]:
+    """A chunked-prefill step (decodes plus one prompt chunk), in two launches (the default) and
+    in one (decode rows in prefill tiles), against the same work as two separate steps."""
+    device = timer.flush.device
+    mixed = make_step([context] * decodes + [chunk], [1] * decodes + [chunk], device)
+    runs = {
+        "mixed": (TritonBackend(), mixed),
+        "mixed_one_launch": (TritonBackend(TritonBackendConfig(split_mixed_batches=False)), mixed),
+        "decodes_only": (TritonBackend(), make_step([context] * decodes, [1] * decodes, device)),
+        "prefill_only": (TritonBackend(), make_step([chunk], [chunk], device)),
+    }
+    record: dict[str, Any] = {"decodes": decodes, "context": context, "chunk": chunk}
+    for label, (backend, step) in runs.items():
+        seconds = timer(lambda b=backend, step=step: b.forward(*step, SCALE))
+        record[f"{label}_us"] = seconds * 1e6
+    record["mixed_over_separate"] = record["mixed_us"] / (
+        record["decodes_only_us"] + record["prefill_only_us"]
+    )
+    return record
+
+
+def _write(path: str, report: dict[str, Any]) -> None:
+    with open(path, "w") as f:  # after every case, so a cut-short run still leaves its numbers
+        json.dump(report, f, indent=1)
 
 
 def _sweep_name(tiles: TileConfig) -> str:
@@ -267,10 +316,15 @@ def main(argv: list[str] | None = None) -> int:
                 )
         record = run_decode(timer, copy_bps, batch, context, configs)
         report["decode"].append(record)
+        _write(ns.output, report)
         for label, run in record["runs"].items():
+            if "error" in run:
+                print(f"decode batch {batch:4d} ctx {context:5d} {label:22s} {run['error']}")
+                continue
             print(
                 f"decode batch {batch:4d} ctx {context:5d} {label:22s} {run['us']:9.1f} us "
-                f"{run['bytes_per_s'] / 1e12:5.2f} TB/s  {run['fraction_of_copy']:5.1%} of copy"
+                f"{run['bytes_per_s'] / 1e12:5.2f} TB/s  {run['fraction_of_copy']:5.1%} of copy  "
+                f"max|diff| {run['max_abs_diff_vs_torch_ref']:.1e}"
             )
 
     for prompt_len in PREFILL_LENS:
@@ -280,14 +334,26 @@ def main(argv: list[str] | None = None) -> int:
                 configs[_sweep_name(tiles)] = TritonBackendConfig(prefill_tiles=tiles)
         record = run_prefill(timer, prompt_len, configs)
         report["prefill"].append(record)
+        _write(ns.output, report)
         for label, run in record["runs"].items():
+            if "error" in run:
+                print(f"prefill {prompt_len:5d} {label:28s} {run['error']}")
+                continue
             print(
                 f"prefill {prompt_len:5d} {label:28s} {run['us']:9.1f} us "
-                f"{run['tflops']:6.1f} TFLOP/s"
+                f"{run['tflops']:6.1f} TFLOP/s  max|diff| {run.get('max_abs_diff_vs_sdpa', 0):.1e}"
             )
 
-    with open(ns.output, "w") as f:
-        json.dump(report, f, indent=1)
+    mixed = run_mixed(timer, *MIXED_CASE)
+    report["mixed"] = mixed
+    _write(ns.output, report)
+    print(
+        f"mixed {mixed['decodes']} decodes x ctx {mixed['context']} + {mixed['chunk']}-token "
+        f"chunk: {mixed['mixed_us']:.1f} us (one launch: {mixed['mixed_one_launch_us']:.1f}); "
+        f"as two steps "
+        f"{mixed['decodes_only_us']:.1f} + {mixed['prefill_only_us']:.1f} us "
+        f"(ratio {mixed['mixed_over_separate']:.2f})"
+    )
     print(f"wrote {ns.output}")
     return 0
 

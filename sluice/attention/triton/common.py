@@ -1,0 +1,160 @@
+"""Pieces the paged attention kernels share: tile shapes, request lookup on the device, and the
+online-softmax step over one tile of keys.
+
+Softmax runs in the log2 domain (`qk_scale = scale * log2(e)`, then `exp2`), in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = math.log2(math.e)
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    block_m: int  # rows of a query tile: query tokens x the query heads of one KV head
+    block_n: int  # keys per KV tile; independent of the cache's block size
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class KernelDtypes:
+    """Compile-time choices that follow from the tensors' dtypes and device."""
+
+    # The interpreter multiplies bfloat16 bit patterns as integers, so on the CPU dot operands
+    # go through float32 (values rounded exactly as on the GPU first).
+    upcast_dot: bool
+    # float32 caches: exact products rather than TF32, so float32 matches the reference tightly.
+    dot_precision: str
+
+    @staticmethod
+    def of(kv_dtype: torch.dtype, device: torch.device) -> KernelDtypes:
+        return KernelDtypes(
+            upcast_dot=device.type == "cpu",
+            dot_precision="ieee" if kv_dtype == torch.float32 else "tf32",
+        )
+
+
+def group_padded(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(query heads per KV head, that rounded up to a power of two for `tl.arange`)."""
+    group = num_heads // num_kv_heads
+    return group, triton.next_power_of_2(group)
+
+
+@triton.jit
+def find_tile_owner(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
+    """The request whose query tiles hold `tile`: request i's tiles start at
+    `query_start_loc[i] // BLOCK_Q + i`, an upper bound that keeps requests apart without a
+    prefix sum over tile counts. Index `num_reqs` stands for the padding tokens after the last
+    request."""
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def find_token_owner(query_start_loc_ptr, num_reqs, token):
+    """The last request whose queries start at or before `token` (so requests with no queries
+    are passed over); `num_reqs` for padding tokens after the last request."""
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(query_start_loc_ptr + mid) <= token:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def load_rows(ptrs, row_mask, dim_mask, MASK_ROWS: tl.constexpr, MASK_DIMS: tl.constexpr):
+    """Load a [rows, HEAD_DIM_PAD] tile, masking only what may be out of range."""
+    if MASK_ROWS:
+        return tl.load(ptrs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    elif MASK_DIMS:
+        return tl.load(ptrs, mask=dim_mask[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def attend_tile(
+    q,  # [BLOCK_M, HEAD_DIM_PAD], cache dtype (float32 when UPCAST_DOT)
+    m_i,  # [BLOCK_M] running max of scores, log2 domain
+    l_i,  # [BLOCK_M] running sum of exp2(score - m_i)
+    acc,  # [BLOCK_M, HEAD_DIM_PAD] float32, unnormalised output
+    k_base,  # key cache (or keys) + this KV head's offset
+    v_base,
+    block_table_row,  # the request's block table row (paged)
+    first_key_row,  # the request's first key row in `key` (not paged)
+    tile_start,  # position of the tile's first key in the context
+    seq_len,
+    query_pos,  # [BLOCK_M] context position of each row's query (causal)
+    stride_block,
+    stride_slot,  # paged: between slots of a block; not paged: between tokens
+    dims,  # [HEAD_DIM_PAD]
+    dim_mask,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    MASK: tl.constexpr,  # keys may lie past seq_len or in some row's future
+    CAUSAL: tl.constexpr,
+    MASK_DIMS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    in_seq = pos < seq_len
+    if PAGED:
+        if MASK:
+            block = tl.load(block_table_row + pos // PAGE_SIZE, mask=in_seq, other=0)
+        else:
+            block = tl.load(block_table_row + pos // PAGE_SIZE)
+        rows = block.to(tl.int64) * stride_block + (pos % PAGE_SIZE) * stride_slot
+    else:
+        rows = (first_key_row + pos).to(tl.int64) * stride_slot
+    offsets = rows[:, None] + dims[None, :]
+    k = load_rows(k_base + offsets, in_seq, dim_mask, MASK, MASK_DIMS)  # [BLOCK_N, D_PAD]
+    v = load_rows(v_base + offsets, in_seq, dim_mask, MASK, MASK_DIMS)
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASK:
+        visible = in_seq[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= query_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no key yet keeps m = -inf; subtract 0 instead so it stays NaN-free.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v.dtype)
+    if UPCAST_DOT:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

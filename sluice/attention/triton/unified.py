@@ -1,0 +1,212 @@
+"""Paged causal attention for any mix of decodes, chunked prefills and fresh prefills, one launch.
+
+Grid: (query tiles, KV heads). A program owns one KV head and a tile of `BLOCK_Q` consecutive
+query tokens of one request times the `GROUP` query heads that share that KV head (GQA packing:
+`BLOCK_M = BLOCK_Q * GROUP_PAD` rows, row r = (token r // GROUP_PAD, head r % GROUP_PAD)), so each
+K/V tile is loaded once for the whole group. The grid depends only on python ints; each program
+finds its request by a binary search over `query_start_loc` on the device, so the launch needs no
+host sync and can be captured in a CUDA graph.
+
+A request's queries are the last `query_len` positions of its `seq_len` context. A query tile
+reads KV tiles up to its last query's position only (causal tile skipping); tiles wholly at or
+before its first query's position need no mask, the rest are masked. Requests with seq_len 0 and
+padding tokens past the last request get zeros.
+
+A launch may be restricted to requests whose query length lies in a range, so a mixed batch can
+run its decodes with small tiles and its prefills with large ones in two launches.
+
+Without a bound cache (a profiling run) every request is a fresh prefill and keys/values are read
+straight from `key` / `value` (PAGED=False).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sluice.attention.metadata import AttentionMetadata
+from sluice.attention.triton.common import (
+    LOG2_E,
+    KernelDtypes,
+    TileConfig,
+    attend_tile,
+    find_tile_owner,
+    group_padded,
+)
+
+MAX_INT32 = 2**31 - 1
+
+
+@triton.jit
+def _unified_attention_kernel(
+    out_ptr,  # [T, H, D]
+    query_ptr,  # [T, H, D]
+    key_ptr,  # paged: key cache [num_blocks, block_size, KVH, D]; else keys [T, KVH, D]
+    value_ptr,
+    block_tables_ptr,  # [num_reqs, max_blocks] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_reqs,
+    num_tokens,
+    num_q_tiles,
+    min_query_len,  # requests with other query lengths are left to another launch
+    max_query_len,
+    qk_scale,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_kv_block,
+    stride_kv_slot,  # paged: between slots of a block; not paged: between tokens
+    stride_kv_head,
+    stride_block_table,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Late tiles of a request see the most keys: start them first for a better tail.
+    tile = num_q_tiles - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = find_tile_owner(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_end = num_tokens
+    seq_len = 0
+    if req < num_reqs:
+        q_end = tl.load(query_start_loc_ptr + req + 1)
+        seq_len = tl.load(seq_lens_ptr + req)
+    query_len = q_end - q_start
+    q_tile_start = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first query, request-local
+    if (q_tile_start >= query_len) | (query_len < min_query_len) | (query_len > max_query_len):
+        return
+    context_len = seq_len - query_len  # keys before this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = q_tile_start + rows // GROUP_PAD
+    head_in_group = rows % GROUP_PAD
+    row_valid = (q_local < query_len) & (head_in_group < GROUP)
+    token = (q_start + q_local).to(tl.int64)
+    head = kv_head * GROUP + head_in_group
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        query_ptr
+        + token[:, None] * stride_query_token
+        + head[:, None] * stride_query_head
+        + dims[None, :],
+        mask=row_valid[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST_DOT:
+        q = q.to(key_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        q = q.to(key_ptr.dtype.element_ty)
+    query_pos = context_len + q_local  # [BLOCK_M]
+
+    k_base = key_ptr + kv_head * stride_kv_head
+    v_base = value_ptr + kv_head * stride_kv_head
+    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
+    # Keys [0, num_full * BLOCK_N) lie at or before the tile's first query: no mask. Keys up to
+    # the tile's last query are masked; later ones are never loaded.
+    first_query_pos = context_len + q_tile_start
+    num_full = tl.maximum(first_query_pos + 1, 0) // BLOCK_N
+    key_end = tl.minimum(seq_len, first_query_pos + BLOCK_Q)
+    num_tiles = tl.cdiv(tl.maximum(key_end, 0), BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for t in range(0, num_full):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, k_base, v_base, block_table_row, q_start, t * BLOCK_N, seq_len,
+            query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
+            BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASK=False, CAUSAL=True,
+            MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
+        )
+    for t in tl.range(num_full, num_tiles, num_stages=1):  # few tiles: no smem to pipeline
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, k_base, v_base, block_table_row, q_start, t * BLOCK_N, seq_len,
+            query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
+            BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASK=True, CAUSAL=True,
+            MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
+        )
+    # Rows that saw no key (seq_len 0) have l = 0 and acc = 0: write zeros.
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_rows = token * stride_out_token + head * stride_out_head  # [BLOCK_M]
+    tl.store(
+        out_ptr + out_rows[:, None] + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_mask[None, :],
+    )
+
+
+def unified_attention(
+    out: torch.Tensor,  # [T, H, D], written
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # paged: key cache [num_blocks, block_size, KVH, D]; else [T, KVH, D]
+    value: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    tiles: TileConfig,
+    paged: bool = True,
+    query_lens: tuple[int, int] = (0, MAX_INT32),  # only requests with query_len in this range
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[-2]
+    group, group_pad = group_padded(num_heads, num_kv_heads)
+    block_m = max(tiles.block_m, group_pad)
+    block_q = block_m // group_pad
+    num_reqs = metadata.num_reqs
+    # Request i's tiles start at query_start_loc[i] // BLOCK_Q + i (< num_tokens // BLOCK_Q +
+    # num_reqs + 1 with the padding "request" num_reqs).
+    num_q_tiles = num_tokens // block_q + num_reqs + 1
+    dtypes = KernelDtypes.of(key.dtype, query.device)
+    if paged:
+        page_size = key.shape[1]
+        stride_kv = (key.stride(0), key.stride(1), key.stride(2))
+    else:
+        page_size = 1
+        stride_kv = (0, key.stride(0), key.stride(1))
+    assert query.stride(2) == 1 and key.stride(-1) == 1 and out.stride(2) == 1
+    _unified_attention_kernel[(num_q_tiles, num_kv_heads)](
+        out,
+        query,
+        key,
+        value,
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        num_reqs,
+        num_tokens,
+        num_q_tiles,
+        *query_lens,
+        scale * LOG2_E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *stride_kv,
+        metadata.block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n,
+        PAGE_SIZE=page_size,
+        PAGED=paged,
+        UPCAST_DOT=dtypes.upcast_dot,
+        DOT_PRECISION=dtypes.dot_precision,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out

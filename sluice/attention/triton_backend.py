@@ -1,0 +1,181 @@
+"""The Triton attention backend: the same metadata and KV layout as the torch reference, on GPU
+kernels (`sluice.attention.triton`).
+
+`forward` = store this step's K/V at their slots, then attention:
+- split-KV (flash-decoding) when every request has one query token and there are too few
+  (request, KV head) pairs to fill the GPU, with contexts long enough to split;
+- otherwise the unified kernel: small query tiles for decode batches, large ones for prefills,
+  and for a mix of both two launches (each skips the other's requests), so decode rows never
+  ride in a prefill-sized tile.
+
+Every choice is made from python ints (token count, `num_reqs`, `max_query_len`,
+`max_seq_len`), never from device data, so a decode step can be captured in a CUDA graph: the
+runner fixes those ints per batch-size bucket (padding requests: slot -1, seq_len 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import triton
+
+from sluice.attention.metadata import AttentionMetadata
+from sluice.attention.triton import TileConfig, split_kv_attention, store_kv, unified_attention
+from sluice.attention.triton.unified import MAX_INT32
+
+SplitKVMode = Literal["auto", "always", "never"]
+
+# Picked by `python -m sluice.bench.kernels --sweep` on an H200 with Qwen3-0.6B's attention (16 / 8
+# heads, head_dim 128, bf16, block size 16): decode 256 x 1k context at 97% of the copy bandwidth,
+# split-KV decode 8 x 8k at 78%, an 8k prefill at 367 TFLOP/s. More stages than 3 gain nothing:
+# the block-table load ahead of each K/V tile takes a pipeline stage of its own.
+DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+PREFILL_TILES = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+# Split only while (requests x KV heads) is below this many SMs' worth of programs, and keep at
+# least this many keys per split so the merge stays cheap next to the reads.
+SPLIT_BELOW_PROGRAMS_PER_SM = 2
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TritonBackendConfig:
+    split_kv: SplitKVMode = "auto"  # "always": every decode batch (tests); "never": unified only
+    decode_tiles: TileConfig = DECODE_TILES
+    prefill_tiles: TileConfig = PREFILL_TILES
+    split_tiles: TileConfig = SPLIT_TILES
+    num_splits: int | None = None  # fixed split count (tests, benchmarks); None = by the rule
+    # Mixed batches: decodes and prefills in separate launches with their own tiles.
+    split_mixed_batches: bool = True
+
+    def __post_init__(self) -> None:
+        if self.split_kv not in ("auto", "always", "never"):
+            raise ValueError(
+                f"split_kv must be one of ['auto', 'always', 'never'], got {self.split_kv!r}"
+            )
+        if self.num_splits is not None and not 1 <= self.num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {self.num_splits}")
+
+
+def choose_num_splits(
+    num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int
+) -> int:
+    """Splits per request for a decode batch: 1 (no split) when the batch already fills the
+    GPU or contexts are short; else a power of two giving about 4 programs per SM."""
+    programs = num_reqs * num_kv_heads
+    if programs == 0 or programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
+        return 1
+    want = -(-4 * num_sms // programs)
+    fits = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
+    num_splits = min(want, fits, MAX_SPLITS)
+    return 1 << (num_splits.bit_length() - 1)  # few distinct values: few compiled variants
+
+
+class TritonBackend:
+    name = "triton"
+    # Launches depend only on python ints and fixed-shape buffers: decode steps may be captured.
+    supports_cuda_graphs = True
+
+    def __init__(self, config: TritonBackendConfig | None = None) -> None:
+        self.config = config or TritonBackendConfig()
+        self._num_sms: dict[torch.device, int] = {}
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, KVH, D]
+        value: torch.Tensor,  # [T, KVH, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        output = torch.empty_like(query)
+        if query.shape[0] == 0:
+            return output
+        if kv_cache.numel() == 0:
+            return self._forward_without_cache(output, query, key, value, metadata, scale)
+        store_kv(key, value, kv_cache, metadata.slot_mapping)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        num_splits = self._num_splits(metadata, key.shape[1], query.device)
+        if num_splits > 0:
+            tiles = self.config.split_tiles
+            return split_kv_attention(
+                output, query, key_cache, value_cache, metadata, scale, num_splits, tiles
+            )
+        return self._unified(output, query, key_cache, value_cache, metadata, scale, paged=True)
+
+    def _unified(
+        self,
+        output: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        paged: bool,
+    ) -> torch.Tensor:
+        """Decode tiles while every request's queries fit one decode tile (decodes, short
+        speculative runs); else prefill tiles, and with several requests two launches: requests
+        that fit a decode tile in decode tiles, the others in prefill tiles."""
+        decode_tiles = self.config.decode_tiles
+        group_pad = triton.next_power_of_2(query.shape[1] // key.shape[-2])
+        decode_query_len = max(decode_tiles.block_m, group_pad) // group_pad
+        args = (output, query, key, value, metadata, scale)
+        if metadata.max_query_len <= decode_query_len:
+            return unified_attention(*args, decode_tiles, paged=paged)
+        if metadata.num_reqs == 1 or not self.config.split_mixed_batches:
+            return unified_attention(*args, self.config.prefill_tiles, paged=paged)
+        unified_attention(*args, decode_tiles, paged=paged, query_lens=(0, decode_query_len))
+        prefill_lens = (decode_query_len + 1, MAX_INT32)
+        return unified_attention(
+            *args, self.config.prefill_tiles, paged=paged, query_lens=prefill_lens
+        )
+
+    def _num_splits(
+        self, metadata: AttentionMetadata, num_kv_heads: int, device: torch.device
+    ) -> int:
+        """0 for the unified kernel, else the split count of the split-KV path."""
+        mode = self.config.split_kv
+        if metadata.max_query_len > 1 or mode == "never":
+            return 0
+        if self.config.num_splits is not None:
+            num_splits = self.config.num_splits
+        else:
+            num_splits = choose_num_splits(
+                metadata.num_reqs, num_kv_heads, metadata.max_seq_len, self._sm_count(device)
+            )
+        if mode == "always":
+            return num_splits
+        return num_splits if num_splits > 1 else 0
+
+    def _sm_count(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            self._num_sms[device] = (
+                torch.cuda.get_device_properties(device).multi_processor_count
+                if device.type == "cuda"
+                else 4  # the interpreter: any count exercises the rule
+            )
+        return self._num_sms[device]
+
+    def _forward_without_cache(
+        self,
+        output: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """A profiling run before the cache exists: fresh prefills attend within themselves."""
+        query_lens = metadata.query_start_loc_cpu.diff()
+        if not torch.equal(query_lens, metadata.seq_lens_cpu):
+            bad = int((query_lens != metadata.seq_lens_cpu).nonzero()[0, 0])
+            raise ValueError(
+                f"request {bad} has context {int(metadata.seq_lens_cpu[bad])} > its "
+                f"{int(query_lens[bad])} query tokens, but no KV cache is bound"
+            )
+        assert key.stride() == value.stride()
+        return self._unified(output, query, key, value, metadata, scale, paged=False)
