@@ -1,4 +1,4 @@
-"""The `sluice` command: generate, make-model."""
+"""The `sluice` command: generate, serve, make-model, bench."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("gpu-memory-utilization", float, "fraction of GPU memory to use"),
     ("device", str, "auto | cpu | cuda"),
     ("enforce-eager", bool, "no CUDA graphs and no torch.compile (GPU)"),
+    ("async-scheduling", bool, "schedule the next step while the GPU runs this one "
+                               "(default: on with a GPU)"),
 ]
 
 
@@ -81,6 +83,17 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from sluice.entrypoints.openai.api_server import ServerArgs, run_server
+
+    server_args = ServerArgs(
+        host=ns.host, port=ns.port, api_key=ns.api_key,
+        served_model_name=tuple(ns.served_model_name or ()),
+        disable_log_stats=ns.disable_log_stats, enable_log_requests=ns.enable_log_requests,
+        max_log_len=ns.max_log_len, uvicorn_log_level=ns.uvicorn_log_level)
+    return run_server(server_args, engine_args_from(ns))
+
+
 def _cmd_make_model(ns: argparse.Namespace) -> int:
     from sluice.model.tiny import make_tiny_model
 
@@ -108,6 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0: a free port (logged)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="names clients use (default: the model folder)")
+    serve.add_argument("--disable-log-stats", action="store_true")
+    serve.add_argument("--enable-log-requests", action="store_true")
+    serve.add_argument("--max-log-len", type=int, default=None)
+    serve.add_argument("--uvicorn-log-level", default="info")
+    add_engine_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+
     make = sub.add_parser("make-model", help="write a random-weight model folder")
     make.add_argument("dir")
     make.add_argument("--arch", default="qwen3", help="qwen3 | llama | qwen2")
@@ -119,12 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     # Each benchmark module adds its own subcommand: module.add_parser(bench_sub).
-    from sluice.bench import latency, throughput
+    from sluice.bench import latency, profile_steps, throughput
     from sluice.bench import serve as bench_serve
 
     bench_serve.add_parser(bench_sub)
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
+    profile_steps.add_parser(bench_sub)
     return parser
 
 

@@ -85,12 +85,10 @@ class StagedBuffer:
         self.device = self.cpu if device.type == "cpu" else torch.zeros(
             shape, dtype=dtype, device=device)
 
-    def to_device(self, n: int, width: int | None = None) -> torch.Tensor:
-        """Copy the first n rows (and `width` columns) to the device; returns that device view."""
-        if width is None:
-            src, dst = self.cpu[:n], self.device[:n]
-        else:
-            src, dst = self.cpu[:n, :width], self.device[:n, :width]
+    def to_device(self, n: int) -> torch.Tensor:
+        """Copy the first n entries to the device (contiguous, so the copy never goes through
+        pageable memory and never blocks the host); returns that device view."""
+        src, dst = self.cpu[:n], self.device[:n]
         if dst is not src:
             dst.copy_(src, non_blocking=True)
         return dst

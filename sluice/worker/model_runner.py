@@ -52,7 +52,7 @@ class StepInputs:
     num_computed: np.ndarray  # [B] before this step
     num_scheduled: np.ndarray  # [B]
     query_start_loc: np.ndarray  # [B + 1]
-    block_table_width: int  # the most blocks any request of the step has
+    block_tables: torch.Tensor  # [B, most blocks of any request], on the device
     graph_size: int | None  # the CUDA graph to replay, if any
 
 
@@ -112,11 +112,16 @@ class ModelRunner:
         self.buf_slot_mapping = StagedBuffer((max_tokens,), torch.int64, dev)
         self.buf_query_start_loc = StagedBuffer((max_num_reqs + 1,), torch.int32, dev)
         self.buf_seq_lens = StagedBuffer((max_num_reqs,), torch.int32, dev)
-        self.buf_block_tables = StagedBuffer((max_num_reqs, self.max_blocks_per_req),
+        # Block tables travel compact ([B, width] of this step, one contiguous copy); CUDA graphs
+        # read them from a fixed full-width table, filled on the device.
+        self.buf_block_tables = StagedBuffer((max_num_reqs * self.max_blocks_per_req,),
                                              torch.int32, dev)
+        self.graph_block_tables = (
+            torch.zeros((max_num_reqs, self.max_blocks_per_req), dtype=torch.int32, device=dev)
+            if dev.type == "cuda" else None)
         self.buf_logits_indices = StagedBuffer((max_tokens,), torch.int64, dev)
         # Where tokens still in flight go in this step's input ids: (destination, source row).
-        self.buf_pending = StagedBuffer((2, max_num_reqs), torch.int64, dev)
+        self.buf_pending = StagedBuffer((2 * max_num_reqs,), torch.int64, dev)
         # Two pinned buffers for sampled ids: a step may land while the next one is launched.
         self._sampled_host = [torch.zeros(max_num_reqs, dtype=torch.int64,
                                           pin_memory=dev.type == "cuda") for _ in range(2)]
@@ -151,16 +156,15 @@ class ModelRunner:
         self.buf_positions.np[:] = 0
         self.buf_slot_mapping.np[:] = -1
         self.buf_seq_lens.np[:] = 0
-        self.buf_block_tables.np[:] = 0
         self.buf_query_start_loc.np[:] = np.arange(self.buf_query_start_loc.np.shape[0])
         for buf in (self.buf_input_ids, self.buf_positions, self.buf_slot_mapping,
-                    self.buf_seq_lens, self.buf_query_start_loc, self.buf_block_tables):
+                    self.buf_seq_lens, self.buf_query_start_loc):
             buf.to_device(buf.np.shape[0])
 
         def make_inputs(size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
             metadata = self._metadata(size, size, max_query_len=1,
                                       max_seq_len=self.scheduler_config.max_model_len,
-                                      width=self.max_blocks_per_req)
+                                      block_tables=self.graph_block_tables[:size])
             return (self.buf_input_ids.device[:size], self.buf_positions.device[:size],
                     metadata)
 
@@ -193,7 +197,7 @@ class ModelRunner:
             metadata = self._metadata(
                 num_reqs, step.num_tokens, max_query_len=int(step.num_scheduled.max()),
                 max_seq_len=int((step.num_computed + step.num_scheduled).max()),
-                width=step.block_table_width)
+                block_tables=step.block_tables)
             hidden = self.model(self.buf_input_ids.device[:step.num_tokens],
                                 self.buf_positions.device[:step.num_tokens], metadata)
 
@@ -303,7 +307,8 @@ class ModelRunner:
         self.buf_query_start_loc.np[:num_reqs + 1] = query_start_loc
         self.buf_seq_lens.np[:num_reqs] = num_computed + num_scheduled
         width = int(self.block_tables.num_blocks[rows].max())
-        self.buf_block_tables.np[:num_reqs, :width] = table[rows, :width]
+        compact = self.buf_block_tables.np[:num_reqs * width].reshape(num_reqs, width)
+        compact[:] = table[rows, :width]
 
         graph_size = None
         if self.graphs is not None and num_tokens == num_reqs:
@@ -316,7 +321,6 @@ class ModelRunner:
             self.buf_seq_lens.np[num_reqs:graph_size] = 0
             self.buf_query_start_loc.np[num_reqs + 1:graph_size + 1] = np.arange(
                 num_reqs + 1, graph_size + 1)
-            self.buf_block_tables.np[num_reqs:graph_size, :width] = 0
         padded_reqs = graph_size or num_reqs
         padded_tokens = graph_size or num_tokens
         self.buf_input_ids.to_device(padded_tokens)
@@ -324,27 +328,31 @@ class ModelRunner:
         self.buf_slot_mapping.to_device(padded_tokens)
         self.buf_query_start_loc.to_device(padded_reqs + 1)
         self.buf_seq_lens.to_device(padded_reqs)
-        self.buf_block_tables.to_device(padded_reqs, width)
+        block_tables = self.buf_block_tables.to_device(num_reqs * width).view(num_reqs, width)
+        if graph_size is not None:
+            # Padding rows keep whatever they held: with no context they read nothing.
+            self.graph_block_tables[:num_reqs, :width].copy_(block_tables)
         for handle, (dst, src) in pending.items():
-            self.buf_pending.np[0, :len(dst)] = dst
-            self.buf_pending.np[1, :len(src)] = src
-            index = self.buf_pending.to_device(2, len(dst))
-            self.buf_input_ids.device.index_copy_(0, index[0], handle.sampled[index[1]])
+            count = len(dst)
+            self.buf_pending.np[:count] = dst
+            self.buf_pending.np[count:2 * count] = src
+            index = self.buf_pending.to_device(2 * count)
+            self.buf_input_ids.device.index_copy_(0, index[:count], handle.sampled[index[count:]])
         if self.device.type == "cuda":
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
         return StepInputs(req_ids, states, num_tokens, num_computed, num_scheduled,
-                          query_start_loc, width, graph_size)
+                          query_start_loc, block_tables, graph_size)
 
     def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
-                  width: int) -> AttentionMetadata:
+                  block_tables: torch.Tensor) -> AttentionMetadata:
         return AttentionMetadata(
             num_actual_tokens=num_tokens,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             query_start_loc=self.buf_query_start_loc.device[:num_reqs + 1],
             seq_lens=self.buf_seq_lens.device[:num_reqs],
-            block_tables=self.buf_block_tables.device[:num_reqs, :width],
+            block_tables=block_tables,
             slot_mapping=self.buf_slot_mapping.device[:num_tokens],
             query_start_loc_cpu=self.buf_query_start_loc.cpu[:num_reqs + 1],
             seq_lens_cpu=self.buf_seq_lens.cpu[:num_reqs],

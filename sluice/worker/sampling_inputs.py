@@ -1,7 +1,7 @@
 """Build the sampler's per-step inputs from the sampling requests' state.
 
 Only what some row needs is built: a batch without penalties sends no token history, one
-without top-k sends no top-k column. Each column is one host-to-device copy.
+without top-k sends no top-k column. Each column is one host-to-device copy from pinned memory.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def build_sampling_metadata(states: list[CachedRequestState], device: torch.devi
     num_rows = len(states)
 
     def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=dtype), device)
 
     greedy = [p.greedy for p in params]
     no_penalties = all(p.presence_penalty == 0 and p.frequency_penalty == 0
@@ -38,7 +38,7 @@ def build_sampling_metadata(states: list[CachedRequestState], device: torch.devi
         padded = np.full((num_rows, width), vocab_size, dtype=np.int64)
         for i, s in enumerate(states):
             padded[i, :s.num_prompt_tokens] = s.token_ids[:s.num_prompt_tokens]
-        prompt_token_ids = torch.from_numpy(padded).to(device)
+        prompt_token_ids = to_device(torch.from_numpy(padded), device)
         output_token_ids = [s.output_token_ids for s in states]
 
     wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -66,3 +66,12 @@ def build_sampling_metadata(states: list[CachedRequestState], device: torch.devi
         output_token_ids=output_token_ids,
         blocked_token_ids=blocked,
     )
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy without making the host wait: a copy from pageable memory would block until the
+    device has finished everything queued before it, undoing async scheduling. The pinned
+    buffer comes from torch's caching host allocator, which keeps it until the copy is done."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
