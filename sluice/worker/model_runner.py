@@ -36,7 +36,7 @@ from sluice.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from sluice.worker.input_batch import BlockTables, CachedRequestState, StagedBuffer
 from sluice.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from sluice.worker.sampler import Sampler, compute_topk_logprobs
-from sluice.worker.sampling_inputs import build_sampling_metadata
+from sluice.worker.sampling_inputs import SamplingStaging, build_sampling_metadata
 from sluice.worker.step_handle import StepHandle, position_logprobs
 
 logger = logging.getLogger("sluice")
@@ -126,6 +126,7 @@ class ModelRunner:
         self._sampled_host = [torch.zeros(max_num_reqs, dtype=torch.int64,
                                           pin_memory=dev.type == "cuda") for _ in range(2)]
         self._launch_parity = 0
+        self.sampling_staging = SamplingStaging(max_num_reqs, dev)
         self._last_step: StepHandle | None = None
         self._inputs_copied: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None
@@ -220,7 +221,7 @@ class ModelRunner:
             sample_hidden = hidden[indices.to_device(len(sample_rows))]
         logits = self.model.compute_logits(sample_hidden)  # [S, V] float32
         sample_states = [states[i] for i in sample_rows]
-        metadata = build_sampling_metadata(sample_states, self.device,
+        metadata = build_sampling_metadata(sample_states, self.sampling_staging,
                                            self.hf_config.vocab_size)
         sampler_output = self.sampler(logits, metadata)
         self._launch_parity ^= 1

@@ -1,7 +1,7 @@
 """Build the sampler's per-step inputs from the sampling requests' state.
 
 Only what some row needs is built: a batch without penalties sends no token history, one
-without top-k sends no top-k column. Each column is one host-to-device copy from pinned memory.
+without top-k uses no top-k column. The columns travel in one copy from pinned memory.
 """
 
 from __future__ import annotations
@@ -13,32 +13,60 @@ from sluice.worker.input_batch import CachedRequestState
 from sluice.worker.sampling_metadata import SamplingMetadata
 
 
-def build_sampling_metadata(states: list[CachedRequestState], device: torch.device,
+class SamplingStaging:
+    """Pinned host buffers for the per-row sampling columns, two sets used in turn: a set is
+    written again only two steps later, when its copy has long finished, so the host never
+    waits and never allocates pinned memory on the hot path."""
+
+    NUM_FLOAT_COLUMNS = 6  # temperature, top_p, min_p, presence, frequency, repetition
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.device = device
+        self.floats = [torch.zeros(self.NUM_FLOAT_COLUMNS * max_rows, dtype=torch.float32,
+                                   pin_memory=pin) for _ in range(2)]
+        self.ints = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin)
+                     for _ in range(2)]
+        self.turn = 0
+
+    def upload(self, floats: list[list[float]], ints: list[int]) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+        """floats: NUM_FLOAT_COLUMNS columns of B values; ints: B values. Device [6, B], [B]."""
+        self.turn ^= 1
+        num_rows = len(ints)
+        host_floats = self.floats[self.turn][:self.NUM_FLOAT_COLUMNS * num_rows]
+        host_floats.numpy().reshape(self.NUM_FLOAT_COLUMNS, num_rows)[:] = floats
+        host_ints = self.ints[self.turn][:num_rows]
+        host_ints.numpy()[:] = ints
+        if self.device.type == "cpu":
+            return host_floats.view(self.NUM_FLOAT_COLUMNS, num_rows).clone(), host_ints.clone()
+        return (host_floats.to(self.device, non_blocking=True).view(self.NUM_FLOAT_COLUMNS,
+                                                                    num_rows),
+                host_ints.to(self.device, non_blocking=True))
+
+
+def build_sampling_metadata(states: list[CachedRequestState], staging: SamplingStaging,
                             vocab_size: int) -> SamplingMetadata:
     params = [s.sampling_params for s in states]
-    num_rows = len(states)
-
-    def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return to_device(torch.tensor(values, dtype=dtype), device)
-
+    device = staging.device
     greedy = [p.greedy for p in params]
     no_penalties = all(p.presence_penalty == 0 and p.frequency_penalty == 0
                        and p.repetition_penalty == 1.0 for p in params)
+    columns, top_k = staging.upload(
+        [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params],
+         [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+         [p.repetition_penalty for p in params]],
+        [p.top_k for p in params])
+    temperature, top_p, min_p, presence, frequency, repetition = columns.unbind(0)
     prompt_token_ids = None
     output_token_ids: list[list[int]] = []
-    if no_penalties:
-        zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
-        presence = frequency = zeros
-        repetition = torch.ones(num_rows, dtype=torch.float32, device=device)
-    else:
-        presence = column([p.presence_penalty for p in params], torch.float32)
-        frequency = column([p.frequency_penalty for p in params], torch.float32)
-        repetition = column([p.repetition_penalty for p in params], torch.float32)
+    if not no_penalties:
         width = max(s.num_prompt_tokens for s in states)
-        padded = np.full((num_rows, width), vocab_size, dtype=np.int64)
+        padded = np.full((len(states), width), vocab_size, dtype=np.int64)
         for i, s in enumerate(states):
             padded[i, :s.num_prompt_tokens] = s.token_ids[:s.num_prompt_tokens]
-        prompt_token_ids = to_device(torch.from_numpy(padded), device)
+        # Penalty batches have already waited for the step in flight (they count its token).
+        prompt_token_ids = torch.from_numpy(padded).to(device)
         output_token_ids = [s.output_token_ids for s in states]
 
     wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -47,15 +75,12 @@ def build_sampling_metadata(states: list[CachedRequestState], device: torch.devi
                and len(s.token_ids) - s.num_prompt_tokens < s.sampling_params.min_tokens
                and s.sampling_params.all_stop_token_ids}
     return SamplingMetadata(
-        temperature=column([p.temperature for p in params], torch.float32),
+        temperature=temperature,
         all_greedy=all(greedy),
         all_random=not any(greedy),
-        top_k=column([p.top_k for p in params], torch.int64)
-        if any(p.top_k > 0 for p in params) else None,
-        top_p=column([p.top_p for p in params], torch.float32)
-        if any(p.top_p < 1.0 for p in params) else None,
-        min_p=column([p.min_p for p in params], torch.float32)
-        if any(p.min_p > 0.0 for p in params) else None,
+        top_k=top_k if any(p.top_k > 0 for p in params) else None,
+        top_p=top_p if any(p.top_p < 1.0 for p in params) else None,
+        min_p=min_p if any(p.min_p > 0.0 for p in params) else None,
         generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
         max_num_logprobs=max(wanted) if wanted else None,
         no_penalties=no_penalties,
@@ -66,12 +91,3 @@ def build_sampling_metadata(states: list[CachedRequestState], device: torch.devi
         output_token_ids=output_token_ids,
         blocked_token_ids=blocked,
     )
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy without making the host wait: a copy from pageable memory would block until the
-    device has finished everything queued before it, undoing async scheduling. The pinned
-    buffer comes from torch's caching host allocator, which keeps it until the copy is done."""
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
