@@ -3,7 +3,6 @@ runs them: the printed block and the saved JSON hold the run's true counts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -15,19 +14,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-
-def _server_available() -> bool:
-    # find_spec of a dotted name raises when the parent package itself is missing.
-    try:
-        return importlib.util.find_spec("sluice.entrypoints.openai.api_server") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-server_available = _server_available()
-pytestmark = pytest.mark.skipif(not server_available,
-                                reason="the OpenAI-compatible server is not in the tree yet")
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 8, 32, 8
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (`sluice serve`): see api_server.py."""

@@ -1,0 +1,256 @@
+"""What completions and chat completions share: model names, prompt checks against the context,
+SamplingParams from a request, merging several request streams, Server-Sent Events, and ending
+a request when its client goes away.
+
+A request is checked in full before anything reaches the engine (the model name, every
+prompt's length, the sampling parameters), so a bad request is a 400 that costs the engine
+nothing, and a streamed response never starts with a 200 only to fail on its parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from sluice.engine.async_llm import AsyncLLM, EngineDeadError
+from sluice.entrypoints.openai.errors import OpenAIError, error_body
+from sluice.entrypoints.openai.protocol import ChatMessage, SamplingFields
+from sluice.sampling_params import SamplingParams
+
+logger = logging.getLogger("sluice")
+
+T = TypeVar("T")
+
+MAX_N = 128
+# JSON has no -inf; a token the model rules out gets this logprob, as in vLLM.
+MIN_LOGPROB = -9999.0
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    """The event a stream ends with when the request fails after the 200 went out."""
+    if isinstance(exc, OpenAIError):
+        status = exc.status
+    elif isinstance(exc, EngineDeadError):
+        status = 503
+    elif isinstance(exc, ValueError):
+        status = 400
+    else:
+        logger.error("a stream failed", exc_info=exc)
+        status = 500
+    return f"data: {json.dumps(error_body(status, str(exc)))}\n\n"
+
+
+def clamp_logprob(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+class OpenAIServing:
+    """The engine and the served model names, and the checks every generating route runs."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str], *,
+                 log_requests: bool = False, max_log_len: int | None = None) -> None:
+        assert served_model_names
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.max_model_len = engine.max_model_len
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if requested is None or requested == "":
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise OpenAIError(f"The model `{requested}` does not exist. Served models: "
+                              f"{self.served_model_names}", 404, "model")
+        return requested
+
+    def check_engine(self) -> None:
+        error = self.engine.dead_error
+        if error is not None:
+            raise OpenAIError(f"the engine is dead: {error}", 503)
+
+    def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True
+                        ) -> tuple[str, list[int]]:
+        """(text, token ids) of one prompt; a token-id prompt is decoded for its text."""
+        tokenizer = self.engine.tokenizer
+        try:
+            if isinstance(prompt, str):
+                if not add_special_tokens:
+                    if not prompt:
+                        raise ValueError("prompt must be a non-empty string, got ''")
+                    return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+                text, token_ids = self.engine.input_processor.tokenize(prompt)
+                return text or prompt, token_ids
+            _, token_ids = self.engine.input_processor.tokenize(list(prompt))
+        except ValueError as exc:
+            raise OpenAIError(str(exc), 400, "prompt") from None
+        return tokenizer.decode(token_ids), token_ids
+
+    def tokenize_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                      chat_template_kwargs: dict[str, Any] | None) -> list[int]:
+        if not messages:
+            raise OpenAIError("messages must not be empty", 400, "messages")
+        try:
+            conversation: list[dict[str, Any]] = []
+            for message in messages:
+                entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+                if message.name is not None:
+                    entry["name"] = message.name
+                conversation.append(entry)
+            token_ids = self.engine.tokenizer.apply_chat_template(
+                conversation, tokenize=True, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}))
+        except Exception as exc:  # the template runs the user's messages: any failure is theirs
+            raise OpenAIError(f"messages: the chat template failed: {exc}", 400,
+                              "messages") from None
+        if hasattr(token_ids, "keys"):  # transformers 5 returns a BatchEncoding
+            token_ids = token_ids["input_ids"]
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise OpenAIError("messages rendered to an empty prompt", 400, "messages")
+        return token_ids
+
+    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """400 when the prompt, with the tokens asked for, does not fit the context."""
+        limit = self.max_model_len
+        if max_tokens is None:
+            if num_prompt_tokens >= limit:
+                raise OpenAIError(
+                    f"This model's maximum context length is {limit} tokens. However, your "
+                    f"request has {num_prompt_tokens} input tokens. Please reduce the length "
+                    "of the input messages.", 400, "messages")
+            return
+        if num_prompt_tokens + max_tokens > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.", 400, "max_tokens")
+
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        """The request's SamplingParams; ValueErrors become 400s naming the field."""
+        if request.n > MAX_N:
+            raise OpenAIError(f"n must be an integer in [1, {MAX_N}], got {request.n}", 400, "n")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError(f"best_of must equal n ({request.n}) or be left out: only "
+                              f"parallel sampling is supported, got {request.best_of}", 400,
+                              "best_of")
+        if request.logit_bias:
+            raise OpenAIError("logit_bias is not supported", 400, "logit_bias")
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=0 if request.top_k is None else request.top_k,
+                min_p=0.0 if request.min_p is None else request.min_p,
+                seed=request.seed,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=(1.0 if request.repetition_penalty is None
+                                    else request.repetition_penalty),
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+            )
+        except ValueError as exc:
+            raise OpenAIError.from_value_error(exc, set(type(request).model_fields)) from None
+
+    def log_request(self, request_id: str, prompt: str | None, token_ids: list[int],
+                    params: SamplingParams) -> None:
+        if not self.log_requests:
+            return
+        limit = self.max_log_len
+        shown_prompt = prompt if prompt is None or limit is None else prompt[:limit]
+        shown_ids = token_ids if limit is None else token_ids[:limit]
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+                    request_id, shown_prompt, params, shown_ids)
+
+
+_END = object()
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several streams as they come, tagged with the stream's index. Closing or
+    cancelling the merged stream closes every source (which aborts their requests)."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await _close(streams[0])
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item))
+            queue.put_nowait((index, _END))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()  # each cancelled generate aborts its request synchronously
+
+
+async def _close(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run a non-streaming handler's work; if the client goes away first, cancel it (which
+    aborts its requests in the engine) and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return None
+    return task.result()
