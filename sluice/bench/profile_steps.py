@@ -81,6 +81,7 @@ def main(ns: argparse.Namespace) -> int:
     from sluice.engine.processors import RequestOutputKind
 
     kernels: list[dict[str, Any]] = []
+    host_ops: list[dict[str, Any]] = []
     profiler = None
     window = range(100, 100 + ns.profile_steps) if device.type == "cuda" else range(0)
     try:
@@ -91,7 +92,7 @@ def main(ns: argparse.Namespace) -> int:
             if steps[0] == window.start and len(window):
                 from torch.profiler import ProfilerActivity, profile
 
-                profiler = profile(activities=[ProfilerActivity.CUDA])
+                profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 profiler.__enter__()
             engine.step()
             if profiler is not None and steps[0] == window.stop:
@@ -102,6 +103,13 @@ def main(ns: argparse.Namespace) -> int:
                             "device_ms_per_step": round(e.device_time_total / 1000
                                                         / len(window), 3)}
                            for e in events[:15]]
+                # Host time by op: a CUDA runtime call that blocks (a sync, a pageable copy)
+                # shows up here.
+                events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
+                host_ops = [{"name": e.key[:90], "calls": e.count,
+                             "host_ms_per_step": round(e.self_cpu_time_total / 1000
+                                                       / len(window), 3)}
+                            for e in events[:20]]
                 profiler = None
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -118,6 +126,7 @@ def main(ns: argparse.Namespace) -> int:
         "phases_ms_per_step": {k: round(1000 * v / max(steps[0], 1), 3)
                                for k, v in sorted(phases.items())},
         "top_gpu_kernels_steps_100_on": kernels,
+        "top_host_ops_steps_100_on": host_ops,
     }
     print(json.dumps(result, indent=1))
     if ns.output:
