@@ -144,9 +144,37 @@ class ModelRunner:
                                             self.dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches)
         self.num_blocks = num_blocks
+        if self.device.type == "cuda":
+            self._warm_up_prefill()
         if (self.device.type == "cuda" and not self.model_config.enforce_eager
                 and getattr(self.attn_backend, "supports_cuda_graphs", False)):
             self._capture_graphs()
+
+    @torch.inference_mode()
+    def _warm_up_prefill(self) -> None:
+        """Compile the prefill-side kernels now rather than in the first request: one step of
+        two prompts on padding inputs (nothing stored, the null block read)."""
+        lens = [min(self.scheduler_config.max_num_batched_tokens // 2,
+                    self.scheduler_config.max_model_len, 512)] * 2
+        num_tokens = sum(lens)
+        self.buf_input_ids.np[:num_tokens] = 0
+        self.buf_positions.np[:num_tokens] = np.concatenate([np.arange(n) for n in lens])
+        self.buf_slot_mapping.np[:num_tokens] = -1
+        self.buf_query_start_loc.np[:3] = [0, lens[0], num_tokens]
+        self.buf_seq_lens.np[:2] = lens
+        width = -(-max(lens) // self.block_size)
+        self.buf_block_tables.np[:2 * width] = 0
+        for buf, n in ((self.buf_input_ids, num_tokens), (self.buf_positions, num_tokens),
+                       (self.buf_slot_mapping, num_tokens), (self.buf_query_start_loc, 3),
+                       (self.buf_seq_lens, 2)):
+            buf.to_device(n)
+        block_tables = self.buf_block_tables.to_device(2 * width).view(2, width)
+        metadata = self._metadata(2, num_tokens, max_query_len=max(lens),
+                                  max_seq_len=max(lens), block_tables=block_tables)
+        hidden = self.model(self.buf_input_ids.device[:num_tokens],
+                            self.buf_positions.device[:num_tokens], metadata)
+        self.model.compute_logits(hidden[:2])
+        torch.cuda.synchronize()
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:

@@ -25,7 +25,7 @@ from sluice.attention.triton.common import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "stride_block_table"])  # vary by step
 def _split_kv_partial_kernel(
     partial_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] float32, unnormalised
     partial_max_ptr,  # [T, H, NUM_SPLITS] float32, log2 domain

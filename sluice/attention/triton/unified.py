@@ -38,7 +38,10 @@ from sluice.attention.triton.common import (
 MAX_INT32 = 2**31 - 1
 
 
-@triton.jit
+# Integers that change from step to step are not specialised on (Triton would otherwise compile
+# a variant per divisibility class of each, mid-run, on a fresh machine).
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "num_q_tiles", "min_query_len",
+                               "max_query_len", "stride_block_table"])
 def _unified_attention_kernel(
     out_ptr,  # [T, H, D]
     query_ptr,  # [T, H, D]
