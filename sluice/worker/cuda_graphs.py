@@ -1,10 +1,13 @@
-"""CUDA graphs of the whole model forward for decode batches.
+"""CUDA graphs of the whole model forward: decode batches, and lone prompts.
 
 A decode batch of B requests is one query token each. It is padded to the next captured size
 (see capture_sizes): padding rows store nothing (slot -1), have no context
 (seq_len 0) and read the null block. Each graph was captured on the runner's persistent device
 buffers, so replaying it only needs this step's inputs copied into those buffers first. Sampling
 stays outside the graph: which rows sample, and how, changes every step.
+
+The same class holds the graphs of one-prompt prefills, keyed by padded token count: the
+tokens past the prompt store nothing and come out as zeros.
 """
 
 from __future__ import annotations
@@ -31,19 +34,19 @@ def capture_sizes(max_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, sizes: list[int]) -> None:
+    def __init__(self, sizes: list[int], pool: object = None) -> None:
         self.sizes = sorted(sizes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool = pool  # share another set's memory pool: only one graph runs at a time
 
     @property
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def padded_size(self, num_reqs: int) -> int | None:
-        """The captured batch size to run `num_reqs` decodes with, or None (run eagerly)."""
-        i = bisect.bisect_left(self.sizes, num_reqs)
+    def padded_size(self, num: int) -> int | None:
+        """The captured size to run `num` requests (or tokens) with, or None (run eagerly)."""
+        i = bisect.bisect_left(self.sizes, num)
         return self.sizes[i] if i < len(self.sizes) else None
 
     def capture(self, forward: ForwardFn,

@@ -42,6 +42,8 @@ from sluice.worker.step_handle import StepHandle, position_logprobs
 logger = logging.getLogger("sluice")
 
 _MAX_GRAPH_BATCH = 512
+_PREFILL_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_MAX_PREFILL_GRAPH_TOKENS = _PREFILL_GRAPH_TOKENS[-1]
 
 
 @dataclass(slots=True)
@@ -53,7 +55,7 @@ class StepInputs:
     num_scheduled: np.ndarray  # [B]
     query_start_loc: np.ndarray  # [B + 1]
     block_tables: torch.Tensor  # [B, most blocks of any request], on the device
-    graph_size: int | None  # the CUDA graph to replay, if any
+    graph: tuple[DecodeGraphs, int] | None  # the CUDA graph to replay (graph set, size), if any
 
 
 def resolve_device(device: str) -> torch.device:
@@ -129,7 +131,8 @@ class ModelRunner:
         self.sampling_staging = SamplingStaging(max_num_reqs, dev)
         self._last_step: StepHandle | None = None
         self._inputs_copied: torch.cuda.Event | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | None = None  # decode batches, by number of requests
+        self.prefill_graphs: DecodeGraphs | None = None  # one prompt, by number of tokens
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 
@@ -200,6 +203,30 @@ class ModelRunner:
         self.graphs.capture(self.model, make_inputs)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.graphs.sizes)
 
+        # One prompt (maybe over a cached prefix) padded to a token bucket: the prefill of a
+        # lone request is otherwise dominated by launching ~30 kernels a layer from Python.
+        max_tokens = min(self.scheduler_config.max_num_batched_tokens,
+                         self.scheduler_config.max_model_len, _MAX_PREFILL_GRAPH_TOKENS)
+        sizes = [t for t in _PREFILL_GRAPH_TOKENS if t <= max_tokens]
+        if not sizes:
+            return
+        self.prefill_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
+
+        def make_prefill_inputs(size: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                     AttentionMetadata]:
+            self.buf_query_start_loc.np[:2] = [0, size]
+            self.buf_seq_lens.np[:1] = size
+            self.buf_query_start_loc.to_device(2)
+            self.buf_seq_lens.to_device(1)
+            metadata = self._metadata(1, size, max_query_len=size,
+                                      max_seq_len=self.scheduler_config.max_model_len,
+                                      block_tables=self.graph_block_tables[:1])
+            return (self.buf_input_ids.device[:size], self.buf_positions.device[:size],
+                    metadata)
+
+        self.prefill_graphs.capture(self.model, make_prefill_inputs)
+        logger.info("captured CUDA graphs for one-prompt prefills of %s tokens", sizes)
+
     # ---- one step ------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -219,8 +246,9 @@ class ModelRunner:
                 for s in (self.requests[r] for r in scheduler_output.num_scheduled_tokens)):
             previous.result()  # penalties and min_tokens count tokens on the host
         step = self._prepare_inputs(scheduler_output)
-        if step.graph_size is not None:
-            hidden = self.graphs.replay(step.graph_size)
+        if step.graph is not None:
+            graphs, size = step.graph
+            hidden = graphs.replay(size)
         else:
             num_reqs = len(step.states)
             metadata = self._metadata(
@@ -339,26 +367,33 @@ class ModelRunner:
         compact = self.buf_block_tables.np[:num_reqs * width].reshape(num_reqs, width)
         compact[:] = table[rows, :width]
 
-        graph_size = None
+        graph = None
+        padded_reqs, padded_tokens = num_reqs, num_tokens
         if self.graphs is not None and num_tokens == num_reqs:
-            graph_size = self.graphs.padded_size(num_reqs)
-        if graph_size is not None:
-            # Padding rows: no token to store, no context, the null block.
-            self.buf_input_ids.np[num_reqs:graph_size] = 0
-            self.buf_positions.np[num_reqs:graph_size] = 0
-            self.buf_slot_mapping.np[num_reqs:graph_size] = -1
-            self.buf_seq_lens.np[num_reqs:graph_size] = 0
-            self.buf_query_start_loc.np[num_reqs + 1:graph_size + 1] = np.arange(
-                num_reqs + 1, graph_size + 1)
-        padded_reqs = graph_size or num_reqs
-        padded_tokens = graph_size or num_tokens
+            size = self.graphs.padded_size(num_reqs)
+            if size is not None:
+                graph = (self.graphs, size)
+                padded_reqs = padded_tokens = size
+                # Padding rows: no token to store, no context, the null block.
+                self.buf_seq_lens.np[num_reqs:size] = 0
+                self.buf_query_start_loc.np[num_reqs + 1:size + 1] = np.arange(
+                    num_reqs + 1, size + 1)
+        elif self.prefill_graphs is not None and num_reqs == 1 and not pending:
+            size = self.prefill_graphs.padded_size(num_tokens)
+            if size is not None:
+                graph = (self.prefill_graphs, size)
+                padded_tokens = size  # tokens past query_start_loc[1] are padding
+        if graph is not None:
+            self.buf_input_ids.np[num_tokens:padded_tokens] = 0
+            self.buf_positions.np[num_tokens:padded_tokens] = 0
+            self.buf_slot_mapping.np[num_tokens:padded_tokens] = -1
         self.buf_input_ids.to_device(padded_tokens)
         self.buf_positions.to_device(padded_tokens)
         self.buf_slot_mapping.to_device(padded_tokens)
         self.buf_query_start_loc.to_device(padded_reqs + 1)
         self.buf_seq_lens.to_device(padded_reqs)
         block_tables = self.buf_block_tables.to_device(num_reqs * width).view(num_reqs, width)
-        if graph_size is not None:
+        if graph is not None:
             # Padding rows keep whatever they held: with no context they read nothing.
             self.graph_block_tables[:num_reqs, :width].copy_(block_tables)
         for handle, (dst, src) in pending.items():
@@ -371,7 +406,7 @@ class ModelRunner:
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
         return StepInputs(req_ids, states, num_tokens, num_computed, num_scheduled,
-                          query_start_loc, block_tables, graph_size)
+                          query_start_loc, block_tables, graph)
 
     def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
                   block_tables: torch.Tensor) -> AttentionMetadata:
