@@ -106,8 +106,9 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
               for m in workload.max_tokens]
     outputs, seconds = _timed_generate(llm, workload.prompts, params, device)
     generated = [len(o.outputs[0].token_ids) for o in outputs]
+    llm.shutdown()  # the HF baseline needs the memory the KV cache held
     del llm, engine, outputs
-    release_device_memory(device)  # the HF baseline needs the memory the KV cache held
+    release_device_memory(device)
 
     machine = report.machine_info(device)
     spec = gpu_spec_for(ns.gpu_spec, machine["gpu"])

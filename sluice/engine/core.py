@@ -41,6 +41,15 @@ class EngineCore:
         gc.collect()
         gc.freeze()
 
+    def shutdown(self) -> None:
+        """Give back the device memory (CUDA graphs, KV cache, weights) now. The engine's
+        objects were frozen out of the cyclic collector at start-up, so dropping the last
+        reference alone would not free them; unfreeze so the rest can be collected."""
+        self.in_flight = None
+        self.model_runner.shutdown()
+        gc.unfreeze()
+        gc.collect()
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 

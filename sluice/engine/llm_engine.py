@@ -58,6 +58,10 @@ class LLMEngine:
         children = self.output_processor.abort_requests(request_ids)
         self.engine_core.abort_requests(children)
 
+    def shutdown(self) -> None:
+        """Free the engine's device memory now; the engine cannot be used afterwards."""
+        self.engine_core.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 

@@ -25,6 +25,11 @@ class LLM:
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args)
 
+    def shutdown(self) -> None:
+        """Free the GPU memory (KV cache, CUDA graphs, weights) now, e.g. before another engine
+        or library needs it in the same process. The LLM cannot generate afterwards."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -136,6 +136,18 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 
+    def shutdown(self) -> None:
+        """Drop every device tensor this runner holds (see EngineCore.shutdown)."""
+        self.graphs = self.prefill_graphs = None
+        self._last_step = None
+        self.requests.clear()
+        self.kv_caches = []
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            gc.collect()
+            torch.cuda.empty_cache()
+
     # ---- KV cache and CUDA graphs --------------------------------------------------------
 
     def determine_num_blocks(self) -> int:

@@ -259,3 +259,19 @@ def test_penalties_and_min_tokens_give_the_same_output_with_async_scheduling(
     third = outputs[False][2]
     assert all(t % 2 for t in third[:12])
     assert len(third) == 16 or third[-1] % 2 == 0
+
+
+def test_shutdown_frees_the_kv_cache_and_model_at_once(qwen3_dir: str) -> None:
+    import gc
+    import weakref
+
+    llm = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256)
+    llm.generate([ids_prompt([5, 6, 7])], greedy(2))
+    runner = llm.llm_engine.engine_core.model_runner
+    kv_cache = weakref.ref(runner.kv_caches[0])
+    model = weakref.ref(runner.model)
+    llm.shutdown()
+    gc.collect()
+    # Engines freeze their objects out of the cyclic collector: without shutdown() a dropped
+    # engine would keep its (GPU) memory for the life of the process.
+    assert kv_cache() is None and model() is None
