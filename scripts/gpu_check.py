@@ -46,7 +46,8 @@ def greedy_ids(llm: LLM, prompts: list[dict], max_tokens: int = 32,
 def main() -> None:
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "benchmarks"
     work = tempfile.mkdtemp()
-    result: dict[str, object] = {"gpu": torch.cuda.get_device_name(0),
+    result: dict[str, object] = {"command": "python scripts/gpu_check.py",
+                                 "gpu": torch.cuda.get_device_name(0),
                                  "torch": torch.__version__}
     rng = random.Random(0)
     for arch in ("qwen3", "llama", "qwen2"):
