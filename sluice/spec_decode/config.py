@@ -1,0 +1,133 @@
+"""Speculative decoding configuration.
+
+Users pass `speculative_config={...}` to `LLM(...)` or `--speculative-config JSON` to the CLI;
+`SpeculativeConfig.from_dict` validates either once into a frozen `SpeculativeConfig`. Names and
+n-gram defaults follow vLLM: with neither `prompt_lookup_min` nor `prompt_lookup_max` given both
+are 5, with one given the other takes its value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
+
+from sluice.config import verify_positive
+
+SpeculativeMethod = Literal["ngram", "draft_model", "eagle"]
+SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
+# Methods whose drafts come from a model loaded from `model`.
+MODEL_METHODS: tuple[str, ...] = ("draft_model", "eagle")
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+def _allowed(values: tuple[str, ...]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: SpeculativeMethod
+    # Draft tokens proposed per request per step (k); the target verifies 1 + k tokens.
+    num_speculative_tokens: int
+    # Draft model or EAGLE head folder; required for those methods, refused for "ngram".
+    model: str | None = None
+    # N-gram sizes tried, longest first ("ngram" only; None for the other methods).
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {_allowed(SPECULATIVE_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        verify_positive("speculative_config.num_speculative_tokens", self.num_speculative_tokens)
+        self._check_model()
+        if self.method == "ngram":
+            self._resolve_prompt_lookup()
+        else:
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                value = getattr(self, name)
+                if value is not None:
+                    raise ValueError(
+                        f"speculative_config.{name} applies only to method 'ngram', "
+                        f"got {value!r} with method {self.method!r}"
+                    )
+
+    def _check_model(self) -> None:
+        model = self.model
+        if self.method in MODEL_METHODS:
+            if isinstance(model, os.PathLike):
+                model = os.fspath(model)
+                object.__setattr__(self, "model", model)
+            if not isinstance(model, str) or not model:
+                raise ValueError(
+                    f"speculative_config.model is required for method {self.method!r}: "
+                    f"the path of a model folder, got {model!r}"
+                )
+        elif model is not None:
+            raise ValueError(
+                f"speculative_config.model is not allowed for method {self.method!r} "
+                f"(it drafts from the sequence itself), got {model!r}"
+            )
+
+    def _resolve_prompt_lookup(self) -> None:
+        lookup_min, lookup_max = self.prompt_lookup_min, self.prompt_lookup_max
+        verify_positive("speculative_config.prompt_lookup_min", lookup_min, allow_none=True)
+        verify_positive("speculative_config.prompt_lookup_max", lookup_max, allow_none=True)
+        if lookup_min is None and lookup_max is None:
+            lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
+        elif lookup_min is None:
+            lookup_min = lookup_max
+        elif lookup_max is None:
+            lookup_max = lookup_min
+        assert lookup_min is not None and lookup_max is not None
+        if lookup_min > lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min must be <= prompt_lookup_max, "
+                f"got prompt_lookup_min={lookup_min}, prompt_lookup_max={lookup_max}"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lookup_min)
+        object.__setattr__(self, "prompt_lookup_max", lookup_max)
+
+    @classmethod
+    def from_dict(
+        cls, spec: dict[str, Any] | str | SpeculativeConfig | None
+    ) -> SpeculativeConfig | None:
+        """The config from `LLM(speculative_config=...)` or `--speculative-config JSON`.
+
+        None (or the JSON `null`) means no speculation. Unknown keys are errors, not ignored,
+        so a misspelt option never silently turns speculation into something else.
+        """
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e}): {spec!r}") from e
+            if spec is None:
+                return None
+        if not isinstance(spec, dict):
+            raise ValueError(
+                "speculative_config must be a dict, a JSON object string or None, "
+                f"got {type(spec).__name__}: {spec!r}"
+            )
+        allowed_keys = tuple(f.name for f in fields(cls))
+        unknown = [key for key in spec if key not in allowed_keys]
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key(s) {_allowed(tuple(map(str, unknown)))}; "
+                f"allowed keys: {_allowed(allowed_keys)}"
+            )
+        if "method" not in spec:
+            raise ValueError(
+                f"speculative_config.method is required: one of {_allowed(SPECULATIVE_METHODS)}"
+            )
+        if "num_speculative_tokens" not in spec:
+            raise ValueError(
+                "speculative_config.num_speculative_tokens is required: an integer >= 1"
+            )
+        return cls(**spec)
