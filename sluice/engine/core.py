@@ -72,7 +72,9 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
                 launched = (scheduler_output, self.model_runner.launch(scheduler_output))
-            elif self.in_flight is None:
+            elif scheduler_output.finished_req_ids:
+                self.model_runner.launch(scheduler_output)  # only drops their state
+            if scheduler_output.is_empty and self.in_flight is None:
                 # Cannot happen while one max_model_len request fits the cache; never spin.
                 raise RuntimeError(f"scheduler made no progress with "
                                    f"{self.scheduler.get_num_unfinished_requests()} requests")

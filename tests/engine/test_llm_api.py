@@ -234,6 +234,13 @@ def test_random_workload_with_aborts_and_preemption_returns_every_block(
     assert finished > 10
     assert engine.scheduler.num_preemptions_total > 0
     assert_integrity_and_all_free(llm)
+    # The runner forgets every ended request (by the next schedule at the latest): one more
+    # request leaves at most its own state behind, and one block-table row per state.
+    llm.generate([ids_prompt([3, 4, 5])], greedy(2))
+    runner = engine.engine_core.model_runner
+    assert len(runner.requests) <= 1
+    rows = runner.block_tables
+    assert rows.table.shape[0] - len(rows.free_rows) == len(runner.requests)
 
 
 def test_penalties_and_min_tokens_give_the_same_output_with_async_scheduling(
@@ -275,3 +282,21 @@ def test_shutdown_frees_the_kv_cache_and_model_at_once(qwen3_dir: str) -> None:
     # Engines freeze their objects out of the cyclic collector: without shutdown() a dropped
     # engine would keep its (GPU) memory for the life of the process.
     assert kv_cache() is None and model() is None
+
+
+def test_async_engine_forgets_a_request_aborted_while_the_schedule_is_empty(
+        qwen3_dir: str) -> None:
+    # A needs 2 tokens: after two steps both are scheduled (one still in flight), so the next
+    # schedule is empty. B is aborted just before it: the runner must still hear of it.
+    llm = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256,
+              async_scheduling=True)
+    engine = llm.llm_engine
+    engine.add_request("A", ids_prompt([5, 6, 7]), greedy(2, ignore_eos=True))
+    engine.add_request("B", ids_prompt([8, 9, 10]), greedy(50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort_request("B")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert "B" not in engine.engine_core.model_runner.requests
+    assert_integrity_and_all_free(llm)
