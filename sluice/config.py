@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sluice.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # Schedule step N+1 while the device computes step N (outputs arrive one step later).
     async_scheduling: bool = False
+    # Speculative decoding (None: off). Read by the scheduler (1 + k tokens per decode, lookahead
+    # slots) and by the model runner (proposer, verification).
+    speculative_config: SpeculativeConfig | None = None
 
 
 def verify_positive(name: str, value: int | None, allow_none: bool = False) -> None:

@@ -43,6 +43,9 @@ class SchedulerOutput:
     # Requests that ended since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # req_id -> draft tokens to verify this step (speculative decoding); they are the last
+    # len(drafts) of the request's num_scheduled_tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -62,6 +65,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # req_id -> logprobs of the prompt positions computed this step (first prompt token: None).
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+    # Speculative decoding: drafts proposed to follow each request's tokens (aligned with
+    # req_ids; [] for none); None when speculation is off.
+    spec_token_ids: list[list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -83,3 +89,34 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    """Cumulative speculative-decoding counters of one engine core (all zero without it)."""
+
+    num_spec_tokens: int = 0  # k: drafts proposed per request per step at most
+    num_drafts: int = 0  # verified rows that carried at least one draft token
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    # [k]: accepted drafts at each draft position (position 0 is the first draft)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified draft: 1 (the target's own token) + accepted drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

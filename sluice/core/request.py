@@ -68,6 +68,9 @@ class Request:
         # Tokens scheduled to be sampled whose ids have not come back yet (async scheduling:
         # the next step is scheduled while the GPU still computes this one).
         self.num_output_placeholders = 0
+        # Draft tokens proposed to follow all_token_ids (speculative decoding): scheduled with
+        # the next step for verification, never part of all_token_ids until accepted.
+        self.spec_token_ids: list[int] = []
         # Prefix-cache hit at first scheduling (reported as RequestOutput.num_cached_tokens).
         self.num_cached_tokens = -1
         # Chained hashes of this request's full blocks, extended by the KV cache manager.

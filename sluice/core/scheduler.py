@@ -6,6 +6,13 @@ There are no prefill and decode phases. Each request has `num_computed_tokens` c
 order; then waiting ones in arrival order. When blocks run out, the most recently admitted
 running request is preempted: its blocks are freed and it goes back to the head of the queue, to
 be recomputed later (its full blocks usually still sit in the prefix cache).
+
+Speculative decoding: a request carries the draft tokens the runner proposed after its last step
+(`spec_token_ids`); it is scheduled with 1 + k tokens inside the token budget (drafts cut first
+when the budget or max_model_len is short), and model-based proposers get k lookahead slots for
+the KV of their next drafts. The drafts are not the request's tokens: only tokens already known
+enter the prefix cache, and after verification `num_computed_tokens` rolls back over the rejected
+drafts, whose KV is then overwritten.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from sluice.core.outputs import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    SpecDecodingStats,
 )
 from sluice.core.request import Request, RequestStatus
 
@@ -36,6 +44,15 @@ class Scheduler:
         # Ended since the last schedule(): the runner drops their state next step.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        spec = config.speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # A draft model (or EAGLE head) writes the KV of its next drafts past the verified tokens.
+        self.num_lookahead_tokens = (self.num_spec_tokens
+                                     if spec is not None and spec.method != "ngram" else 0)
+        self.spec_decoding_stats = None
+        if spec is not None:
+            self.spec_decoding_stats = SpecDecodingStats(
+                self.num_spec_tokens, num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -77,6 +94,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
         num_partial_prefills = 0
+        spec_tokens: dict[str, list[int]] = {}
         now = time.time()
 
         # Running requests first, in admission order.
@@ -91,7 +109,9 @@ class Scheduler:
             if is_partial and num_partial_prefills >= cfg.max_num_partial_prefills:
                 req_index += 1
                 continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            lookahead = self._num_lookahead(request.num_computed_tokens + num_new)
+            while (new_blocks := self.kv_cache_manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=lookahead)) is None:
                 # Out of blocks: preempt the most recently admitted request (maybe this one).
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -101,6 +121,11 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_partial_prefills += is_partial
+            if request.spec_token_ids:
+                # The drafts that fit are the tail of the scheduled tokens.
+                num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
+                if num_spec > 0:
+                    spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             cached_reqs.append(CachedRequestData(
                 req_id=request.request_id,
                 resumed_from_preemption=False,
@@ -130,7 +155,9 @@ class Scheduler:
             is_partial = request_num_computed + num_new < request.num_tokens
             if is_partial and num_partial_prefills >= cfg.max_num_partial_prefills:
                 break
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new, computed_blocks,
+                num_lookahead_tokens=self._num_lookahead(request_num_computed + num_new))
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -168,6 +195,7 @@ class Scheduler:
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         # The tokens are as good as computed once handed to the runner (the runner writes their
@@ -176,7 +204,9 @@ class Scheduler:
         for req_id, num_new in num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            num_spec = len(spec_tokens.get(req_id, ()))
+            if (request.num_computed_tokens
+                    == request.num_tokens + request.num_output_placeholders + num_spec):
                 request.num_output_placeholders += 1
         return output
 
@@ -184,17 +214,29 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+        spec_token_ids = runner_output.spec_token_ids
+        for i, (req_id, sampled) in enumerate(zip(runner_output.req_ids,
+                                                  runner_output.sampled_token_ids)):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
-            request.num_output_placeholders -= len(sampled)
+            request.num_output_placeholders -= min(len(sampled), 1)  # one sampling position
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # Verified: the target's token at every accepted draft, plus one. The KV of the
+                # rejected drafts is garbage: forget it (it is overwritten later).
+                num_accepted = len(sampled) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_decoding_stats.observe(len(drafts), num_accepted)
             new_token_ids: list[int] = []
             for token_id in sampled:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
                     break
+            request.spec_token_ids = []
+            if spec_token_ids is not None and not request.is_finished():
+                request.spec_token_ids = self._trim_drafts(request, spec_token_ids[i])
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if not new_token_ids and prompt_logprobs is None:
                 continue
@@ -224,13 +266,27 @@ class Scheduler:
         if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
                              or request.num_tokens + placeholders >= self.config.max_model_len):
             return 0  # the token in flight is its last one
-        num_new = request.num_tokens + placeholders - request.num_computed_tokens
+        num_new = (request.num_tokens + placeholders + len(request.spec_token_ids)
+                   - request.num_computed_tokens)
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         # KV never goes past max_model_len positions.
         num_new = min(num_new, token_budget,
                       self.config.max_model_len - request.num_computed_tokens)
         return max(num_new, 0)
+
+    def _num_lookahead(self, num_tokens_after_step: int) -> int:
+        """Lookahead slots for a request that will have this many tokens' KV after the step:
+        up to k, never past max_model_len (a block-table row holds no more)."""
+        return max(0, min(self.num_lookahead_tokens,
+                          self.config.max_model_len - num_tokens_after_step))
+
+    def _trim_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """Drafts worth verifying: all accepted plus the bonus token must stay within
+        max_tokens, and their KV within max_model_len."""
+        room = min(request.max_tokens - request.num_output_tokens - 1,
+                   self.config.max_model_len - request.num_tokens)
+        return drafts[:max(room, 0)]
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params
@@ -252,6 +308,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from sluice.config import CacheConfig, ModelConfig, SchedulerConfig, verify_positive
 from sluice.model.hf_config import HFModelConfig, load_hf_config
+from sluice.spec_decode.config import SpeculativeConfig
 
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -31,7 +32,10 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
-    async_scheduling: bool | None = None  # None: on when running on a GPU
+    async_scheduling: bool | None = None  # None: on when running on a GPU (off with speculation)
+    # {"method": "ngram" | "draft_model" | "eagle", "num_speculative_tokens": k, ...}, its JSON
+    # string, or a SpeculativeConfig; None: no speculative decoding.
+    speculative_config: dict | str | SpeculativeConfig | None = None
     # Accepted for compatibility with vLLM scripts.
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
@@ -68,6 +72,11 @@ class EngineArgs:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, "
                              f"got {self.long_prefill_token_threshold!r}")
+
+        speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if speculative_config is not None and self.async_scheduling:
+            raise ValueError("async_scheduling=True is not supported with speculative decoding "
+                             "(each step's drafts depend on the tokens the step before accepted)")
 
         max_model_len = self.max_model_len or hf_config.max_position_embeddings
         if max_model_len > hf_config.max_position_embeddings:
@@ -109,7 +118,8 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            async_scheduling=self._async_scheduling(),
+            async_scheduling=speculative_config is None and self._async_scheduling(),
+            speculative_config=speculative_config,
         )
         return model_config, cache_config, scheduler_config, hf_config
 

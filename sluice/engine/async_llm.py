@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from sluice.config import ModelConfig, SchedulerConfig
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.core_proc import EngineDeadError, launch_engine_core
 from sluice.engine.processors import (
@@ -69,6 +70,19 @@ logger = logging.getLogger("sluice")
 _LIVENESS_CHECK_S = 0.5
 
 
+def core_process_args(engine_args: EngineArgs, model_config: ModelConfig,
+                      scheduler_config: SchedulerConfig) -> dict[str, Any]:
+    """The engine arguments as the JSON-able dict the engine-core process rebuilds its configs
+    from: the model folder as resolved here (the built-in tiny model is made once, by this
+    process) and the speculative config as the validated dict of its fields, however the user
+    gave it (dict, JSON string or SpeculativeConfig)."""
+    core_args = dataclasses.asdict(engine_args)
+    spec = scheduler_config.speculative_config
+    core_args.update(model=model_config.model, tokenizer=model_config.tokenizer,
+                     speculative_config=None if spec is None else dataclasses.asdict(spec))
+    return core_args
+
+
 class _Dead:
     """Put in a request's queue: the engine died while the request was in flight."""
 
@@ -88,10 +102,7 @@ class AsyncLLM:
         self.scheduler_config = scheduler_config
         self.hf_config = hf_config
 
-        # The core rebuilds the configs from the same arguments, with the model folder resolved
-        # here (the built-in tiny model is made once, by this process).
-        core_args = dataclasses.asdict(engine_args)
-        core_args.update(model=model_config.model, tokenizer=model_config.tokenizer)
+        core_args = core_process_args(engine_args, model_config, scheduler_config)
         self._core = launch_engine_core(core_args, logger.getEffectiveLevel())
         self._finalizer = weakref.finalize(self, self._core.release)
         self._process = self._core.process

@@ -31,6 +31,7 @@ import torch
 import zmq
 
 import sluice
+from sluice.core.outputs import SpecDecodingStats
 from sluice.core.request import RequestStatus
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.core import EngineCore
@@ -80,6 +81,7 @@ def _leave_a_cpu_to_the_front_end(device: str) -> None:
 def make_scheduler_stats(engine_core: EngineCore) -> SchedulerStats:
     scheduler = engine_core.scheduler
     manager = engine_core.kv_cache_manager
+    spec = getattr(scheduler, "spec_decoding_stats", None) or SpecDecodingStats()
     return SchedulerStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -89,6 +91,10 @@ def make_scheduler_stats(engine_core: EngineCore) -> SchedulerStats:
         num_preemptions_total=scheduler.num_preemptions_total,
         num_free_blocks=manager.get_num_free_blocks(),
         num_blocks=manager.block_pool.num_blocks - 1,
+        spec_num_drafts=spec.num_drafts,
+        spec_num_draft_tokens=spec.num_draft_tokens,
+        spec_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
     )
 
 

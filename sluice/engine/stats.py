@@ -35,12 +35,38 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     num_preemptions_total: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    # Speculative decoding (all zero / empty when it is off), cumulative like
+    # sluice.core.outputs.SpecDecodingStats: verified rows with >= 1 draft, draft tokens
+    # verified, of those accepted, and [k] accepted drafts at each draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         if self.prefix_cache_queries == 0:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / drafted tokens since the engine core started (0 before any draft)."""
+        return spec_acceptance_rate(self.spec_num_draft_tokens, self.spec_num_accepted_tokens)
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified draft since the engine core started: 1 (the target's
+        own token) + accepted drafts (0 before any draft)."""
+        return spec_mean_acceptance_length(self.spec_num_drafts, self.spec_num_accepted_tokens)
+
+
+def spec_acceptance_rate(num_draft_tokens: int, num_accepted_tokens: int) -> float:
+    return num_accepted_tokens / num_draft_tokens if num_draft_tokens else 0.0
+
+
+def spec_mean_acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float:
+    return 1 + num_accepted_tokens / num_drafts if num_drafts else 0.0
 
 
 @dataclass(slots=True)
@@ -170,7 +196,8 @@ class RequestStatsTracker:
 
 class StatsLogger:
     """A stats listener that logs throughput and scheduler state every `interval_s` seconds,
-    and only while there is something to report."""
+    and only while there is something to report. With speculative decoding, the line ends with
+    the acceptance rate and mean acceptance length of the drafts verified in the interval."""
 
     def __init__(self, interval_s: float = 5.0) -> None:
         self.interval_s = interval_s
@@ -178,6 +205,7 @@ class StatsLogger:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._scheduler_stats: SchedulerStats | None = None
+        self._logged_stats = SchedulerStats()  # the cumulative counters at the last log
 
     def __call__(self, iteration: IterationStats, scheduler_stats: SchedulerStats | None) -> None:
         self._num_prompt_tokens += iteration.num_prompt_tokens
@@ -201,7 +229,23 @@ class StatsLogger:
                     f"running {stats.num_running} reqs, waiting {stats.num_waiting} reqs, "
                     f"KV cache usage {100 * stats.kv_cache_usage:.1f}%, "
                     f"prefix cache hit rate {100 * stats.prefix_cache_hit_rate:.1f}%")
+            line += self._spec_decode_text(stats)
             logger.info(line)
+        self._logged_stats = stats
         self._last_log_time = now
         self._num_prompt_tokens = self._num_generation_tokens = 0
         return line
+
+    def _spec_decode_text(self, stats: SchedulerStats) -> str:
+        """", spec decode acceptance rate X%, mean acceptance length Y" over the interval;
+        empty when no draft was verified in it."""
+        last = self._logged_stats
+        num_drafts = stats.spec_num_drafts - last.spec_num_drafts
+        if num_drafts <= 0:
+            return ""
+        num_accepted = stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens
+        rate = spec_acceptance_rate(stats.spec_num_draft_tokens - last.spec_num_draft_tokens,
+                                    num_accepted)
+        length = spec_mean_acceptance_length(num_drafts, num_accepted)
+        return (f", spec decode acceptance rate {100 * rate:.1f}%, "
+                f"mean acceptance length {length:.2f}")

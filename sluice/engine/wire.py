@@ -20,7 +20,8 @@ from sluice.core.request import Request
 from sluice.engine.stats import SchedulerStats
 from sluice.sampling_params import SamplingParams
 
-WIRE_VERSION = 1
+# 2: SchedulerStats carries the speculative-decoding counters (spec_*).
+WIRE_VERSION = 2
 
 # Utility calls the engine core answers between steps, and what each returns:
 # "stats" -> SchedulerStats, "reset_prefix_cache" -> bool (False while blocks are in use),

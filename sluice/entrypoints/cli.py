@@ -6,12 +6,26 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import asdict, fields
+from typing import Any
 
 from sluice.engine.arg_utils import EngineArgs
+from sluice.spec_decode.config import SpeculativeConfig
+
+
+def speculative_config_arg(text: str) -> dict[str, Any] | None:
+    """--speculative-config JSON, validated while parsing (so a bad value is a usage error naming
+    the flag, not a traceback); returns the dict of the config's fields, or None for `null`."""
+    try:
+        config = SpeculativeConfig.from_dict(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return None if config is None else asdict(config)
+
 
 # flag name -> (EngineArgs field, type); booleans get --flag / --no-flag.
-_ENGINE_FLAGS: list[tuple[str, type, str]] = [
+_ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
     ("model", str, "Hugging Face model folder (default: the built-in tiny model)"),
     ("tokenizer", str, "tokenizer folder (default: the model folder)"),
     ("dtype", str, "auto | float32 | bfloat16 | float16"),
@@ -30,6 +44,9 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("enforce-eager", bool, "no CUDA graphs and no torch.compile (GPU)"),
     ("async-scheduling", bool, "schedule the next step while the GPU runs this one "
                                "(default: on with a GPU)"),
+    ("speculative-config", speculative_config_arg,
+     'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+     "(methods: ngram | draft_model | eagle)"),
 ]
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
+from sluice.core.outputs import SpecDecodingStats
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.processors import PromptType, RequestOutputKind
@@ -32,6 +34,14 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def get_spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """Speculative decoding's counters since the engine started (drafts, draft tokens,
+        accepted tokens, accepted tokens per draft position; `acceptance_rate` and
+        `mean_acceptance_length` derive from them); None when speculation is off. A copy:
+        later steps do not change it."""
+        stats = getattr(self.llm_engine.scheduler, "spec_decoding_stats", None)
+        return None if stats is None else copy.deepcopy(stats)
 
     def generate(
         self,

@@ -28,12 +28,15 @@ def determine_num_blocks(
     dtype: torch.dtype,
     device: torch.device,
     gpu_bytes_available: int = 0,
+    extra_bytes_per_block: int = 0,
 ) -> int:
     """Blocks that fit the memory budget (or the override). On a GPU, `gpu_bytes_available` is
-    this engine's share left after its weights (see ModelRunner)."""
+    this engine's share left after its weights (see ModelRunner). `extra_bytes_per_block`: the
+    same block in other caches addressed by the same block ids (a draft model's)."""
     if cache_config.num_gpu_blocks_override is not None:
         return cache_config.num_gpu_blocks_override
-    block_bytes = bytes_per_block(hf_config, cache_config.block_size, dtype)
+    block_bytes = (bytes_per_block(hf_config, cache_config.block_size, dtype)
+                   + extra_bytes_per_block)
     if device.type == "cuda":
         budget = gpu_bytes_available - _GPU_ACTIVATION_RESERVE_BYTES
     else:

@@ -8,6 +8,9 @@ It never decides policy: which tokens to compute comes entirely from the schedul
 Per step: host inputs are built with numpy into pinned buffers and copied to fixed device buffers
 without blocking; a batch of decodes replays a CUDA graph of its padded size when there is one;
 only the rows that reach the end of their known tokens are sampled.
+
+With speculative decoding (see sluice/worker/spec_decode.py) a request's drafts ride at the end
+of its scheduled tokens; the step then runs synchronously: verify, append, propose.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from sluice.worker.input_batch import BlockTables, CachedRequestState, StagedBuf
 from sluice.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from sluice.worker.sampler import Sampler, compute_topk_logprobs
 from sluice.worker.sampling_inputs import SamplingStaging, build_sampling_metadata
+from sluice.worker.spec_decode import SpecDecoder
 from sluice.worker.step_handle import StepHandle, position_logprobs
 
 logger = logging.getLogger("sluice")
@@ -53,7 +57,11 @@ class StepInputs:
     num_tokens: int
     num_computed: np.ndarray  # [B] before this step
     num_scheduled: np.ndarray  # [B]
-    query_start_loc: np.ndarray  # [B + 1]
+    # [B + 1] where each request's tokens start in the step's flattened tokens (a verification
+    # CUDA graph lays requests out every 1 + k tokens, padding after the real ones)
+    query_start_loc: np.ndarray
+    num_drafts: np.ndarray  # [B] draft tokens at the end of each request's scheduled tokens
+    drafts: list[list[int]]
     block_tables: torch.Tensor  # [B, most blocks of any request], on the device
     graph: tuple[DecodeGraphs, int] | None  # the CUDA graph to replay (graph set, size), if any
 
@@ -81,6 +89,9 @@ class ModelRunner:
             backend_name = "triton" if self.device.type == "cuda" else "torch_ref"
         self.attn_backend = get_attention_backend(backend_name)
         torch.manual_seed(model_config.seed)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(model_config.seed)
+        self.sampler = Sampler(default_generator=generator)
         # This engine's GPU share: gpu_memory_utilization of the device, but never more than was
         # free when it started (another engine in the process may hold the rest), less weights.
         gpu_share = 0
@@ -92,6 +103,9 @@ class ModelRunner:
             allocated_before = torch.cuda.memory_allocated(self.device)
         self.model = load_model(model_config.model, hf_config, self.dtype, self.device,
                                 self.attn_backend)
+        self.spec: SpecDecoder | None = None
+        if scheduler_config.speculative_config is not None:
+            self.spec = SpecDecoder(self, scheduler_config.speculative_config)
         if self.device.type == "cuda":
             gpu_share -= torch.cuda.memory_allocated(self.device) - allocated_before
             if not model_config.enforce_eager:
@@ -99,9 +113,6 @@ class ModelRunner:
 
                 compile_small_ops(self.model)
         self.gpu_bytes_available = gpu_share
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(model_config.seed)
-        self.sampler = Sampler(default_generator=generator)
 
         self.requests: dict[str, CachedRequestState] = {}
         max_num_reqs = scheduler_config.max_num_seqs
@@ -133,6 +144,7 @@ class ModelRunner:
         self._inputs_copied: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None  # decode batches, by number of requests
         self.prefill_graphs: DecodeGraphs | None = None  # one prompt, by number of tokens
+        self.verify_graphs: DecodeGraphs | None = None  # decodes with 1 + k tokens each
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 
@@ -140,6 +152,7 @@ class ModelRunner:
         """Drop every device tensor this runner holds (see EngineCore.shutdown)."""
         self.graphs = self.prefill_graphs = None
         self._last_step = None
+        self.spec = None
         self.requests.clear()
         self.kv_caches = []
         self.model = None
@@ -151,14 +164,18 @@ class ModelRunner:
     # ---- KV cache and CUDA graphs --------------------------------------------------------
 
     def determine_num_blocks(self) -> int:
+        extra = self.spec.kv_bytes_per_block() if self.spec is not None else 0
         return determine_num_blocks(self.cache_config, self.scheduler_config, self.hf_config,
-                                    self.dtype, self.device, self.gpu_bytes_available)
+                                    self.dtype, self.device, self.gpu_bytes_available,
+                                    extra_bytes_per_block=extra)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size,
                                             self.dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches)
         self.num_blocks = num_blocks
+        if self.spec is not None:
+            self.spec.initialize_kv_cache(num_blocks)
         if self.device.type == "cuda":
             self._warm_up_prefill()
         if (self.device.type == "cuda" and not self.model_config.enforce_eager
@@ -214,6 +231,8 @@ class ModelRunner:
 
         self.graphs.capture(self.model, make_inputs)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.graphs.sizes)
+        if self.spec is not None:
+            self._capture_verify_graphs(max_size)
 
         # One prompt (maybe over a cached prefix) padded to a token bucket: the prefill of a
         # lone request is otherwise dominated by launching ~30 kernels a layer from Python.
@@ -238,6 +257,31 @@ class ModelRunner:
 
         self.prefill_graphs.capture(self.model, make_prefill_inputs)
         logger.info("captured CUDA graphs for one-prompt prefills of %s tokens", sizes)
+
+    def _capture_verify_graphs(self, max_size: int) -> None:
+        """Verification steps of decodes with drafts: every request laid out as 1 + k tokens
+        (fewer drafts are padded: no KV stored, outputs ignored)."""
+        q = self.spec.query_len
+        max_tokens = self.buf_input_ids.np.shape[0]
+        sizes = [s for s in capture_sizes(max_size) if s * q <= max_tokens]
+        if not sizes:
+            return
+        self.verify_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
+
+        def make_inputs(size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+            self.buf_query_start_loc.np[:size + 1] = np.arange(size + 1) * q
+            self.buf_seq_lens.np[:size] = q
+            self.buf_query_start_loc.to_device(size + 1)
+            self.buf_seq_lens.to_device(size)
+            metadata = self._metadata(size, size * q, max_query_len=q,
+                                      max_seq_len=self.scheduler_config.max_model_len,
+                                      block_tables=self.graph_block_tables[:size])
+            return (self.buf_input_ids.device[:size * q], self.buf_positions.device[:size * q],
+                    metadata)
+
+        self.verify_graphs.capture(self.model, make_inputs)
+        logger.info("captured CUDA graphs for verification of %d tokens per request, batch "
+                    "sizes %s", q, sizes)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -271,7 +315,7 @@ class ModelRunner:
                                 self.buf_positions.device[:step.num_tokens], metadata)
 
         states = step.states
-        seq_lens = (step.num_computed + step.num_scheduled).tolist()
+        seq_lens = (step.num_computed + step.num_scheduled - step.num_drafts).tolist()
         output = ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in states])
         handle = StepHandle(output, previous)
         self._last_step = handle
@@ -279,13 +323,30 @@ class ModelRunner:
         # A request samples once its chunk reaches the end of its tokens (known or in flight).
         sample_rows = [i for i, s in enumerate(states)
                        if seq_lens[i] == len(s.token_ids) + (s.pending_step is not None)]
-        if not sample_rows:
+        if self.spec is not None:
+            # Rows with drafts are verified by the rejection sampler; the rest sample below.
+            verify_rows = [i for i in sample_rows if step.num_drafts[i]]
+            sample_rows = [i for i in sample_rows if not step.num_drafts[i]]
+            self._sample(step, hidden, sample_rows, handle)
+            handle.result()
+            self.spec.verify(step, hidden, verify_rows, output)
+            self.spec.propose(step, hidden, output)
             return handle
+        self._sample(step, hidden, sample_rows, handle)
+        return handle
+
+    def _sample(self, step: StepInputs, hidden: torch.Tensor, sample_rows: list[int],
+                handle: StepHandle) -> None:
+        """Sample one token for each row of `sample_rows` (queued on the device)."""
+        if not sample_rows:
+            return
+        states = step.states
         if step.num_tokens == len(states) and len(sample_rows) == len(states):
             sample_hidden = hidden[:len(states)]  # all decodes, all sampling
         else:
             indices = self.buf_logits_indices
-            indices.np[:len(sample_rows)] = step.query_start_loc[1:][sample_rows] - 1
+            last = step.query_start_loc[:-1] + step.num_scheduled - 1
+            indices.np[:len(sample_rows)] = last[sample_rows]
             sample_hidden = hidden[indices.to_device(len(sample_rows))]
         logits = self.model.compute_logits(sample_hidden)  # [S, V] float32
         sample_states = [states[i] for i in sample_rows]
@@ -295,7 +356,6 @@ class ModelRunner:
         self._launch_parity ^= 1
         handle.set_samples(sample_rows, sample_states, sampler_output,
                            self._sampled_host[self._launch_parity])
-        return handle
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -338,9 +398,20 @@ class ModelRunner:
                                     num_reqs)
         num_computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
         rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
+        num_tokens = int(num_scheduled.sum())
+        spec_tokens = so.scheduled_spec_decode_tokens
+        drafts = [spec_tokens.get(r, []) for r in req_ids] if spec_tokens else []
+        num_drafts = (np.fromiter(map(len, drafts), np.int64, num_reqs) if drafts
+                      else np.zeros(num_reqs, dtype=np.int64))
+        # Tokens each request occupies in the flattened step: its scheduled ones, or 1 + k for
+        # every request of a verification step that replays a CUDA graph.
+        layout = num_scheduled
+        verify_size = self._verify_graph_size(states, num_computed, num_scheduled, num_drafts)
+        if verify_size is not None:
+            layout = np.full(num_reqs, self.spec.query_len, dtype=np.int64)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
+        np.cumsum(layout, out=query_start_loc[1:])
+        num_layout_tokens = int(query_start_loc[-1])
 
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()  # the last step's copies have left the buffers
@@ -352,36 +423,53 @@ class ModelRunner:
                                           num_scheduled.tolist())):
             if c + n <= len(s.token_ids):
                 chunks.append(s.token_ids[c:c + n])
+            elif drafts and drafts[i]:
+                chunks.append(s.token_ids[c:] + drafts[i])
             else:
                 assert c + n == len(s.token_ids) + 1 and s.pending_step is not None, s.req_id
                 chunks.append(s.token_ids[c:] + [0])
                 dst, src = pending.setdefault(s.pending_step, ([], []))
                 dst.append(int(query_start_loc[i]) + n - 1)
                 src.append(s.pending_index)
-        if num_tokens == num_reqs:  # all decodes: one token each, at position num_computed
+        if num_layout_tokens == num_reqs:  # all decodes: one token each at num_computed
             positions = num_computed
             req_of_token = np.arange(num_reqs)
         else:
-            req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
-            positions = num_computed[req_of_token] + (np.arange(num_tokens)
-                                                      - query_start_loc[req_of_token])
-        self.buf_input_ids.np[:num_tokens] = np.fromiter(
-            itertools.chain.from_iterable(chunks), np.int64, num_tokens)
-        self.buf_positions.np[:num_tokens] = positions
+            req_of_token = np.repeat(np.arange(num_reqs), layout)
+            within = np.arange(num_layout_tokens) - query_start_loc[req_of_token]
+            positions = num_computed[req_of_token] + within
         table = self.block_tables.table
         block_of_token = table[rows[req_of_token], positions // self.block_size]
-        self.buf_slot_mapping.np[:num_tokens] = (block_of_token.astype(np.int64)
-                                                 * self.block_size
-                                                 + positions % self.block_size)
+        slots = block_of_token.astype(np.int64) * self.block_size + positions % self.block_size
+        if verify_size is not None:
+            # Padding after a request's real tokens: token 0, nothing stored.
+            is_real = within < num_scheduled[req_of_token]
+            slots[~is_real] = -1
+            self.buf_input_ids.np[:num_layout_tokens] = 0
+            self.buf_input_ids.np[:num_layout_tokens][is_real] = np.fromiter(
+                itertools.chain.from_iterable(chunks), np.int64, num_tokens)
+        else:
+            self.buf_input_ids.np[:num_tokens] = np.fromiter(
+                itertools.chain.from_iterable(chunks), np.int64, num_tokens)
+        self.buf_positions.np[:num_layout_tokens] = positions
+        self.buf_slot_mapping.np[:num_layout_tokens] = slots
         self.buf_query_start_loc.np[:num_reqs + 1] = query_start_loc
-        self.buf_seq_lens.np[:num_reqs] = num_computed + num_scheduled
+        self.buf_seq_lens.np[:num_reqs] = num_computed + layout
         width = int(self.block_tables.num_blocks[rows].max())
         compact = self.buf_block_tables.np[:num_reqs * width].reshape(num_reqs, width)
         compact[:] = table[rows, :width]
 
         graph = None
-        padded_reqs, padded_tokens = num_reqs, num_tokens
-        if self.graphs is not None and num_tokens == num_reqs:
+        padded_reqs, padded_tokens = num_reqs, num_layout_tokens
+        if verify_size is not None:
+            q = self.spec.query_len
+            graph = (self.verify_graphs, verify_size)
+            padded_reqs, padded_tokens = verify_size, verify_size * q
+            # Padding requests: q tokens of nothing over no stored context.
+            self.buf_seq_lens.np[num_reqs:verify_size] = q
+            self.buf_query_start_loc.np[num_reqs + 1:verify_size + 1] = q * np.arange(
+                num_reqs + 1, verify_size + 1)
+        elif self.graphs is not None and num_tokens == num_reqs:
             size = self.graphs.padded_size(num_reqs)
             if size is not None:
                 graph = (self.graphs, size)
@@ -396,9 +484,9 @@ class ModelRunner:
                 graph = (self.prefill_graphs, size)
                 padded_tokens = size  # tokens past query_start_loc[1] are padding
         if graph is not None:
-            self.buf_input_ids.np[num_tokens:padded_tokens] = 0
-            self.buf_positions.np[num_tokens:padded_tokens] = 0
-            self.buf_slot_mapping.np[num_tokens:padded_tokens] = -1
+            self.buf_input_ids.np[num_layout_tokens:padded_tokens] = 0
+            self.buf_positions.np[num_layout_tokens:padded_tokens] = 0
+            self.buf_slot_mapping.np[num_layout_tokens:padded_tokens] = -1
         self.buf_input_ids.to_device(padded_tokens)
         self.buf_positions.to_device(padded_tokens)
         self.buf_slot_mapping.to_device(padded_tokens)
@@ -418,7 +506,20 @@ class ModelRunner:
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
         return StepInputs(req_ids, states, num_tokens, num_computed, num_scheduled,
-                          query_start_loc, block_tables, graph)
+                          query_start_loc, num_drafts, drafts, block_tables, graph)
+
+    def _verify_graph_size(self, states: list[CachedRequestState], num_computed: np.ndarray,
+                           num_scheduled: np.ndarray, num_drafts: np.ndarray) -> int | None:
+        """The verification graph to replay: every request a decode with drafts to verify
+        (each padded to 1 + k tokens, still within max_model_len), and a size captured."""
+        if self.verify_graphs is None or not num_drafts.any():
+            return None
+        q = self.spec.query_len
+        known = np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
+        if ((num_computed + 1 != known).any() or (num_scheduled != 1 + num_drafts).any()
+                or (num_computed + q > self.scheduler_config.max_model_len).any()):
+            return None
+        return self.verify_graphs.padded_size(len(states))
 
     def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
                   block_tables: torch.Tensor) -> AttentionMetadata:

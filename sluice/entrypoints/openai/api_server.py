@@ -118,7 +118,8 @@ def build_app(engine: AsyncLLM, args: ServerArgs) -> FastAPI:
                             max_log_len=args.max_log_len)
     completion = OpenAIServingCompletion(serving)
     chat = OpenAIServingChat(serving)
-    metrics = PrometheusStatsListener(names[0])
+    spec = engine.scheduler_config.speculative_config
+    metrics = PrometheusStatsListener(names[0], 0 if spec is None else spec.num_speculative_tokens)
     engine.add_stats_listener(metrics)
     state = ServerState()
 

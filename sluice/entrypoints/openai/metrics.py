@@ -3,9 +3,10 @@
 `PrometheusStatsListener` is an AsyncLLM stats listener: each batch of engine outputs brings
 `IterationStats` (tokens, TTFTs, inter-token latencies, finished requests) and the latest
 `SchedulerStats`. Gauges take the scheduler's values as they are; the scheduler's own counters
-(prefix-cache queries and hits, preemptions) arrive as totals since the engine core started, so
-they are exported as counters by adding each increase. Each listener has its own registry, so
-several servers (or tests) in one process never share a metric.
+(prefix-cache queries and hits, preemptions, speculative drafts and accepted tokens) arrive as
+totals since the engine core started, so they are exported as counters by adding each increase;
+the speculative acceptance rate and mean acceptance length are gauges over those totals. Each
+listener has its own registry, so several servers (or tests) in one process never share a metric.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class PrometheusStatsListener:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0) -> None:
+        """`num_speculative_tokens` (k, 0 without speculation): the per-position counter shows
+        positions 0..k-1 from the start (later positions appear when they first count)."""
         self.registry = CollectorRegistry()
         registry, labels = self.registry, ["model_name"]
 
@@ -68,6 +71,24 @@ class PrometheusStatsListener:
         self.request_queue_time = histogram("request_queue_time_seconds",
                                             "Arrival to first scheduling of a request.",
                                             _REQUEST_BUCKETS)
+        self.spec_num_drafts = counter("spec_decode_num_drafts",
+                                       "Verified rows that carried at least one draft token.")
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                             "Draft tokens verified.")
+        self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                "Draft tokens accepted.")
+        self._spec_accepted_per_pos = Counter(
+            "sluice:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first draft).",
+            ["model_name", "position"], registry=registry)
+        self._model_name = model_name
+        for pos in range(num_speculative_tokens):
+            self._spec_accepted_per_pos.labels(model_name, str(pos))
+        self.spec_acceptance_rate = gauge("spec_decode_acceptance_rate",
+                                          "Accepted / drafted tokens since the engine started.")
+        self.spec_mean_acceptance_length = gauge(
+            "spec_decode_mean_acceptance_length",
+            "Tokens emitted per verified draft (1 + accepted drafts) since the engine started.")
         self._last_scheduler_stats = SchedulerStats()
 
     def __call__(self, iteration: IterationStats, scheduler_stats: SchedulerStats | None) -> None:
@@ -98,7 +119,22 @@ class PrometheusStatsListener:
         self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.num_preemptions.inc(max(0, stats.num_preemptions_total
                                      - last.num_preemptions_total))
+        self._record_spec_decode(stats, last)
         self._last_scheduler_stats = stats
+
+    def _record_spec_decode(self, stats: SchedulerStats, last: SchedulerStats) -> None:
+        self.spec_num_drafts.inc(max(0, stats.spec_num_drafts - last.spec_num_drafts))
+        self.spec_num_draft_tokens.inc(max(0, stats.spec_num_draft_tokens
+                                           - last.spec_num_draft_tokens))
+        self.spec_num_accepted_tokens.inc(max(0, stats.spec_num_accepted_tokens
+                                              - last.spec_num_accepted_tokens))
+        last_per_pos = last.spec_num_accepted_tokens_per_pos
+        for pos, total in enumerate(stats.spec_num_accepted_tokens_per_pos):
+            before = last_per_pos[pos] if pos < len(last_per_pos) else 0
+            self._spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(
+                max(0, total - before))
+        self.spec_acceptance_rate.set(stats.spec_acceptance_rate)
+        self.spec_mean_acceptance_length.set(stats.spec_mean_acceptance_length)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

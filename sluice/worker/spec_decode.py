@@ -1,0 +1,111 @@
+"""The model runner's side of speculative decoding: verify this step's drafts, propose the next.
+
+A request scheduled with drafts has them as the last tokens of its scheduled tokens; the target's
+logits at those positions and the one after the last draft go to the rejection sampler, which
+emits the accepted drafts and one token of the target's own. Requests without drafts sample as
+usual. Then the proposer drafts up to k tokens for every request that just got tokens, unless
+its sampling needs what the rejection sampler does not apply (penalties and min_tokens count the
+tokens before each position, logprobs are per token): those decode one token at a time.
+
+Steps with speculation run synchronously: the next step's drafts depend on this step's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from sluice.spec_decode.config import SpeculativeConfig
+from sluice.spec_decode.model_proposer import DraftModelProposer, EagleProposer, ModelProposer
+from sluice.spec_decode.ngram_proposer import NgramProposer
+from sluice.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from sluice.worker.sampling_inputs import build_sampling_metadata
+
+if TYPE_CHECKING:
+    from sluice.core.outputs import ModelRunnerOutput
+    from sluice.sampling_params import SamplingParams
+    from sluice.worker.model_runner import ModelRunner, StepInputs
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether drafts can be verified exactly for a request sampled with `params`."""
+    return (params.logprobs is None and not params.min_tokens and params.presence_penalty == 0
+            and params.frequency_penalty == 0 and params.repetition_penalty == 1.0)
+
+
+class SpecDecoder:
+    def __init__(self, runner: ModelRunner, config: SpeculativeConfig) -> None:
+        self.runner = runner
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.query_len = 1 + self.k  # tokens per request in a verification step
+        self.rejection_sampler = RejectionSampler(runner.sampler.default_generator)
+        self.ngram: NgramProposer | None = None
+        self.model_proposer: ModelProposer | None = None
+        if config.method == "ngram":
+            self.ngram = NgramProposer(config)
+        else:
+            cls = DraftModelProposer if config.method == "draft_model" else EagleProposer
+            self.model_proposer = cls(
+                config, runner.model, runner.hf_config, runner.dtype, runner.device,
+                runner.attn_backend, runner.block_size, runner.scheduler_config.max_model_len)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.model_proposer.kv_bytes_per_block() if self.model_proposer else 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.model_proposer is not None:
+            self.model_proposer.initialize_kv_cache(num_blocks)
+
+    def verify(self, step: StepInputs, hidden: torch.Tensor, rows: list[int],
+               output: ModelRunnerOutput) -> None:
+        """Rejection-sample the drafts of `rows`; append the emitted tokens to their states."""
+        if not rows:
+            return
+        runner = self.runner
+        num_drafts = step.num_drafts[rows]
+        max_drafts = int(num_drafts.max())
+        # Target logits at each draft's position and after the last one: row r's positions
+        # are last - d .. last; shorter rows repeat their last position (ignored).
+        last = (step.query_start_loc[:-1] + step.num_scheduled - 1)[rows]
+        offsets = np.minimum(np.arange(max_drafts + 1)[None, :], num_drafts[:, None])
+        positions = (last - num_drafts)[:, None] + offsets
+        index = torch.from_numpy(positions.reshape(-1)).to(runner.device)
+        logits = runner.model.compute_logits(hidden[index]).view(len(rows), max_drafts + 1, -1)
+        draft_ids = np.full((len(rows), max_drafts), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+        for r, i in enumerate(rows):
+            draft_ids[r, :num_drafts[r]] = step.drafts[i]
+        states = [step.states[i] for i in rows]
+        metadata = build_sampling_metadata(states, runner.sampling_staging,
+                                           runner.hf_config.vocab_size)
+        result = self.rejection_sampler(
+            torch.from_numpy(draft_ids).to(runner.device),
+            torch.from_numpy(num_drafts).to(runner.device), None, logits, metadata)
+        emitted = result.output_token_ids.tolist()
+        for r, i in enumerate(rows):
+            tokens = emitted[r][:emitted[r].index(PLACEHOLDER_TOKEN_ID)] if (
+                PLACEHOLDER_TOKEN_ID in emitted[r]) else emitted[r]
+            step.states[i].token_ids.extend(tokens)
+            output.sampled_token_ids[i] = tokens
+
+    def propose(self, step: StepInputs, hidden: torch.Tensor,
+                output: ModelRunnerOutput) -> None:
+        """Drafts for the next step, in output.spec_token_ids."""
+        max_model_len = self.runner.scheduler_config.max_model_len
+        states = step.states
+        sampled = [bool(tokens) for tokens in output.sampled_token_ids]
+        num_wanted = [min(self.k, max_model_len - len(s.token_ids))
+                      if sampled[i] and can_speculate(s.sampling_params) else 0
+                      for i, s in enumerate(states)]
+        if self.ngram is not None:
+            output.spec_token_ids = [
+                self.ngram.propose(s.token_ids, num_wanted[i]) if num_wanted[i] > 0 else []
+                for i, s in enumerate(states)]
+            return
+        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        output.spec_token_ids = self.model_proposer.propose(
+            [s.token_ids for s in states], step.num_computed, step.num_scheduled,
+            step.query_start_loc, sampled, num_wanted, self.runner.block_tables.table[rows],
+            hidden)
