@@ -139,16 +139,25 @@ class KVCacheManager:
             return new_blocks
 
         # Hits are cached already; lookahead (speculative) slots hold no known tokens yet.
-        num_cached_blocks = max(self.num_cached_blocks.get(request_id, 0),
-                                len(new_computed_blocks))
-        num_full_blocks = (min(num_computed_tokens + num_new_tokens, request.num_tokens)
-                           // self.block_size)
+        self.num_cached_blocks[request_id] = max(self.num_cached_blocks.get(request_id, 0),
+                                                 len(new_computed_blocks))
+        self.cache_blocks(request, num_computed_tokens + num_new_tokens)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enter the full blocks among the request's first `num_tokens` tokens into the prefix
+        cache (their KV is computed or scheduled). Only known tokens count: drafts of
+        speculative decoding enter once verified (the scheduler calls this after verification)."""
+        if not self.enable_caching:
+            return
+        request_id = request.request_id
+        num_cached_blocks = self.num_cached_blocks.get(request_id, 0)
+        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
         if num_full_blocks > num_cached_blocks:
             self.update_block_hashes(request)
-            self.block_pool.cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks)
-            num_cached_blocks = num_full_blocks
-        self.num_cached_blocks[request_id] = num_cached_blocks
-        return new_blocks
+            self.block_pool.cache_full_blocks(request, self.req_to_blocks[request_id],
+                                              num_cached_blocks, num_full_blocks)
+            self.num_cached_blocks[request_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
         """Return every block of `request`, tail first so its chain is evicted leaf first."""

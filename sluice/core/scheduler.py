@@ -234,6 +234,9 @@ class Scheduler:
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
                     break
+            if drafts and new_token_ids:
+                # The accepted drafts are tokens now: their full blocks can be shared.
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             request.spec_token_ids = []
             if spec_token_ids is not None and not request.is_finished():
                 request.spec_token_ids = self._trim_drafts(request, spec_token_ids[i])

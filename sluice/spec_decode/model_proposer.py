@@ -191,14 +191,12 @@ class EagleProposer(ModelProposer):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        from dataclasses import replace
-
         from sluice.spec_decode.eagle_model import load_eagle_head
 
         self.model = load_eagle_head(self.config.model, self.target_model,
                                      self.target_hf_config, self.dtype, self.device,
                                      self.attn_backend)
-        self.kv_hf_config = replace(self.target_hf_config, num_hidden_layers=1)
+        self.kv_hf_config = self.model.config  # one layer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None, metadata: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,230 @@
+"""Speculative decoding through the whole engine (CPU, float32, tiny models): greedy output is the
+output without speculation, token for token, for every proposer and with chunked prefill,
+preemption and the prefix cache; max_tokens and stop tokens are never overrun; blocks balance."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice import LLM, SamplingParams
+from sluice.spec_decode.eagle_model import make_tiny_eagle
+
+from ..conftest import save_hf_model
+
+# Prompts that repeat themselves, so prompt lookup finds drafts, plus one that does not.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
+    [11, 12, 13, 14] * 6 + [11, 12],
+    list(range(20, 70)),
+    [3, 40, 41, 42, 3, 40, 41, 42, 3, 40, 41, 42, 3, 40, 41],
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+def generate(model: str, params: SamplingParams = GREEDY, prompts=PROMPTS,
+             **kwargs: object) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model=model, dtype="float32", device="cpu", block_size=4, **kwargs)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                           use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], llm
+
+
+def assert_blocks_balance(llm: LLM) -> None:
+    core = llm.llm_engine.engine_core
+    core.kv_cache_manager.check_integrity()
+    pool = core.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1  # everything back but the null block
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir: str) -> list[list[int]]:
+    tokens, llm = generate(qwen3_dir)
+    llm.shutdown()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Another tiny Qwen3 of the same vocabulary (other weights, one layer)."""
+    return save_hf_model(str(tmp_path_factory.mktemp("draft")), "qwen3", seed=7,
+                         num_hidden_layers=1, layer_types=["full_attention"])
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_eagle(qwen3_dir, str(tmp_path_factory.mktemp("eagle")), seed=3)
+
+
+def spec_configs(qwen3_dir: str, draft_dir: str, eagle_dir: str) -> dict[str, dict]:
+    return {
+        "ngram": NGRAM,
+        "draft_model": {"method": "draft_model", "model": draft_dir,
+                        "num_speculative_tokens": 3},
+        "eagle": {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": 2},
+    }
+
+
+SETTINGS = {
+    "default": {},
+    # 16-token steps: prompts are prefilled in chunks and drafts get cut by the budget.
+    "chunked_prefill": {"max_num_batched_tokens": 16, "max_num_seqs": 4},
+    # 24 blocks of 4 tokens cannot hold four sequences of ~50 tokens: requests are preempted.
+    "preemption": {"num_gpu_blocks_override": 24, "max_model_len": 80},
+    "no_prefix_caching": {"enable_prefix_caching": False},
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+def test_greedy_output_is_unchanged_by_speculation(
+        qwen3_dir: str, draft_dir: str, eagle_dir: str, reference: list[list[int]],
+        method: str, setting: str) -> None:
+    config = spec_configs(qwen3_dir, draft_dir, eagle_dir)[method]
+    tokens, llm = generate(qwen3_dir, speculative_config=config, **SETTINGS[setting])
+    stats = llm.get_spec_decoding_stats()
+    assert tokens == reference
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
+    if setting == "preemption":
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
+def test_ngram_accepts_drafts_of_a_repeating_output(qwen3_dir: str,
+                                                    reference: list[list[int]]) -> None:
+    _, llm = generate(qwen3_dir, speculative_config=NGRAM)
+    stats = llm.get_spec_decoding_stats()
+    # Greedy tiny models fall into loops, which prompt lookup predicts.
+    assert stats.num_accepted_tokens > 0
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # accepted only after accepted
+    # Fewer steps than tokens: each verification emits 1 + accepted tokens.
+    assert stats.mean_acceptance_length > 1.0
+    llm.shutdown()
+
+
+def test_self_speculation_accepts_every_draft(qwen3_dir: str,
+                                              reference: list[list[int]]) -> None:
+    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4}
+    tokens, llm = generate(qwen3_dir, speculative_config=config)
+    stats = llm.get_spec_decoding_stats()
+    assert tokens == reference
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    # Every verified draft is accepted at every position it has (max_tokens cuts the last).
+    assert stats.num_accepted_tokens_per_pos[0] == stats.num_drafts
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 11])
+def test_max_tokens_is_never_exceeded(qwen3_dir: str, reference: list[list[int]],
+                                      max_tokens: int) -> None:
+    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    tokens, llm = generate(qwen3_dir, params, speculative_config=config)
+    assert tokens == [t[:max_tokens] for t in reference]
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
+def test_stop_token_inside_accepted_drafts_ends_the_output(qwen3_dir: str,
+                                                           reference: list[list[int]]) -> None:
+    # Self-speculation accepts whole runs of drafts; stop at the 6th token of each output.
+    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4}
+    outputs = []
+    for prompt, ref in zip(PROMPTS, reference):
+        stop_id = ref[5]
+        expected = ref[:ref.index(stop_id) + 1]
+        params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_id])
+        tokens, llm = generate(qwen3_dir, params, prompts=[prompt], speculative_config=config)
+        outputs.append((tokens[0], expected))
+        assert_blocks_balance(llm)
+        llm.shutdown()
+    for tokens, expected in outputs:
+        assert tokens == expected
+
+
+def test_max_model_len_caps_drafts(qwen3_dir: str) -> None:
+    prompts = [p[:12] for p in PROMPTS]
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    ref, llm = generate(qwen3_dir, params, prompts=prompts, max_model_len=30)
+    llm.shutdown()
+    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4}
+    tokens, llm = generate(qwen3_dir, params, prompts=prompts, max_model_len=30,
+                           speculative_config=config)
+    assert tokens == ref
+    assert all(len(t) == 30 - 12 for t in tokens)
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
+def test_only_verified_blocks_enter_the_prefix_cache(qwen3_dir: str,
+                                                     reference: list[list[int]]) -> None:
+    """A second request whose prompt is the first one's prompt and output hits every full
+    block of it and still generates the reference continuation."""
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              speculative_config={"method": "draft_model", "model": qwen3_dir,
+                                  "num_speculative_tokens": 4})
+    prompt = PROMPTS[0]
+    first = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    assert list(first.outputs[0].token_ids) == reference[0]
+    extended = prompt + reference[0]
+    second = llm.generate([{"prompt_token_ids": extended}], GREEDY, use_tqdm=False)[0]
+    # The whole prompt and output but the last token were computed and cached (full blocks).
+    assert second.num_cached_tokens == (len(extended) - 1) // 4 * 4
+    ref, base = generate(qwen3_dir, prompts=[extended], enable_prefix_caching=False)
+    base.shutdown()
+    assert list(second.outputs[0].token_ids) == ref[0]
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(qwen3_dir: str) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=1234,
+                            ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        tokens, llm = generate(qwen3_dir, params, speculative_config=NGRAM)
+        runs.append(tokens)
+        assert all(len(t) == 20 for t in tokens)
+        llm.shutdown()
+    assert runs[0] == runs[1]
+
+
+def test_n_greater_than_one_and_penalties_run_with_speculation(qwen3_dir: str) -> None:
+    """n > 1 children speculate independently; a request with a penalty decodes without
+    drafts (they could not be verified exactly) and equals its run without speculation."""
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              speculative_config=NGRAM)
+    params = SamplingParams(n=3, max_tokens=16, temperature=0.7, seed=5, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 16 for c in out.outputs)
+    penalised = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3,
+                               ignore_eos=True)
+    drafted_before = llm.get_spec_decoding_stats().num_draft_tokens
+    got = llm.generate([{"prompt_token_ids": PROMPTS[1]}], penalised, use_tqdm=False)[0]
+    assert llm.get_spec_decoding_stats().num_draft_tokens == drafted_before
+    assert_blocks_balance(llm)
+    llm.shutdown()
+    ref, base = generate(qwen3_dir, penalised, prompts=[PROMPTS[1]])
+    base.shutdown()
+    assert list(got.outputs[0].token_ids) == ref[0]
+
+
+def test_async_scheduling_with_speculation_is_refused(qwen3_dir: str) -> None:
+    with pytest.raises(ValueError, match="async_scheduling=True is not supported"):
+        LLM(model=qwen3_dir, device="cpu", async_scheduling=True, speculative_config=NGRAM)
+
+
+def test_draft_model_of_another_vocabulary_is_refused(qwen3_dir: str,
+                                                      tmp_path_factory) -> None:
+    other = save_hf_model(str(tmp_path_factory.mktemp("other-vocab")), "qwen3",
+                          vocab_size=300)
+    with pytest.raises(ValueError, match=r"vocab_size \(300\) must equal the target's"):
+        LLM(model=qwen3_dir, device="cpu", dtype="float32",
+            speculative_config={"method": "draft_model", "model": other,
+                                "num_speculative_tokens": 2})
