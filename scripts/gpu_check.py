@@ -1,7 +1,8 @@
 """GPU check: greedy ids on CUDA (float32) equal the CPU reference for tiny Qwen3 / Llama / Qwen2
 models, under every GPU optimisation (Triton attention, CUDA graphs, compiled ops, async
 scheduling) and with them switched off one at a time, with and without prefix caching and
-with small prefill chunks. Exits non-zero on any mismatch.
+with small prefill chunks; and with speculative decoding (n-gram, a draft model, an EAGLE head;
+verification CUDA graphs and eager). Exits non-zero on any mismatch.
 
     PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR]
 
@@ -20,6 +21,7 @@ import torch
 
 from sluice import LLM, SamplingParams
 from sluice.model.tiny import make_tiny_model
+from sluice.spec_decode.eagle_model import make_tiny_eagle
 
 # Every optimisation on the GPU must give the CPU reference's greedy ids.
 CONFIGS = {
@@ -30,6 +32,20 @@ CONFIGS = {
     "chunks_of_32": {"max_num_batched_tokens": 32},
     "torch_ref_attention": {"attention_backend": "torch_ref", "enforce_eager": True},
 }
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+def spec_configs(model: str, eagle: str) -> dict[str, dict]:
+    return {
+        "spec_ngram": {"speculative_config": NGRAM},
+        "spec_ngram_eager": {"speculative_config": NGRAM, "enforce_eager": True},
+        "spec_ngram_chunks_of_32": {"speculative_config": NGRAM, "max_num_batched_tokens": 32},
+        "spec_draft_model_self": {"speculative_config": {
+            "method": "draft_model", "model": model, "num_speculative_tokens": 4}},
+        "spec_eagle": {"speculative_config": {
+            "method": "eagle", "model": eagle, "num_speculative_tokens": 3}},
+    }
 
 
 def greedy_ids(llm: LLM, prompts: list[dict], max_tokens: int = 32,
@@ -56,9 +72,17 @@ def main() -> None:
                    for n in (5, 40, 130, 17)]
         reference = greedy_ids(LLM(model=model, dtype="float32", device="cpu",
                                    max_num_batched_tokens=64), prompts)
-        for name, kwargs in CONFIGS.items():
+        configs = dict(CONFIGS)
+        if arch != "qwen2":
+            eagle = make_tiny_eagle(model, os.path.join(work, arch + "-eagle"))
+            configs.update(spec_configs(model, eagle))
+        for name, kwargs in configs.items():
             llm = LLM(model=model, dtype="float32", device="cuda", **kwargs)
             result[f"{arch}_{name}_equals_cpu"] = greedy_ids(llm, prompts) == reference
+            stats = llm.get_spec_decoding_stats()
+            if stats is not None:
+                result[f"{arch}_{name}_accepted_of_drafted"] = (
+                    f"{stats.num_accepted_tokens}/{stats.num_draft_tokens}")
             if name == "default":
                 result[f"{arch}_one_prompt_at_a_time_equals_cpu"] = greedy_ids(
                     llm, prompts, one_at_a_time=True) == reference

@@ -81,7 +81,7 @@ def _leave_a_cpu_to_the_front_end(device: str) -> None:
 def make_scheduler_stats(engine_core: EngineCore) -> SchedulerStats:
     scheduler = engine_core.scheduler
     manager = engine_core.kv_cache_manager
-    spec = getattr(scheduler, "spec_decoding_stats", None) or SpecDecodingStats()
+    spec = scheduler.spec_decoding_stats or SpecDecodingStats()  # None: speculation off
     return SchedulerStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),

@@ -162,13 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     # Each benchmark module adds its own subcommand: module.add_parser(bench_sub).
-    from sluice.bench import latency, profile_steps, throughput
+    from sluice.bench import latency, profile_steps, spec_decode, throughput
     from sluice.bench import serve as bench_serve
 
     bench_serve.add_parser(bench_sub)
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
     profile_steps.add_parser(bench_sub)
+    spec_decode.add_parser(bench_sub)
     return parser
 
 

@@ -40,7 +40,7 @@ class LLM:
         accepted tokens, accepted tokens per draft position; `acceptance_rate` and
         `mean_acceptance_length` derive from them); None when speculation is off. A copy:
         later steps do not change it."""
-        stats = getattr(self.llm_engine.scheduler, "spec_decoding_stats", None)
+        stats = self.llm_engine.scheduler.spec_decoding_stats
         return None if stats is None else copy.deepcopy(stats)
 
     def generate(

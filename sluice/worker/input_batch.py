@@ -33,6 +33,23 @@ class CachedRequestState:
     # scheduling), and the token's row in that step's samples.
     pending_step: object | None = None
     pending_index: int = -1
+    # token_ids as an int64 array with room to grow (n-gram speculation reads it every step;
+    # converting the list each time costs more than the search)
+    token_array: np.ndarray | None = None
+    num_arrayed: int = 0
+
+    def tokens_as_array(self) -> np.ndarray:
+        """token_ids as an array (a view of the growing buffer; token_ids only ever grows)."""
+        num_tokens = len(self.token_ids)
+        array = self.token_array
+        if array is None or array.shape[0] < num_tokens:
+            array = np.empty(max(2 * num_tokens, 256), dtype=np.int64)
+            array[:num_tokens] = self.token_ids
+            self.token_array = array
+        elif self.num_arrayed < num_tokens:
+            array[self.num_arrayed:num_tokens] = self.token_ids[self.num_arrayed:]
+        self.num_arrayed = num_tokens
+        return array[:num_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -101,7 +101,8 @@ class SpecDecoder:
                       for i, s in enumerate(states)]
         if self.ngram is not None:
             output.spec_token_ids = [
-                self.ngram.propose(s.token_ids, num_wanted[i]) if num_wanted[i] > 0 else []
+                self.ngram.propose(s.tokens_as_array(), num_wanted[i]) if num_wanted[i] > 0
+                else []
                 for i, s in enumerate(states)]
             return
         rows = np.fromiter((s.row for s in states), np.int64, len(states))

@@ -30,6 +30,38 @@ class TileConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
 
 
+# Shared memory a tile set may plan on: an H100 / H200 block gets 227 KiB, an A100 163 KiB.
+SHARED_MEMORY_BUDGET = 160 * 1024
+
+
+def fit_tiles(tiles: TileConfig, block_m: int, head_dim_pad: int, elem_size: int,
+              min_block_m: int) -> tuple[TileConfig, int]:
+    """(tiles, block_m) for a float32 cache, shrunk until the query tile plus the pipelined K
+    and V tiles (a rough, generous count) fit SHARED_MEMORY_BUDGET: fewer stages first, then
+    narrower KV tiles, then fewer query rows. The prefill tiles of 16-bit caches are tuned and
+    fit; float32 with large heads does not (128 x 128 tiles of head_dim 128 asked 256 KiB on an
+    H200, over its 227 KiB)."""
+    if elem_size < 4:
+        return tiles, block_m
+
+    def need(m: int, n: int, stages: int) -> int:
+        return (m + 2 * max(stages - 1, 1) * n) * head_dim_pad * elem_size
+
+    m, n, stages = block_m, tiles.block_n, tiles.num_stages
+    while need(m, n, stages) > SHARED_MEMORY_BUDGET:
+        if stages > 2:
+            stages -= 1
+        elif n > 16:
+            n //= 2
+        elif m > min_block_m:
+            m //= 2
+        else:
+            break
+    if (m, n, stages) == (block_m, tiles.block_n, tiles.num_stages):
+        return tiles, block_m
+    return TileConfig(max(m, 16), n, tiles.num_warps, stages), m
+
+
 @dataclass(frozen=True, slots=True)
 class KernelDtypes:
     """Compile-time choices that follow from the tensors' dtypes and device."""

@@ -21,6 +21,7 @@ from sluice.attention.triton.common import (
     TileConfig,
     attend_tile,
     find_token_owner,
+    fit_tiles,
     group_padded,
 )
 
@@ -176,6 +177,8 @@ def split_kv_attention(
     num_kv_heads = key_cache.shape[2]
     group, group_pad = group_padded(num_heads, num_kv_heads)
     head_dim_pad = triton.next_power_of_2(head_dim)
+    tiles, block_m = fit_tiles(tiles, max(tiles.block_m, group_pad), head_dim_pad,
+                               key_cache.element_size(), min_block_m=max(16, group_pad))
     dtypes = KernelDtypes.of(key_cache.dtype, query.device)
     partial_acc = torch.empty(
         num_tokens, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device
@@ -208,7 +211,7 @@ def split_kv_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=max(tiles.block_m, group_pad),
+        BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
         PAGE_SIZE=key_cache.shape[1],
         UPCAST_DOT=dtypes.upcast_dot,

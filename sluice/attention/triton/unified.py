@@ -32,6 +32,7 @@ from sluice.attention.triton.common import (
     TileConfig,
     attend_tile,
     find_tile_owner,
+    fit_tiles,
     group_padded,
 )
 
@@ -166,6 +167,8 @@ def unified_attention(
     num_kv_heads = key.shape[-2]
     group, group_pad = group_padded(num_heads, num_kv_heads)
     block_m = max(tiles.block_m, group_pad)
+    tiles, block_m = fit_tiles(tiles, block_m, triton.next_power_of_2(head_dim),
+                               key.element_size(), min_block_m=max(16, group_pad))
     block_q = block_m // group_pad
     num_reqs = metadata.num_reqs
     # Request i's tiles start at query_start_loc[i] // BLOCK_Q + i (< num_tokens // BLOCK_Q +

@@ -1,0 +1,180 @@
+"""`sluice bench spec`: decode speed with speculative decoding against none, in the same run.
+
+Per batch size B: B greedy requests to `output_len` tokens each, timed (median of `num_iters`)
+once on an engine without speculation and once on an engine with `--speculative-config` (n-gram
+prompt lookup by default). Decode time is the time to `output_len` tokens less the time to one
+token (prefill), as in `sluice bench latency`; the speed-up is the ratio of the two decode times.
+Acceptance figures are counted over the timed runs of the speculative engine. Both engines see
+the same prompts, each several times (so the prompt is a prefix-cache hit after the first run,
+alike for both).
+
+Workloads (`--workload`): `continue`, prompts that are a random segment followed by the model's
+own greedy continuation of it (made by the baseline engine first), so that the output goes on
+with what the prompt already holds: with a random-weight model that is a loop it has fallen
+into, the case of outputs that repeat their prompts (editing, extraction), where prompt lookup
+pays; `repeat`, prompts that are one random segment repeated (whether the output picks the
+pattern up is up to the model); `random`, prompts of random tokens (prompt lookup finds little:
+the cost of speculating for nothing). The acceptance rate says how much the output did repeat,
+and
+`tokens_equal` how many output tokens equal the run without speculation (greedy: all, up to
+floating-point ties between a batched verification and a one-token decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ' \
+               '"prompt_lookup_min": 2}'
+
+
+def add_parser(bench_sub: Any) -> None:
+    from sluice.entrypoints.cli import add_engine_args
+
+    parser = bench_sub.add_parser(
+        "spec", help="decode speed-up of speculative decoding vs none, same run")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default 1,8,32)")
+    parser.add_argument("--workload", choices=["continue", "repeat", "random"],
+                        default="continue")
+    parser.add_argument("--segment-len", type=int, default=64,
+                        help="continue / repeat workloads: tokens in the random segment")
+    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=256, help="tokens per request")
+    parser.add_argument("--num-iters", type=int, default=3, help="timed runs per point (median)")
+    parser.add_argument("--bench-speculative-config", default=DEFAULT_SPEC,
+                        help=f"the speculative engine's config (default: {DEFAULT_SPEC})")
+    parser.add_argument("--output", default=None, help="write the result as JSON here")
+    add_engine_args(parser)
+    parser.set_defaults(func=_cmd_spec)
+
+
+def make_prompts(workload: str, num: int, input_len: int, segment_len: int, vocab_size: int,
+                 rng: random.Random) -> list[list[int]]:
+    from sluice.bench.workloads import random_prompts
+
+    if workload in ("random", "continue"):  # continue: the segment, continued by run_spec
+        return random_prompts(num, input_len if workload == "random" else segment_len,
+                              vocab_size, rng)
+    segments = random_prompts(num, segment_len, vocab_size, rng)
+    return [(s * (input_len // segment_len + 1))[:input_len] for s in segments]
+
+
+def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
+    from sluice import SamplingParams
+    from sluice.bench import offline_report as report
+    from sluice.bench.latency import parse_sizes
+    from sluice.bench.throughput import build_llm, release_device_memory
+
+    batch_sizes = parse_sizes("batch_sizes", ns.batch_sizes)
+    spec_config = json.loads(ns.bench_speculative_config)
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    outputs_by_engine: dict[str, dict[int, list[list[int]]]] = {}
+    machine = model = dtype_name = None
+    prompts: dict[int, list[list[int]]] = {}
+    for name in ("baseline", "speculative"):
+        ns.speculative_config = spec_config if name == "speculative" else None
+        llm, device, dtype = build_llm(ns)
+        engine = llm.llm_engine
+        machine, model = report.machine_info(device), engine.model_config.model
+        dtype_name = str(dtype).removeprefix("torch.")
+        vocab_size = engine.hf_config.vocab_size
+        if not prompts:  # made once, with the baseline engine: the same for both
+            rng = random.Random(ns.seed)
+            prompts.update({b: make_prompts(ns.workload, b, ns.input_len, ns.segment_len,
+                                            vocab_size, rng) for b in batch_sizes})
+
+        def timed(batch: list[list[int]], max_tokens: int,
+                  llm: Any = llm, device: Any = device) -> tuple[float, list[list[int]]]:
+            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+            report.synchronize(device)
+            start = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch], params,
+                                use_tqdm=False)
+            report.synchronize(device)
+            return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+
+        if ns.workload == "continue" and name == "baseline":
+            for b in batch_sizes:
+                _, continuations = timed(prompts[b], ns.input_len - ns.segment_len)
+                prompts[b] = [p + c for p, c in zip(prompts[b], continuations)]
+        timed(prompts[max(batch_sizes)], 16)  # warm-up
+        results[name], outputs_by_engine[name] = {}, {}
+        for b in batch_sizes:
+            before = llm.get_spec_decoding_stats()
+            runs = [timed(prompts[b], ns.output_len) for _ in range(ns.num_iters)]
+            after = llm.get_spec_decoding_stats()
+            t_out = statistics.median(t for t, _ in runs)
+            t_1 = statistics.median(timed(prompts[b], 1)[0] for _ in range(ns.num_iters))
+            decode_s = max(t_out - t_1, 1e-9)
+            point = {"batch_size": b, "t_out_s": t_out, "t_1_s": t_1,
+                     "itl_ms": 1e3 * decode_s / (ns.output_len - 1),
+                     "decode_tok_s": b * (ns.output_len - 1) / decode_s}
+            if after is not None:
+                drafts = after.num_drafts - before.num_drafts
+                drafted = after.num_draft_tokens - before.num_draft_tokens
+                accepted = after.num_accepted_tokens - before.num_accepted_tokens
+                point.update(num_drafts=drafts, num_draft_tokens=drafted,
+                             num_accepted_tokens=accepted,
+                             acceptance_rate=accepted / drafted if drafted else 0.0,
+                             mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
+            results[name][b] = point
+            outputs_by_engine[name][b] = runs[0][1]
+        llm.shutdown()
+        del llm, engine
+        release_device_memory(device)
+
+    points = []
+    for b in batch_sizes:
+        base, spec = results["baseline"][b], results["speculative"][b]
+        ref, got = outputs_by_engine["baseline"][b], outputs_by_engine["speculative"][b]
+        equal = sum(x == y for r, g in zip(ref, got) for x, y in zip(r, g))
+        points.append({**spec, "baseline_itl_ms": base["itl_ms"],
+                       "baseline_decode_tok_s": base["decode_tok_s"],
+                       "speedup": spec["decode_tok_s"] / base["decode_tok_s"],
+                       "tokens_equal": equal / sum(len(r) for r in ref)})
+    return {
+        "machine": machine, "gpu": machine["gpu"], "command": report.command_line(None),
+        "model": model, "dtype": dtype_name, "workload": ns.workload,
+        "input_len": ns.input_len, "segment_len": ns.segment_len, "output_len": ns.output_len,
+        "num_iters": ns.num_iters, "speculative_config": spec_config, "points": points,
+        "sluice_version": report.sluice_version(), "date": report.now_iso(),
+    }
+
+
+def format_spec(record: dict[str, Any]) -> str:
+    from sluice.bench.offline_report import describe_machine
+
+    lines = [
+        f"command: {record['command']}",
+        f"machine: {describe_machine(record['machine'])}",
+        f"model: {record['model']} ({record['dtype']}); workload {record['workload']}: "
+        f"{record['input_len']} prompt tokens, {record['output_len']} output tokens, greedy",
+        f"speculative: {json.dumps(record['speculative_config'])}",
+        f"{'batch':>6} {'ITL base':>9} {'ITL spec':>9} {'speed-up':>9} {'accept':>7} "
+        f"{'mean len':>9} {'equal':>6}",
+    ]
+    lines += [f"{p['batch_size']:>6} {p['baseline_itl_ms']:>9.3f} {p['itl_ms']:>9.3f} "
+              f"{p['speedup']:>8.2f}x {p.get('acceptance_rate', 0):>7.1%} "
+              f"{p.get('mean_acceptance_length', 0):>9.2f} {p['tokens_equal']:>6.1%}"
+              for p in record["points"]]
+    return "\n".join(lines)
+
+
+def _cmd_spec(ns: argparse.Namespace) -> int:
+    from sluice.bench.offline_report import write_json
+
+    if ns.output_len < 2:
+        raise ValueError(f"output_len must be >= 2, got {ns.output_len}")
+    if ns.workload != "random" and not 1 <= ns.segment_len < ns.input_len:
+        raise ValueError(f"segment_len must be in [1, input_len) for workload {ns.workload!r}, "
+                         f"got segment_len {ns.segment_len}, input_len {ns.input_len}")
+    record = run_spec(ns)
+    print(format_spec(record))
+    if ns.output:
+        write_json(ns.output, record)
+    return 0
