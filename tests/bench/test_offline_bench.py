@@ -182,6 +182,35 @@ def test_bench_latency_rejects_bad_arguments(tiny_dir: str) -> None:
     assert parse_sizes("batch_sizes", "1, 64") == [1, 64]
 
 
+@pytest.mark.parametrize("workload", ["continue", "repeat", "random"])
+def test_bench_spec_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path, workload: str) -> None:
+    out_json = tmp_path / "spec.json"
+    result = run_sluice("bench", "spec", "--model", tiny_dir, "--device", "cpu",
+                        "--dtype", "float32", "--workload", workload, "--batch-sizes", "1,2",
+                        "--input-len", "48", "--segment-len", "12", "--output-len", "12",
+                        "--num-iters", "1", "--output", str(out_json))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out_json.read_text())
+    assert record["speculative_config"]["method"] == "ngram"
+    assert [p["batch_size"] for p in record["points"]] == [1, 2]
+    for p in record["points"]:
+        assert p["speedup"] == pytest.approx(p["decode_tok_s"] / p["baseline_decode_tok_s"])
+        assert p["tokens_equal"] == 1.0  # float32 greedy: speculation changes nothing
+        assert 0 <= p["num_accepted_tokens"] <= p["num_draft_tokens"]
+        assert p["num_draft_tokens"] <= 4 * p["num_drafts"]
+        assert p["acceptance_rate"] == pytest.approx(
+            p["num_accepted_tokens"] / p["num_draft_tokens"] if p["num_draft_tokens"] else 0)
+    assert "speed-up" in result.stdout and "speculative:" in result.stdout
+
+
+def test_bench_spec_rejects_a_segment_longer_than_the_prompt(tiny_dir: str) -> None:
+    result = run_sluice("bench", "spec", "--model", tiny_dir, "--device", "cpu",
+                        "--input-len", "16", "--segment-len", "16")
+    assert result.returncode == 2
+    assert "segment_len must be in [1, input_len)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_hf_continuous_batching_config_is_benchmarks_md() -> None:
     assert unavailable_reason() is None  # transformers 5 here
     config = continuous_batching_config()
