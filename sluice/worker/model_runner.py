@@ -40,7 +40,7 @@ from sluice.worker.input_batch import BlockTables, CachedRequestState, StagedBuf
 from sluice.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from sluice.worker.sampler import Sampler, compute_topk_logprobs
 from sluice.worker.sampling_inputs import SamplingStaging, build_sampling_metadata
-from sluice.worker.spec_decode import SpecDecoder
+from sluice.worker.spec_decode import SpecDecoder, can_speculate
 from sluice.worker.step_handle import StepHandle, position_logprobs
 
 logger = logging.getLogger("sluice")
@@ -324,11 +324,15 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(states)
                        if seq_lens[i] == len(s.token_ids) + (s.pending_step is not None)]
         if self.spec is not None:
-            # Rows with drafts are verified by the rejection sampler; the rest sample below.
-            verify_rows = [i for i in sample_rows if step.num_drafts[i]]
-            sample_rows = [i for i in sample_rows if not step.num_drafts[i]]
-            self._sample(step, hidden, sample_rows, handle)
-            handle.result()
+            # Rows with drafts are verified by the rejection sampler, and so are the others
+            # (as rows of no drafts: one read-back for the step) unless one needs what only
+            # the sampler applies (penalties, min_tokens, logprobs).
+            verify_rows = sample_rows
+            if not all(can_speculate(states[i].sampling_params) for i in sample_rows):
+                verify_rows = [i for i in sample_rows if step.num_drafts[i]]
+                self._sample(step, hidden, [i for i in sample_rows if not step.num_drafts[i]],
+                             handle)
+                handle.result()
             self.spec.verify(step, hidden, verify_rows, output)
             self.spec.propose(step, hidden, output)
             return handle

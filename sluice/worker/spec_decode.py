@@ -2,10 +2,12 @@
 
 A request scheduled with drafts has them as the last tokens of its scheduled tokens; the target's
 logits at those positions and the one after the last draft go to the rejection sampler, which
-emits the accepted drafts and one token of the target's own. Requests without drafts sample as
-usual. Then the proposer drafts up to k tokens for every request that just got tokens, unless
-its sampling needs what the rejection sampler does not apply (penalties and min_tokens count the
-tokens before each position, logprobs are per token): those decode one token at a time.
+emits the accepted drafts and one token of the target's own. Requests without drafts go through
+it too (no drafts: it samples the token as the sampler does), unless a request of the step needs
+the sampler itself. Then the proposer drafts up to k tokens for every request that just got
+tokens, unless its sampling needs what the rejection sampler does not apply (penalties and
+min_tokens count the tokens before each position, logprobs are per token): those decode one
+token at a time.
 
 Steps with speculation run synchronously: the next step's drafts depend on this step's tokens.
 """
@@ -21,6 +23,7 @@ from sluice.spec_decode.config import SpeculativeConfig
 from sluice.spec_decode.model_proposer import DraftModelProposer, EagleProposer, ModelProposer
 from sluice.spec_decode.ngram_proposer import NgramProposer
 from sluice.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from sluice.worker.input_batch import StagedBuffer
 from sluice.worker.sampling_inputs import build_sampling_metadata
 
 if TYPE_CHECKING:
@@ -42,6 +45,10 @@ class SpecDecoder:
         self.k = config.num_speculative_tokens
         self.query_len = 1 + self.k  # tokens per request in a verification step
         self.rejection_sampler = RejectionSampler(runner.sampler.default_generator)
+        # One pinned buffer for verification's inputs (logit rows, draft ids, draft counts):
+        # one copy that never blocks the host.
+        max_rows = runner.scheduler_config.max_num_seqs
+        self.staged = StagedBuffer((max_rows * (2 * self.k + 2),), torch.int64, runner.device)
         self.ngram: NgramProposer | None = None
         self.model_proposer: ModelProposer | None = None
         if config.method == "ngram":
@@ -61,7 +68,8 @@ class SpecDecoder:
 
     def verify(self, step: StepInputs, hidden: torch.Tensor, rows: list[int],
                output: ModelRunnerOutput) -> None:
-        """Rejection-sample the drafts of `rows`; append the emitted tokens to their states."""
+        """Rejection-sample the drafts of `rows` (a row without drafts samples its one token,
+        as the sampler would); append the emitted tokens to their states."""
         if not rows:
             return
         runner = self.runner
@@ -72,17 +80,26 @@ class SpecDecoder:
         last = (step.query_start_loc[:-1] + step.num_scheduled - 1)[rows]
         offsets = np.minimum(np.arange(max_drafts + 1)[None, :], num_drafts[:, None])
         positions = (last - num_drafts)[:, None] + offsets
-        index = torch.from_numpy(positions.reshape(-1)).to(runner.device)
-        logits = runner.model.compute_logits(hidden[index]).view(len(rows), max_drafts + 1, -1)
-        draft_ids = np.full((len(rows), max_drafts), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+        num_rows = len(rows)
+        num_positions = num_rows * (max_drafts + 1)
+        num_ids = num_rows * max_drafts
+        host = self.staged.np
+        host[:num_positions] = positions.reshape(-1)
+        draft_ids = host[num_positions:num_positions + num_ids].reshape(num_rows, max_drafts)
+        draft_ids[:] = PLACEHOLDER_TOKEN_ID
         for r, i in enumerate(rows):
-            draft_ids[r, :num_drafts[r]] = step.drafts[i]
+            if num_drafts[r]:
+                draft_ids[r, :num_drafts[r]] = step.drafts[i]
+        host[num_positions + num_ids:num_positions + num_ids + num_rows] = num_drafts
+        staged = self.staged.to_device(num_positions + num_ids + num_rows)
+        logits = runner.model.compute_logits(hidden[staged[:num_positions]]).view(
+            num_rows, max_drafts + 1, -1)
         states = [step.states[i] for i in rows]
         metadata = build_sampling_metadata(states, runner.sampling_staging,
                                            runner.hf_config.vocab_size)
         result = self.rejection_sampler(
-            torch.from_numpy(draft_ids).to(runner.device),
-            torch.from_numpy(num_drafts).to(runner.device), None, logits, metadata)
+            staged[num_positions:num_positions + num_ids].view(num_rows, max_drafts),
+            staged[num_positions + num_ids:], None, logits, metadata)
         emitted = result.output_token_ids.tolist()
         for r, i in enumerate(rows):
             tokens = emitted[r][:emitted[r].index(PLACEHOLDER_TOKEN_ID)] if (
