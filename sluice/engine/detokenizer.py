@@ -59,21 +59,32 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Append tokens and decode them. `stop_terminated`: the last new token is an EOS or
         stop token id, whose text is not added. Returns the stop string that matched, if any
-        (output_text is then cut before it, or after it with include_stop_str_in_output)."""
+        (output_text is then cut before it, or after it with include_stop_str_in_output, and
+        token_ids after the token that completed it)."""
+        num_tokens_before = len(self.token_ids)
         self.token_ids.extend(new_token_ids)
         decoded_ids = new_token_ids[:-1] if stop_terminated else new_token_ids
+        num_text_tokens_before = self._num_text_tokens
         self._num_text_tokens += len(decoded_ids)
         if not self.incremental:
             return None
-        num_chars_before = len(self.output_text)
-        for token_id in decoded_ids:
+        # Token by token: several tokens may arrive at once (speculative decoding), and the
+        # output must end with the token that completed a stop string, as if they came singly.
+        for n, token_id in enumerate(decoded_ids, 1):
             self._window_ids.append(token_id)
-            self.output_text += self._decode_next()
-
-        if (not self.stop or len(self.token_ids) <= self.min_tokens
-                or len(self.output_text) == num_chars_before):
-            return None
-        return self._truncate_at_stop_string(num_chars_before)
+            text = self._decode_next()
+            if not text:
+                continue
+            num_chars_before = len(self.output_text)
+            self.output_text += text
+            if not self.stop or num_tokens_before + n <= self.min_tokens:
+                continue
+            stop = self._truncate_at_stop_string(num_chars_before)
+            if stop is not None:
+                del self.token_ids[num_tokens_before + n:]
+                self._num_text_tokens = num_text_tokens_before + n
+                return stop
+        return None
 
     def flush(self) -> None:
         """The output ended: add the text still waiting for the rest of a character (it shows

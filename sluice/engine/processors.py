@@ -257,14 +257,16 @@ class OutputProcessor:
             stop_terminated = out.finish_reason == "stop" and not isinstance(
                 out.stop_reason, str)
             stop_string = sample.detokenizer.update(out.new_token_ids, stop_terminated)
-            if out.finished:
+            if stop_string is not None:
+                # Before any other end in the same step (the tokens after it are dropped).
+                sample.finish_reason = "stop"
+                sample.stop_reason = stop_string
+                if not out.finished:
+                    stopped_children.append(out.req_id)
+            elif out.finished:
                 sample.detokenizer.flush()
                 sample.finish_reason = out.finish_reason
                 sample.stop_reason = out.stop_reason
-            elif stop_string is not None:
-                sample.finish_reason = "stop"
-                sample.stop_reason = stop_string
-                stopped_children.append(out.req_id)
 
         outputs = []
         for state in touched.values():

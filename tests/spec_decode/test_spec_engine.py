@@ -228,3 +228,41 @@ def test_draft_model_of_another_vocabulary_is_refused(qwen3_dir: str,
         LLM(model=qwen3_dir, device="cpu", dtype="float32",
             speculative_config={"method": "draft_model", "model": other,
                                 "num_speculative_tokens": 2})
+
+
+def test_stop_string_inside_accepted_drafts_ends_the_output_as_without_speculation(
+        qwen3_dir: str) -> None:
+    """Several tokens arrive in one step; the text ends before the stop string and the token ids
+    end with the token that completed it, exactly as when tokens come one at a time."""
+    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4}
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    base = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4)
+    texts = [o.outputs[0].text for o in base.generate(prompts, free, use_tqdm=False)]
+    # A printable 3-character piece from the middle of each text (U+FFFD, a character still
+    # incomplete, is no stop string to test with).
+    stops = []
+    for i, text in enumerate(texts):
+        pieces = [text[j:j + 3] for j in range(len(text) // 3, len(text) - 3)
+                  if text[j:j + 3].isascii() and text[j:j + 3].isprintable()]
+        if pieces:
+            stops.append((i, pieces[0]))
+    assert len(stops) >= 2
+    prompts = [prompts[i] for i, _ in stops]
+    stops = [stop for _, stop in stops]
+    expected = [base.generate([p], SamplingParams(max_tokens=24, temperature=0.0,
+                                                  ignore_eos=True, stop=[stop]),
+                              use_tqdm=False)[0].outputs[0]
+                for p, stop in zip(prompts, stops)]
+    base.shutdown()
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              speculative_config=config)
+    for p, stop, want in zip(prompts, stops, expected):
+        got = llm.generate([p], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                               stop=[stop]), use_tqdm=False)[0].outputs[0]
+        assert (got.text, list(got.token_ids), got.finish_reason, got.stop_reason) == (
+            want.text, list(want.token_ids), "stop", stop)
+        assert stop not in got.text
+    assert llm.get_spec_decoding_stats().num_accepted_tokens > 0
+    assert_blocks_balance(llm)
+    llm.shutdown()
