@@ -20,6 +20,8 @@ A rejected draft's KV in the proposer's cache is overwritten the same way as the
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 import torch
 
@@ -31,7 +33,7 @@ from sluice.spec_decode.config import SpeculativeConfig
 from sluice.worker.kv_cache import allocate_kv_caches, bytes_per_block
 
 
-class ModelProposer:
+class ModelProposer(ABC):
     """Shared by both model proposers: inputs, metadata, the draft loop."""
 
     # EAGLE feeds the token one position ahead of the position it writes.
@@ -63,12 +65,14 @@ class ModelProposer:
 
     # ---- subclass hooks ------------------------------------------------------------------
 
+    @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None, metadata: AttentionMetadata) -> torch.Tensor:
-        raise NotImplementedError
+        """[T] ids, [T] positions, [T, H] target hidden states (EAGLE) -> [T, H]."""
 
+    @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """[N, H] -> [N, V] float32 logits."""
 
     # ---- one round of drafts -------------------------------------------------------------
 
