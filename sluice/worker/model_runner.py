@@ -150,7 +150,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Drop every device tensor this runner holds (see EngineCore.shutdown)."""
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.prefill_graphs = self.verify_graphs = None
         self._last_step = None
         self.spec = None
         self.requests.clear()
