@@ -34,11 +34,18 @@ SplitKVMode = Literal["auto", "always", "never"]
 DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 PREFILL_TILES = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-# Split only while (requests x KV heads) is below this many SMs' worth of programs, and keep at
-# least this many keys per split so the merge stays cheap next to the reads.
+# Few programs: split so the GPU fills (about 4 programs per SM), keeping at least
+# MIN_KEYS_PER_SPLIT keys per split so the merge stays cheap next to the reads.
 SPLIT_BELOW_PROGRAMS_PER_SM = 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
+# Middle-sized batches (a few to a dozen programs per SM) of the ragged contexts of a real
+# workload still gain from a small split: fewer long programs at the tail. Measured on an H200
+# with the nano-vllm workload's decode batches (`python -m sluice.bench.kernels --only-ragged`):
+# batch 37 (296 programs) 8 splits 64% -> 69% of the copy bandwidth, batch 65 (520) 2-4 splits
+# 67% -> 77%, batch 101 (808) 2 splits 76% -> 80%, batch 188 (1504) 82% -> 84%; batch 256
+# (2048 programs) gains nothing. (upper bound in programs per SM, splits)
+MIDDLE_SPLITS = ((3, 8), (6, 4), (12, 2))
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +71,18 @@ def choose_num_splits(
     num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int
 ) -> int:
     """Splits per request for a decode batch: 1 (no split) when the batch already fills the
-    GPU or contexts are short; else a power of two giving about 4 programs per SM."""
+    GPU or contexts are short; else a power of two (few distinct values: few compiled
+    variants)."""
     programs = num_reqs * num_kv_heads
-    if programs == 0 or programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
-        return 1
-    want = -(-4 * num_sms // programs)
     fits = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
+    if programs == 0:
+        return 1
+    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
+        splits = next((n for per_sm, n in MIDDLE_SPLITS if programs < per_sm * num_sms), 1)
+        return min(splits, 1 << (fits.bit_length() - 1))
+    want = -(-4 * num_sms // programs)
     num_splits = min(want, fits, MAX_SPLITS)
-    return 1 << (num_splits.bit_length() - 1)  # few distinct values: few compiled variants
+    return 1 << (num_splits.bit_length() - 1)
 
 
 class TritonBackend:

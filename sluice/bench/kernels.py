@@ -62,6 +62,8 @@ PREFILL_SWEEP = [
     TileConfig(64, 64, 4, 3),
     TileConfig(256, 64, 8, 3),
 ]
+RAGGED_SWEEP = [TileConfig(16, n, w, s) for n, w, s in [(32, 4, 2), (32, 2, 4), (64, 2, 2),
+                                                        (16, 4, 4), (32, 4, 6)]]
 SPLIT_SWEEP = [
     TileConfig(16, n, w, s)
     for n, w, s in [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3)]
@@ -194,6 +196,62 @@ def run_decode(
     return {"batch": batch, "context": context, "bytes": bytes_moved, "runs": results}
 
 
+def workload_contexts(step: int) -> list[int]:
+    """Context lengths of the nano-vllm workload's decode batch at engine step `step` (prompt
+    plus tokens so far, for the requests still running), in the engine's batch order."""
+    from sluice.bench.workloads import nano_vllm_workload
+
+    workload = nano_vllm_workload()
+    return [len(p) + step for p, m in zip(workload.prompts, workload.max_tokens) if m > step]
+
+
+def run_ragged(timer: GraphTimer, copy_bps: float, step: int,
+               configs: dict[str, TritonBackendConfig]) -> dict[str, Any]:
+    """A decode batch of the real workload's ragged contexts (see workload_contexts)."""
+    device = timer.flush.device
+    contexts = workload_contexts(step)
+    step_inputs = make_step(contexts, [1] * len(contexts), device)
+    query, key, value, kv_cache, metadata = step_inputs
+    elsize = kv_cache.element_size()
+    batch = len(contexts)
+    bytes_moved = (2 * sum(contexts) * NUM_KV_HEADS + 2 * batch * NUM_HEADS) * HEAD_DIM * elsize
+    results = {}
+    for label, config in configs.items():
+        backend = TritonBackend(config)
+        seconds = timer(lambda b=backend: b.forward(*step_inputs, SCALE))
+        results[label] = {"config": _describe(config), "us": seconds * 1e6,
+                          "bytes_per_s": bytes_moved / seconds,
+                          "fraction_of_copy": bytes_moved / seconds / copy_bps}
+    # The same batch ordered so the longest contexts are started first (the unified kernel
+    # runs requests last to first): what longest-first scheduling of the programs would give.
+    # (the split-KV kernel runs them first to last).
+    ascending = make_step(sorted(contexts), [1] * batch, device)
+    descending = make_step(sorted(contexts, reverse=True), [1] * batch, device)
+    for label, config, inputs in (
+            ("unified_longest_first", TritonBackendConfig(split_kv="never"), ascending),
+            ("split_2_longest_first", TritonBackendConfig(split_kv="always", num_splits=2),
+             descending),
+            ("split_4_longest_first", TritonBackendConfig(split_kv="always", num_splits=4),
+             descending)):
+        backend = TritonBackend(config)
+        seconds = timer(lambda b=backend, inputs=inputs: b.forward(*inputs, SCALE))
+        results[label] = {"config": _describe(config), "us": seconds * 1e6,
+                          "bytes_per_s": bytes_moved / seconds,
+                          "fraction_of_copy": bytes_moved / seconds / copy_bps}
+    # The same bytes as a uniform batch at the mean context: what raggedness alone costs.
+    mean = round(sum(contexts) / batch)
+    uniform = make_step([mean] * batch, [1] * batch, device)
+    backend = TritonBackend(TritonBackendConfig(split_kv="never"))
+    seconds = timer(lambda: backend.forward(*uniform, SCALE))
+    uniform_bytes = (2 * mean * batch * NUM_KV_HEADS + 2 * batch * NUM_HEADS) * HEAD_DIM * elsize
+    results["unified_uniform_mean_context"] = {
+        "config": _describe(TritonBackendConfig(split_kv="never")), "us": seconds * 1e6,
+        "bytes_per_s": uniform_bytes / seconds,
+        "fraction_of_copy": uniform_bytes / seconds / copy_bps}
+    return {"step": step, "batch": batch, "mean_context": sum(contexts) / batch,
+            "max_context": max(contexts), "bytes": bytes_moved, "runs": results}
+
+
 def run_prefill(
     timer: GraphTimer, prompt_len: int, configs: dict[str, TritonBackendConfig]
 ) -> dict[str, Any]:
@@ -273,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="path of the JSON report")
     parser.add_argument("--iters", type=int, default=20, help="timed repetitions per case")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tile shapes")
+    parser.add_argument("--ragged-steps", default="20,600,900",
+                        help="decode batches of the nano-vllm workload at these engine steps "
+                             "(ragged contexts); empty: none")
+    parser.add_argument("--only-ragged", action="store_true", help="skip the other cases")
     ns = parser.parse_args(argv)
     if ns.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {ns.iters}")
@@ -295,6 +357,27 @@ def main(argv: list[str] | None = None) -> int:
         "decode": [],
         "prefill": [],
     }
+
+    report["ragged_decode"] = []
+    for step in [int(x) for x in ns.ragged_steps.split(",") if x.strip()]:
+        batch = len(workload_contexts(step))
+        configs = {"auto": TritonBackendConfig(), "unified": TritonBackendConfig(split_kv="never")}
+        for n in (2, 4, 8):
+            configs[f"split_{n}"] = TritonBackendConfig(split_kv="always", num_splits=n)
+        if ns.sweep:
+            for tiles in DECODE_SWEEP + RAGGED_SWEEP:
+                configs[_sweep_name(tiles)] = TritonBackendConfig(split_kv="never",
+                                                                  decode_tiles=tiles)
+        record = run_ragged(timer, copy_bps, step, configs)
+        report["ragged_decode"].append(record)
+        _write(ns.output, report)
+        for label, run in record["runs"].items():
+            print(f"ragged decode step {step:4d} batch {batch:3d} (mean ctx "
+                  f"{record['mean_context']:.0f}, max {record['max_context']}) {label:22s} "
+                  f"{run['us']:9.1f} us {run['bytes_per_s'] / 1e12:5.2f} TB/s  "
+                  f"{run['fraction_of_copy']:5.1%} of copy")
+    if ns.only_ragged:
+        return 0
 
     for batch, context in DECODE_CASES:
         configs = {"auto": TritonBackendConfig(), "unified": TritonBackendConfig(split_kv="never")}

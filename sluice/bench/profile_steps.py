@@ -5,9 +5,12 @@
 Runs (a scaled-down) nano-vllm workload through LLM.generate with every phase of
 EngineCore.step and LLMEngine.step timed: schedule, launch (input preparation and queueing the
 device work), result (blocking until the step's tokens are back: device time not hidden), update
-(scheduler bookkeeping) and output processing. A torch.profiler window over a few steps lists
-the top GPU kernels (those steps are included in the phase times). Prints per-phase totals and
-per-step means; writes JSON.
+(scheduler bookkeeping) and output processing. On a GPU, CUDA events around each launch give a
+device timeline: per kind of step (prefill/mixed, or decode by batch size) the device time and
+the time the device sat idle waiting for the host before it. torch.profiler windows of a few
+steps (`--profile-at`, e.g. at batch ~256, ~128 and ~16) list the top GPU kernels; those steps
+are included in the phase times and the timeline, so take the timeline from a run without them
+(`--profile-steps 0`). Prints per-phase totals and per-step means; writes JSON.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--profile-steps", type=int, default=20,
-                        help="steps from step 100 under torch.profiler (GPU kernels); 0 = none")
+                        help="steps per window under torch.profiler (GPU kernels); 0 = none")
+    parser.add_argument("--profile-at", default="100",
+                        help="comma-separated first steps of the profiler windows")
     parser.add_argument("--output", default=None)
     add_engine_args(parser)
     parser.set_defaults(func=main)
@@ -80,42 +85,61 @@ def main(ns: argparse.Namespace) -> int:
     core.step = _timed(phases, "engine_step_total", counting_step)
     from sluice.engine.processors import RequestOutputKind
 
-    kernels: list[dict[str, Any]] = []
-    host_ops: list[dict[str, Any]] = []
+    # Device timeline: an event once a launch has copied its inputs (the model's work is queued
+    # next) and one after its sampling.
+    timeline: list[tuple[Any, Any, int, int]] = []  # (start, end, tokens, requests)
+    runner = core.model_runner
+    original_launch, original_prepare = runner.launch, runner._prepare_inputs
+    if device.type == "cuda":
+        begun: list[Any] = []
+
+        def timed_prepare(scheduler_output: Any) -> Any:
+            step = original_prepare(scheduler_output)
+            begun.append(torch.cuda.Event(enable_timing=True))
+            begun[-1].record()
+            return step
+
+        def timed_launch(scheduler_output: Any) -> Any:
+            begun.clear()
+            handle = original_launch(scheduler_output)
+            if begun:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                timeline.append((begun[0], end, scheduler_output.total_num_scheduled_tokens,
+                                 len(scheduler_output.num_scheduled_tokens)))
+            return handle
+
+        runner.launch, runner._prepare_inputs = timed_launch, timed_prepare
+
+    windows: list[dict[str, Any]] = []
+    starts = ([int(x) for x in ns.profile_at.split(",") if x.strip()]
+              if device.type == "cuda" and ns.profile_steps > 0 else [])
     profiler = None
-    window = range(100, 100 + ns.profile_steps) if device.type == "cuda" else range(0)
+    window_start = 0
     try:
         start = time.perf_counter()
         for prompt, p in zip(prompts, params):
             engine.add_request(None, prompt, p, RequestOutputKind.FINAL_ONLY)
         while engine.has_unfinished_requests():
-            if steps[0] == window.start and len(window):
+            if steps[0] in starts and profiler is None:
                 from torch.profiler import ProfilerActivity, profile
 
                 profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 profiler.__enter__()
+                window_start = steps[0]
+                batch = core.scheduler.get_num_unfinished_requests()
             engine.step()
-            if profiler is not None and steps[0] == window.stop:
+            if profiler is not None and steps[0] == window_start + ns.profile_steps:
                 torch.cuda.synchronize()
                 profiler.__exit__(None, None, None)
-                events = sorted(profiler.key_averages(), key=lambda e: -e.device_time_total)
-                kernels = [{"name": e.key[:90], "calls": e.count,
-                            "device_ms_per_step": round(e.device_time_total / 1000
-                                                        / len(window), 3)}
-                           for e in events[:15]]
-                # Host time by op: a CUDA runtime call that blocks (a sync, a pageable copy)
-                # shows up here.
-                events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
-                host_ops = [{"name": e.key[:90], "calls": e.count,
-                             "host_ms_per_step": round(e.self_cpu_time_total / 1000
-                                                       / len(window), 3)}
-                            for e in events[:20]]
+                windows.append(_profiler_window(profiler, window_start, ns.profile_steps, batch))
                 profiler = None
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
     finally:
         StepHandle.result = original_result  # type: ignore[method-assign]
+        runner.launch, runner._prepare_inputs = original_launch, original_prepare
 
     output_tokens = sum(workload.max_tokens)
     result = {
@@ -125,11 +149,71 @@ def main(ns: argparse.Namespace) -> int:
         "phases_s": {k: round(v, 3) for k, v in sorted(phases.items())},
         "phases_ms_per_step": {k: round(1000 * v / max(steps[0], 1), 3)
                                for k, v in sorted(phases.items())},
-        "top_gpu_kernels_steps_100_on": kernels,
-        "top_host_ops_steps_100_on": host_ops,
+        "timeline": _summarize_timeline(timeline) if timeline else None,
+        "profiler_windows": windows,
     }
     print(json.dumps(result, indent=1))
     if ns.output:
         with open(ns.output, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def _profiler_window(profiler: Any, first_step: int, num_steps: int,
+                     batch: int) -> dict[str, Any]:
+    """Top GPU kernels and host ops of a window of steps, per step."""
+    events = sorted(profiler.key_averages(), key=lambda e: -e.device_time_total)
+    kernels = [{"name": e.key[:90], "calls": e.count,
+                "device_ms_per_step": round(e.device_time_total / 1000 / num_steps, 3)}
+               for e in events[:25] if e.device_time_total > 0]
+    # A CUDA runtime call that blocks (a sync, a pageable copy) shows up among the host ops.
+    events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    host_ops = [{"name": e.key[:90], "calls": e.count,
+                 "host_ms_per_step": round(e.self_cpu_time_total / 1000 / num_steps, 3)}
+                for e in events[:20]]
+    device_total = sum(e.self_device_time_total for e in profiler.key_averages())
+    return {"first_step": first_step, "steps": num_steps, "unfinished_requests": batch,
+            "device_ms_per_step": round(device_total / 1000 / num_steps, 3),
+            "top_gpu_kernels": kernels, "top_host_ops": host_ops}
+
+
+_DECODE_BUCKETS = ((193, 1 << 30), (129, 192), (65, 128), (33, 64), (9, 32), (1, 8))
+
+
+def _summarize_timeline(timeline: list[tuple[Any, Any, int, int]]) -> dict[str, Any]:
+    """Device time and idle time (the gap since the previous step's work ended) per kind of
+    step: steps with prompt tokens, and decode steps by batch size."""
+    first = timeline[0][0]
+    rows = []
+    for begin, end, tokens, reqs in timeline:
+        rows.append((first.elapsed_time(begin), first.elapsed_time(end), tokens, reqs))
+    kinds: dict[str, dict[str, float]] = {}
+
+    def add(kind: str, busy: float, idle: float) -> None:
+        k = kinds.setdefault(kind, {"steps": 0, "device_ms": 0.0, "idle_ms": 0.0})
+        k["steps"] += 1
+        k["device_ms"] += busy
+        k["idle_ms"] += idle
+
+    previous_end = rows[0][0]
+    for begin, end, tokens, reqs in rows:
+        idle = max(0.0, begin - previous_end)
+        busy = end - max(begin, previous_end)
+        previous_end = max(end, previous_end)
+        if tokens > reqs:
+            kind = "prefill_or_mixed"
+        else:
+            lo, hi = next(b for b in _DECODE_BUCKETS if b[0] <= reqs <= b[1])
+            kind = f"decode_{lo}+" if hi == 1 << 30 else f"decode_{lo}-{hi}"
+        add(kind, busy, idle)
+    out = {}
+    for kind, k in kinds.items():
+        n = k["steps"]
+        out[kind] = {"steps": n, "device_s": round(k["device_ms"] / 1000, 3),
+                     "idle_s": round(k["idle_ms"] / 1000, 3),
+                     "device_ms_per_step": round(k["device_ms"] / n, 3),
+                     "idle_ms_per_step": round(k["idle_ms"] / n, 3)}
+    total_busy = sum(k["device_ms"] for k in kinds.values()) / 1000
+    total_idle = sum(k["idle_ms"] for k in kinds.values()) / 1000
+    return {"span_s": round((rows[-1][1] - rows[0][0]) / 1000, 3),
+            "device_s": round(total_busy, 3), "idle_s": round(total_idle, 3), "kinds": out}

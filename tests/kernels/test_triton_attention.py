@@ -171,15 +171,18 @@ def test_split_kv_decode_matches_reference(device, num_splits, num_heads, num_kv
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("split_kv", ["never", "always"])
-def test_cuda_graph_padding_rows_store_nothing_and_read_as_zeros(device, split_kv):
-    # A decode bucket of 6: 3 real requests, 2 padding requests (seq_len 0, slot -1) and one
+@pytest.mark.parametrize("num_padding_tokens", [0, 1])
+def test_cuda_graph_padding_rows_store_nothing_and_read_as_zeros(device, split_kv,
+                                                                  num_padding_tokens):
+    # A decode bucket: 3 real requests, 2 padding requests (seq_len 0, slot -1), and maybe a
     # padding token past the last request.
     requests = [(20, 1), (0, 1), (37, 1), (0, 1), (5, 1)]
-    step = make_step(requests, 4, 2, 16, device=device, num_padding_tokens=1, seed=4)
+    step = make_step(requests, 4, 2, 16, device=device, num_padding_tokens=num_padding_tokens,
+                     seed=4)
     cache_before = step.kv_cache.clone()
     backend = TritonBackend(TritonBackendConfig(split_kv=split_kv, num_splits=2))
     out = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25)
-    assert torch.all(out[[1, 3, 5]] == 0)
+    assert torch.all(out[[1, 3, *range(5, 5 + num_padding_tokens)]] == 0)
     real = step.metadata.slot_mapping >= 0
     changed = (step.kv_cache != cache_before).flatten(3).any(-1)  # [2, num_blocks, block_size]
     assert changed.sum() == 2 * int(real.sum())
@@ -239,9 +242,15 @@ def test_split_kv_refuses_batches_with_prefills():
         )
 
 
-def test_split_rule_splits_only_small_decode_batches_with_long_contexts():
+def test_split_rule_splits_decode_batches_that_leave_the_gpu_underfilled():
     # 132 SMs, 8 KV heads (an H200 serving Qwen3-0.6B).
     assert choose_num_splits(256, 8, 1024, 132) == 1  # 2048 programs already fill the GPU
+    # Middle-sized batches: a small split shortens the tail of ragged contexts.
+    assert choose_num_splits(188, 8, 1324, 132) == 2  # 1504 programs < 12 per SM
+    assert choose_num_splits(65, 8, 1768, 132) == 4  # 520 < 6 per SM
+    assert choose_num_splits(37, 8, 1894, 132) == 4  # 296 < 3 per SM, 1894 keys: 7 -> 4
+    assert choose_num_splits(37, 8, 40960, 132) == 8  # (a CUDA graph: max_model_len)
+    assert choose_num_splits(101, 8, 300, 132) == 1  # too short to split
     assert choose_num_splits(1, 8, 8192, 132) == 32  # 4 x 132 / 8 = 66 -> 32 (power of two)
     assert choose_num_splits(8, 8, 8192, 132) == 8
     assert choose_num_splits(8, 8, 300, 132) == 1  # too short to split
