@@ -39,13 +39,12 @@ SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 SPLIT_BELOW_PROGRAMS_PER_SM = 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
-# Middle-sized batches (a few to a dozen programs per SM) of the ragged contexts of a real
-# workload still gain from a small split: fewer long programs at the tail. Measured on an H200
-# with the nano-vllm workload's decode batches (`python -m sluice.bench.kernels --only-ragged`):
-# batch 37 (296 programs) 8 splits 64% -> 69% of the copy bandwidth, batch 65 (520) 2-4 splits
-# 67% -> 77%, batch 101 (808) 2 splits 76% -> 80%, batch 188 (1504) 82% -> 84%; batch 256
-# (2048 programs) gains nothing. (upper bound in programs per SM, splits)
-MIDDLE_SPLITS = ((3, 8), (6, 4), (12, 2))
+# Batches of 2 to 3 programs per SM, with the ragged contexts of a real workload, still gain
+# from a split: batch 37 of the nano-vllm workload at step 900 (296 programs, contexts 1.5k on
+# average) reached 64% of the copy bandwidth unsplit, 68% in 8 splits; from batch 65 (520
+# programs) on, splits measured within noise of none (`python -m sluice.bench.kernels
+# --only-ragged` on an H200). (programs per SM below which, splits)
+MIDDLE_SPLITS = ((3, 8),)
 
 
 @dataclass(frozen=True, slots=True)

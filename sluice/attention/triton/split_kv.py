@@ -86,7 +86,6 @@ def _split_kv_partial_kernel(
     tiles_per_split = tl.cdiv(num_seq_tiles, NUM_SPLITS)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_seq_tiles)
-    full_end = tl.maximum(tl.minimum(tile_end, seq_len // BLOCK_N), tile_begin)
 
     k_base = key_cache_ptr + kv_head * stride_kv_head
     v_base = value_cache_ptr + kv_head * stride_kv_head
@@ -95,14 +94,9 @@ def _split_kv_partial_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for t in range(tile_begin, full_end):
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, k_base, v_base, block_table_row, 0, t * BLOCK_N, seq_len,
-            query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
-            BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=True, MASK=False, CAUSAL=False,
-            MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
-        )
-    for t in tl.range(full_end, tile_end, num_stages=1):  # at most one tile
+    # One pipelined loop, every tile masked at seq_len: an unpipelined pass over the partial
+    # last tile would add a dependent round trip to memory to the split that holds it.
+    for t in range(tile_begin, tile_end):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, k_base, v_base, block_table_row, 0, t * BLOCK_N, seq_len,
             query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
