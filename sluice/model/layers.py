@@ -1,5 +1,9 @@
 """Building blocks of the decoder models: norm, rotary embedding, activation, linear layers.
 
+The small ops (`rms_norm`, `add_rms_norm`, `qk_norm_rope`, `silu_and_mul`) are plain torch
+functions held in module attributes, so a runner can swap in fused kernels with the same
+semantics for all layers (sluice.worker.compile).
+
 Parameters are created with `torch.empty` (the loader fills them) on the current default device and
 dtype. Every parameter carries `weight_loader(param, loaded_weight, shard_id)`: layers that merge
 several checkpoint tensors into one parameter (q/k/v, gate/up) place each shard themselves, so the
@@ -115,13 +119,12 @@ class RotaryEmbedding(nn.Module):
         # cos_sin_cache: [max_pos, head_dim], cos in the first half, sin in the second.
         cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
-        self.rotary_op = apply_rotary
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; query: [T, H * D] or [T, H, D]; key likewise. Same shapes back."""
-        return self.rotary_op(positions, query, key, self.cos_sin_cache, self.head_dim)
+        return apply_rotary(positions, query, key, self.cos_sin_cache, self.head_dim)
 
 
 def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -138,6 +141,31 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     x1, x2 = heads.chunk(2, dim=-1)
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return rotated.to(x.dtype).view(x.shape)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D]: the fused q/k/v projection
+    positions: torch.Tensor,  # [T]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32 (see RotaryEmbedding)
+    q_norm_weight: torch.Tensor | None,  # [D]; None: no q/k norm (Llama)
+    k_norm_weight: torch.Tensor | None,  # [D]
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H * D], k [T, KVH * D]
+    """Attention's q and k from qkv: each head RMS-normalised over head_dim when weights are
+    given (Qwen3), then rotated. This version returns new tensors; the fused kernel
+    (sluice.model.triton_ops) rewrites qkv's q and k columns and returns views of them, so
+    callers must not read those columns afterwards."""
+    num_tokens, head_dim = qkv.shape[0], cos_sin_cache.shape[1]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        assert k_norm_weight is not None
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    q, k = apply_rotary(positions, q, k, cos_sin_cache, head_dim)
+    return q.reshape(num_tokens, q_size), k.reshape(num_tokens, kv_size)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -232,8 +260,10 @@ class LMHead(nn.Module):
         super().__init__()
         self.weight = _new_param(vocab_size, hidden_size)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] in float32. The matmul runs in the weight
-        dtype as in HF (an fp32 copy of a large vocab matrix per step would cost more than it
-        buys); sampling then works in float32."""
-        return F.linear(hidden, self.weight).float()
+    def forward(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] in float32 (upcast=False: in the weight
+        dtype, for a sampler that reads them once as they are instead of paying a pass over
+        [N, vocab] for the copy). The matmul runs in the weight dtype as in HF (an fp32 copy of
+        a large vocab matrix per step would cost more than it buys)."""
+        logits = F.linear(hidden, self.weight)
+        return logits.float() if upcast else logits

@@ -24,6 +24,7 @@ from sluice.model.layers import (
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
+    qk_norm_rope,
 )
 from sluice.model.loader import load_packed_weights
 
@@ -65,14 +66,26 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(num_heads * head_dim, config.hidden_size, bias=o_bias)
         self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table
         self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, attn_backend)
-        self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        # A plain function, so a runner may swap in one fused kernel for all layers.
+        self.qk_norm_rope_op = qk_norm_rope
+
+    def qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """(q weight, k weight, eps) of the per-head RMSNorm before RoPE: none in Llama."""
+        return None, None, 0.0
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         """positions: [T]; hidden: [T, hidden] -> [T, hidden]."""
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)  # [T, (KV)H * D] each
-        q, k = self.rotary_emb(positions, q, k)
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
+        q_norm_weight, k_norm_weight, eps = self.qk_norms()
+        q, k = self.qk_norm_rope_op(  # [T, H * D], [T, KVH * D]; may be views of qkv
+            qkv, positions, self.rotary_emb.cos_sin_cache, q_norm_weight, k_norm_weight, eps,
+            self.num_heads, self.num_kv_heads,
+        )
+        v = qkv[:, self.q_size + self.kv_size :]  # [T, KVH * D]
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 
@@ -154,9 +167,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden [T, hidden]."""
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab]: float32, or the model dtype with
+        upcast=False."""
+        return self.lm_head(hidden, upcast)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ("rotary_emb.inv_freq",)

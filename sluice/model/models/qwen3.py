@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from sluice.attention.backend import AttentionBackend
-from sluice.attention.metadata import AttentionMetadata
 from sluice.model.hf_config import HFModelConfig
 from sluice.model.layers import RMSNorm, RotaryEmbedding
 from sluice.model.models.llama import LlamaAttention, LlamaForCausalLM
@@ -20,21 +19,12 @@ class Qwen3Attention(LlamaAttention):
     ) -> None:
         bias = config.attention_bias
         super().__init__(config, rotary_emb, attn_backend, qkv_bias=bias, o_bias=bias)
-        self.head_dim = config.head_dim
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)  # over head_dim, per head
+        # Over head_dim, per head; applied by qk_norm_rope_op, which reads their weights.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """positions: [T]; hidden: [T, hidden] -> [T, hidden]."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)  # [T, (KV)H * D] each
-        q = self.q_norm(q.reshape(num_tokens, -1, self.head_dim))  # [T, H, D]
-        k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim))  # [T, KVH, D]
-        q, k = self.rotary_emb(positions, q, k)
-        q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+    def qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,274 @@
+"""Triton kernels for the small per-layer ops of the decoder, each one launch per call:
+
+- `qk_norm_rope`: per-head RMSNorm of q and k (Qwen3; skipped without weights, as in Llama) and
+  neox RoPE, rewriting the q and k columns of the fused qkv projection output in place;
+- `silu_and_mul`: SwiGLU's `silu(gate) * up`;
+- `rms_norm` and `add_rms_norm`: the decoder's norms, the latter with the residual sum.
+
+Each computes exactly what its torch namesake in `sluice.model.layers` computes, in the same order
+and the same dtypes: statistics and transcendental math in float32, every rounding to the input
+dtype where torch rounds (after the norm scaling, after the weight product, after the rotation,
+after the SiLU, after the product and the residual sum). A 16-bit product or sum is computed in
+float32 and rounded once, which is what a 16-bit torch op does. Results match bit for bit but
+where a float32 difference (approximate rsqrt / exp on the GPU, fused multiply-adds, another
+summation order) lands across a rounding boundary: a few values in a thousand or fewer, off by
+about one unit in the last place. (Arithmetic is never done on 16-bit values directly: Triton's
+CPU interpreter computes bfloat16 products wrongly.)
+
+The functions take CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1` (the tests). The
+grids depend only on python ints, so the launches can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# qk_norm_rope: with fewer (token, head) pairs than this, one head per program (decode: every
+# head its own program gives the most parallelism for a latency-bound launch); past it, up to
+# PREFILL_HEADS_PER_PROGRAM heads (prefill: 2 KiB+ per program keeps enough bytes in flight).
+ONE_HEAD_PER_PROGRAM_BELOW = 16384
+PREFILL_HEADS_PER_PROGRAM = 8
+# The norms keep a whole row in registers: up to this many elements.
+MAX_NORM_SIZE = 32768
+SILU_BLOCK = 1024
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr,  # [T, (H + 2 * KVH) * D]: q and k heads rewritten in place, v untouched
+    positions_ptr,  # [T]
+    cos_sin_ptr,  # [max_pos, D] float32: cos in the first half, sin in the second
+    q_weight_ptr,  # [D] (read only with HAS_NORM)
+    k_weight_ptr,  # [D]
+    stride_token,
+    stride_position,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,  # D / 2
+    HALF_PAD: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    # Head blocks [0, num_q_blocks) cover q heads, the rest k heads: a block never mixes the
+    # two, so it has one norm weight.
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    num_q_blocks: tl.constexpr = (NUM_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
+    is_q = block < num_q_blocks
+    first_head = tl.where(is_q, block * HEADS_PER_PROGRAM,
+                          NUM_HEADS + (block - num_q_blocks) * HEADS_PER_PROGRAM)
+    end_head = tl.where(is_q, NUM_HEADS, NUM_HEADS + NUM_KV_HEADS)
+    heads = first_head + tl.arange(0, HEADS_PER_PROGRAM)
+    dims = tl.arange(0, HALF_PAD)
+    dim_mask = dims < HALF
+    mask = (heads < end_head)[:, None] & dim_mask[None, :]
+    # x1: the first half of each head, x2 the second; [HEADS_PER_PROGRAM, HALF_PAD]
+    offsets = token * stride_token + heads[:, None] * (2 * HALF) + dims[None, :]
+    dtype = qkv_ptr.dtype.element_ty
+    x1 = tl.load(qkv_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(qkv_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        inv_rms = tl.rsqrt(mean_square + eps)[:, None]
+        weight_ptr = tl.where(is_q, q_weight_ptr, k_weight_ptr)
+        w1 = tl.load(weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(weight_ptr + HALF + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+        # rms_norm: scale in float32, round, multiply by the weight in the input dtype.
+        x1 = (w1 * (x1 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos_sin_row = cos_sin_ptr + position * stride_position
+    cos = tl.load(cos_sin_row + dims, mask=dim_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_row + HALF + dims, mask=dim_mask, other=0.0)[None, :]
+    tl.store(qkv_ptr + offsets, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(qkv_ptr + offsets + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+def heads_per_program(num_tokens: int, num_heads: int, num_kv_heads: int) -> int:
+    """Heads one qk_norm_rope program handles (see ONE_HEAD_PER_PROGRAM_BELOW): 1 at decode
+    sizes, else PREFILL_HEADS_PER_PROGRAM or fewer when no part has that many heads. Two values
+    in practice, so two compiled variants per model."""
+    if num_tokens * (num_heads + num_kv_heads) < ONE_HEAD_PER_PROGRAM_BELOW:
+        return 1
+    return min(PREFILL_HEADS_PER_PROGRAM, triton.next_power_of_2(max(num_heads, num_kv_heads)))
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D], last dim contiguous
+    positions: torch.Tensor,  # [T] int
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
+    q_norm_weight: torch.Tensor | None,  # [D], or None for no q/k norm
+    k_norm_weight: torch.Tensor | None,  # [D]
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H * D], k [T, KVH * D]: views of qkv
+    """sluice.model.layers.qk_norm_rope, rewriting qkv's q and k columns in place.
+
+    Grid (T, head blocks): a program handles 1 or a few heads of one token (see
+    `heads_per_program`) and reads that token's cos/sin row once for all of them. Tokens alone
+    would give 1 to 256 programs at decode, too few to hide memory latency; (token, head) gives
+    T * (H + KVH) (24 at batch 1 and 6,144 at batch 256 for Qwen3-0.6B's 16 + 8 heads). At
+    prefill 8,192 tokens, 8 heads per program still gives 24,576 programs of 2 KiB read and
+    written each, enough to keep the memory system busy with fewer per-program overheads and
+    cos/sin reads (these hit L2: a token's programs read the same row).
+    """
+    num_tokens, width = qkv.shape
+    head_dim = cos_sin_cache.shape[1]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    assert width == q_size + 2 * kv_size and qkv.stride(1) == 1 and head_dim % 2 == 0
+    assert cos_sin_cache.stride(1) == 1 and positions.shape[0] >= num_tokens
+    has_norm = q_norm_weight is not None
+    if has_norm:
+        assert k_norm_weight is not None and q_norm_weight.dtype == qkv.dtype
+        assert q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()
+    q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+    if num_tokens == 0:
+        return q, k
+    block_heads = heads_per_program(num_tokens, num_heads, num_kv_heads)
+    num_blocks = triton.cdiv(num_heads, block_heads) + triton.cdiv(num_kv_heads, block_heads)
+    half_pad = triton.next_power_of_2(head_dim // 2)
+    _qk_norm_rope_kernel[(num_tokens, num_blocks)](
+        qkv,
+        positions,
+        cos_sin_cache,
+        q_norm_weight if has_norm else qkv,
+        k_norm_weight if has_norm else qkv,
+        qkv.stride(0),
+        cos_sin_cache.stride(0),
+        eps,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=head_dim // 2,
+        HALF_PAD=half_pad,
+        HEADS_PER_PROGRAM=block_heads,
+        HAS_NORM=has_norm,
+        # 16 bytes per thread and load: 2 warps for 8 bfloat16 heads of 128, 1 for one head.
+        num_warps=max(1, min(4, block_heads * half_pad * qkv.element_size() // 512)),
+    )
+    return q, k
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,  # [T, 2 * I]: gate, up
+    out_ptr,  # [T, I]
+    stride_x,
+    stride_out,
+    intermediate_size,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate_size
+    gate_ptr = x_ptr + token * stride_x + cols
+    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptr + intermediate_size, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # F.silu computes in float32 and rounds; the product is then a rounded 16-bit product.
+    activation = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + cols, (activation * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * I] (gate, up) -> [T, I]; sluice.model.layers.silu_and_mul.
+
+    Grid (T, I / SILU_BLOCK): 3 programs per token at I = 3,072, so 768 at decode batch 256 and
+    24,576 at an 8,192-token prefill."""
+    num_tokens, width = x.shape
+    intermediate_size = width // 2
+    assert x.stride(1) == 1 and width % 2 == 0
+    out = torch.empty(num_tokens, intermediate_size, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    block = min(SILU_BLOCK, triton.next_power_of_2(intermediate_size))
+    grid = (num_tokens, triton.cdiv(intermediate_size, block))
+    _silu_and_mul_kernel[grid](
+        x, out, x.stride(0), out.stride(0), intermediate_size, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, N]
+    residual_ptr,  # [T, N] (read only with HAS_RESIDUAL)
+    weight_ptr,  # [N]
+    out_ptr,  # [T, N]
+    sum_ptr,  # [T, N]: x + residual (written only with HAS_RESIDUAL)
+    stride_x,
+    stride_residual,
+    hidden_size,
+    eps,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    # One program per row; out and sum are fresh contiguous [T, N] tensors.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x + residual.to(tl.float32)).to(dtype).to(tl.float32)
+        tl.store(sum_ptr + row * hidden_size + cols, x.to(dtype), mask=mask)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = weight * (x * inv_rms).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * hidden_size + cols, normed.to(dtype), mask=mask)
+
+
+def _launch_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden_size = x.shape[-1]
+    if hidden_size > MAX_NORM_SIZE:
+        raise ValueError(f"hidden size must be at most {MAX_NORM_SIZE}, got {hidden_size}")
+    assert weight.dtype == x.dtype and weight.is_contiguous()
+    rows = x.reshape(-1, hidden_size)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(out) if residual is not None else None
+    residual_rows = residual.reshape(-1, hidden_size) if residual is not None else rows
+    if residual_rows.stride(1) != 1:
+        residual_rows = residual_rows.contiguous()
+    if rows.shape[0] == 0:
+        return out, summed
+    block = triton.next_power_of_2(hidden_size)
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows,
+        residual_rows,
+        weight,
+        out,
+        summed if summed is not None else out,
+        rows.stride(0),
+        residual_rows.stride(0),
+        hidden_size,
+        eps,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=max(1, min(16, block // 256)),
+    )
+    return out, summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., N] -> [..., N]; sluice.model.layers.rms_norm. One program per row."""
+    out, _ = _launch_rms_norm(x, None, weight, eps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """sluice.model.layers.add_rms_norm: (rms_norm(x + residual), x + residual), both fresh
+    tensors. Writing the sum over `residual` would save an allocation but not a byte of traffic,
+    and under CUDA graphs allocations are free; fresh outputs keep the torch version's contract
+    (inputs untouched)."""
+    out, summed = _launch_rms_norm(x, residual, weight, eps)
+    assert summed is not None
+    return out, summed

@@ -1,0 +1,266 @@
+"""The fused Triton ops (sluice.model.triton_ops) compute what their torch versions in
+sluice.model.layers compute: float32 within float32 rounding, bfloat16 bit for bit under the
+interpreter (the kernels round where torch rounds); on a GPU, approximate rsqrt / exp and another
+summation order may move a bfloat16 value across a rounding boundary now and then, so there a
+few values may differ by about one unit in the last place. And a tiny Qwen3 and Llama give the
+same hidden states with the fused ops installed as without.
+
+On a CPU the kernels run in Triton's interpreter (see conftest.py), so shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import triton.language as tl
+
+from sluice.attention.backend import AttentionBackend
+from sluice.attention.metadata import AttentionMetadata
+from sluice.attention.torch_ref import TorchRefBackend
+from sluice.attention.triton_backend import TritonBackend
+from sluice.model import layers, triton_ops
+from sluice.model.attention import bind_kv_caches
+from sluice.model.hf_config import HFModelConfig, parse_hf_config
+from sluice.model.registry import get_model_class
+from sluice.worker.compile import install_fused_ops
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MAX_POSITIONS = 4096
+EPS = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def bfloat16_casts_round_to_nearest(monkeypatch):
+    """Triton 3.6's interpreter truncates float32 -> bfloat16 casts, where GPUs and torch round
+    to nearest even; without this, every rounding step would differ from torch by design."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def convert_rounding_to_nearest(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            bits = np.frombuffer(input.tobytes(), dtype=np.uint32)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # ties to even; inf stays inf
+            return rounded.astype(np.uint16).reshape(np.shape(input))
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert_rounding_to_nearest)
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        return
+    if DEVICE == "cpu":
+        assert torch.equal(actual, expected), f"{(actual != expected).sum()} values differ"
+        return
+    # One bfloat16 ulp is at most 2**-7 of the value; the absolute part covers sums that cancel.
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-7, atol=2**-7)
+    assert (actual != expected).float().mean() < 0.01
+
+
+def random(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=generator)).to(dtype).to(DEVICE)
+
+
+def cos_sin_cache(head_dim: int) -> torch.Tensor:
+    rotary = layers.RotaryEmbedding(head_dim, MAX_POSITIONS, base=10000.0)
+    return rotary.cos_sin_cache.to(DEVICE)
+
+
+# (num_heads, num_kv_heads, head_dim): GQA groups of 1, 2 and 4.
+HEAD_SHAPES = [(2, 2, 16), (4, 2, 32), (4, 1, 64)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def check_qk_norm_rope(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    with_norm: bool,
+) -> None:
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = random(num_tokens, width, dtype=dtype, seed=0, scale=2.0)
+    # Ragged positions, up to the end of the table.
+    generator = torch.Generator().manual_seed(1)
+    positions = torch.randint(0, MAX_POSITIONS, (num_tokens,), generator=generator)
+    positions[0] = MAX_POSITIONS - 1
+    positions = positions.to(DEVICE)
+    q_weight = random(head_dim, dtype=dtype, seed=2, scale=0.3) + 1 if with_norm else None
+    k_weight = random(head_dim, dtype=dtype, seed=3, scale=0.3) + 1 if with_norm else None
+    table = cos_sin_cache(head_dim)
+    args = (positions, table, q_weight, k_weight, EPS, num_heads, num_kv_heads)
+
+    expected_q, expected_k = layers.qk_norm_rope(qkv, *args)
+    fused = qkv.clone()
+    q, k = triton_ops.qk_norm_rope(fused, *args)
+
+    assert_matches(q, expected_q)
+    assert_matches(k, expected_k)
+    # In place: q and k are views of the buffer, whose v columns are untouched.
+    assert q.data_ptr() == fused.data_ptr() and q.stride() == fused.stride()
+    assert k.data_ptr() == fused[:, num_heads * head_dim :].data_ptr()
+    v_start = (num_heads + num_kv_heads) * head_dim
+    assert torch.equal(fused[:, v_start:], qkv[:, v_start:])
+
+
+@pytest.mark.parametrize("with_norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=lambda s: "h{}_kvh{}_d{}".format(*s))
+def test_qk_norm_rope_matches_torch(head_shape, dtype, with_norm):
+    check_qk_norm_rope(37, *head_shape, dtype, with_norm)
+
+
+@pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=lambda s: "h{}_kvh{}_d{}".format(*s))
+def test_qk_norm_rope_single_token(head_shape):
+    check_qk_norm_rope(1, *head_shape, torch.bfloat16, with_norm=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_shape", [(4, 2, 32), (6, 2, 16)],
+                         ids=lambda s: "h{}_kvh{}_d{}".format(*s))
+def test_qk_norm_rope_several_heads_per_program(monkeypatch, head_shape, dtype):
+    """The prefill grid: head blocks of up to 8 heads, partly masked when a block runs past the
+    q or k heads (6 q heads in a block of 8)."""
+    monkeypatch.setattr(triton_ops, "ONE_HEAD_PER_PROGRAM_BELOW", 0)
+    assert triton_ops.heads_per_program(37, *head_shape[:2]) > 1
+    check_qk_norm_rope(37, *head_shape, dtype, with_norm=True)
+
+
+def test_heads_per_program_one_at_decode_more_at_prefill():
+    assert triton_ops.heads_per_program(256, 16, 8) == 1
+    assert triton_ops.heads_per_program(8192, 16, 8) == 8
+    assert triton_ops.heads_per_program(8192, 4, 1) == 4
+
+
+@pytest.mark.parametrize("intermediate_size", [96, 1100])  # 1100: two blocks, the last partial
+@pytest.mark.parametrize("num_tokens", [1, 37])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_matches_torch(dtype, num_tokens, intermediate_size):
+    # Wide enough to reach silu's saturated tails.
+    x = random(num_tokens, 2 * intermediate_size, dtype=dtype, seed=4, scale=4.0)
+    assert_matches(triton_ops.silu_and_mul(x), layers.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("hidden_size", [64, 100])
+@pytest.mark.parametrize("num_tokens", [1, 37])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_matches_torch(dtype, num_tokens, hidden_size):
+    x = random(num_tokens, hidden_size, dtype=dtype, seed=5, scale=3.0)
+    residual = random(num_tokens, hidden_size, dtype=dtype, seed=6)
+    weight = random(hidden_size, dtype=dtype, seed=7, scale=0.3) + 1
+    x_before, residual_before = x.clone(), residual.clone()
+
+    assert_matches(triton_ops.rms_norm(x, weight, EPS), layers.rms_norm(x, weight, EPS))
+    normed, summed = triton_ops.add_rms_norm(x, residual, weight, EPS)
+    expected_normed, expected_sum = layers.add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(summed, expected_sum)  # one rounded add, whatever the device
+    assert_matches(normed, expected_normed)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_rms_norm_rejects_rows_too_long_for_one_block():
+    x = torch.zeros(1, triton_ops.MAX_NORM_SIZE + 1, device=DEVICE)
+    with pytest.raises(ValueError, match="hidden size must be at most 32768, got 32769"):
+        triton_ops.rms_norm(x, x[0], EPS)
+
+
+# --- end to end: the models with the fused ops installed -------------------------------------
+
+TINY_CONFIG = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+ARCHS = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+BLOCK_SIZE = 4
+BLOCKS_PER_REQUEST = 4
+
+
+def build_tiny_model(
+    model_type: str, backend: AttentionBackend
+) -> tuple[torch.nn.Module, HFModelConfig]:
+    raw = {**TINY_CONFIG, "architectures": [ARCHS[model_type]], "model_type": model_type}
+    config = parse_hf_config(raw)
+    with torch.device(DEVICE):
+        model = get_model_class(config.architectures)(config, backend)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator).to(DEVICE)
+            param.copy_(1 + 0.2 * noise if "norm" in name else 0.2 * noise)
+    return model, config
+
+
+def step_metadata(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    """Request i owns blocks [i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)."""
+    slots: list[int] = []
+    for req, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        slots += [req * BLOCKS_PER_REQUEST * BLOCK_SIZE + p
+                  for p in range(seq_len - query_len, seq_len)]
+    query_start_loc = torch.tensor([0, *np.cumsum(query_lens).tolist()], dtype=torch.int32)
+    seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32)
+    block_tables = torch.arange(len(seq_lens) * BLOCKS_PER_REQUEST, dtype=torch.int32)
+    return AttentionMetadata(
+        num_actual_tokens=sum(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=query_start_loc.to(DEVICE),
+        seq_lens=seq_lens_tensor.to(DEVICE),
+        block_tables=block_tables.view(len(seq_lens), -1).to(DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens_tensor,
+    )
+
+
+def prefill_then_decode(model: torch.nn.Module, config: HFModelConfig) -> list[torch.Tensor]:
+    """Hidden states of a prefill of two prompts (5 and 8 tokens) into a fresh paged cache, then
+    one decode step each reading it back."""
+    shape = (2, 2 * BLOCKS_PER_REQUEST, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+    bind_kv_caches(model, [torch.zeros(shape, device=DEVICE)
+                           for _ in range(config.num_hidden_layers)])
+    generator = torch.Generator().manual_seed(8)
+    input_ids = torch.randint(0, config.vocab_size, (15,), generator=generator).to(DEVICE)
+    prefill_positions = torch.tensor([*range(5), *range(8)], device=DEVICE)
+    decode_positions = torch.tensor([5, 8], device=DEVICE)
+    with torch.no_grad():
+        prefill = model(input_ids[:13], prefill_positions, step_metadata([5, 8], [5, 8]))
+        decode = model(input_ids[13:], decode_positions, step_metadata([1, 1], [6, 9]))
+    return [prefill, decode]
+
+
+@pytest.mark.parametrize("model_type", list(ARCHS))
+def test_fused_ops_give_the_models_hidden_states(model_type):
+    model, config = build_tiny_model(model_type, TorchRefBackend())
+    expected = prefill_then_decode(model, config)
+    install_fused_ops(model)
+    attention = model.model.layers[0].self_attn
+    assert attention.qk_norm_rope_op is triton_ops.qk_norm_rope
+    assert model.model.layers[0].mlp.act_fn.op is triton_ops.silu_and_mul
+    got = prefill_then_decode(model, config)
+    for actual, reference in zip(got, expected):
+        torch.testing.assert_close(actual, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_attention_takes_the_fused_ops_views_of_qkv():
+    """q, k and v reach the Triton backend as row-strided views of the qkv buffer."""
+    reference, config = build_tiny_model("qwen3", TorchRefBackend())
+    expected = prefill_then_decode(reference, config)
+    model, _ = build_tiny_model("qwen3", TritonBackend())
+    install_fused_ops(model)
+    got = prefill_then_decode(model, config)
+    for actual, reference_hidden in zip(got, expected):
+        torch.testing.assert_close(actual, reference_hidden, rtol=1e-4, atol=1e-4)
