@@ -29,6 +29,3 @@ def install_fused_ops(model: nn.Module) -> None:
         elif isinstance(module, LlamaAttention):
             module.qk_norm_rope_op = triton_ops.qk_norm_rope
 
-
-# The model runner's name for it until it calls install_fused_ops.
-compile_small_ops = install_fused_ops

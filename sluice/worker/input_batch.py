@@ -33,6 +33,9 @@ class CachedRequestState:
     # scheduling), and the token's row in that step's samples.
     pending_step: object | None = None
     pending_index: int = -1
+    # Sampling launches that included this request (counted at launch, so a token still in
+    # flight counts): with a seed, it keys the request's draws (sampling_inputs.build_row_seeds).
+    num_sampled: int = 0
     # token_ids as an int64 array with room to grow (n-gram speculation reads it every step;
     # converting the list each time costs more than the search)
     token_array: np.ndarray | None = None

@@ -39,7 +39,11 @@ from sluice.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from sluice.worker.input_batch import BlockTables, CachedRequestState, StagedBuffer
 from sluice.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from sluice.worker.sampler import Sampler, compute_topk_logprobs
-from sluice.worker.sampling_inputs import SamplingStaging, build_sampling_metadata
+from sluice.worker.sampling_inputs import (
+    SamplingStaging,
+    build_row_seeds,
+    build_sampling_metadata,
+)
 from sluice.worker.spec_decode import SpecDecoder, can_speculate
 from sluice.worker.step_handle import StepHandle, position_logprobs
 
@@ -109,9 +113,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             gpu_share -= torch.cuda.memory_allocated(self.device) - allocated_before
             if not model_config.enforce_eager:
-                from sluice.worker.compile import compile_small_ops
+                from sluice.worker.compile import install_fused_ops
 
-                compile_small_ops(self.model)
+                install_fused_ops(self.model)
         self.gpu_bytes_available = gpu_share
 
         self.requests: dict[str, CachedRequestState] = {}
@@ -140,6 +144,7 @@ class ModelRunner:
                                           pin_memory=dev.type == "cuda") for _ in range(2)]
         self._launch_parity = 0
         self.sampling_staging = SamplingStaging(max_num_reqs, dev)
+        self._num_sampling_launches = 0  # keys the fused sampler's unseeded rows
         self._last_step: StepHandle | None = None
         self._inputs_copied: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None  # decode batches, by number of requests
@@ -205,7 +210,8 @@ class ModelRunner:
                                   max_seq_len=max(lens), block_tables=block_tables)
         hidden = self.model(self.buf_input_ids.device[:num_tokens],
                             self.buf_positions.device[:num_tokens], metadata)
-        self.model.compute_logits(hidden[:2])
+        self.sampler.warm_up(self.model.compute_logits(hidden[:2], upcast=False),
+                             self.scheduler_config.max_num_seqs)
         torch.cuda.synchronize()
 
     @torch.inference_mode()
@@ -352,10 +358,16 @@ class ModelRunner:
             last = step.query_start_loc[:-1] + step.num_scheduled - 1
             indices.np[:len(sample_rows)] = last[sample_rows]
             sample_hidden = hidden[indices.to_device(len(sample_rows))]
-        logits = self.model.compute_logits(sample_hidden)  # [S, V] float32
+        # [S, V] in the model dtype: the fused sampler reads it as is, the torch path upcasts.
+        logits = self.model.compute_logits(sample_hidden, upcast=False)
         sample_states = [states[i] for i in sample_rows]
+        row_seeds = build_row_seeds(sample_states, self.model_config.seed,
+                                    self._num_sampling_launches)
+        self._num_sampling_launches += 1
+        for state in sample_states:
+            state.num_sampled += 1
         metadata = build_sampling_metadata(sample_states, self.sampling_staging,
-                                           self.hf_config.vocab_size)
+                                           self.hf_config.vocab_size, row_seeds)
         sampler_output = self.sampler(logits, metadata)
         self._launch_parity ^= 1
         handle.set_samples(sample_rows, sample_states, sampler_output,

@@ -11,6 +11,16 @@ Per step:
 A seeded row is reproducible whatever the batch: its q comes from its own generator, exactly V
 exponentials per step when it samples and none when it is greedy. Every mask sets logits to -inf,
 so a masked token has probability exactly 0 and can never win the race.
+
+Fused path: on CUDA, rows that need nothing but temperature or greedy (no penalties, blocked
+tokens, top-k / top-p / min-p or logprobs) sample in one Triton kernel that reads the logits once,
+in their own dtype (triton_sampling.py). A batch of only such rows skips the torch path; in a
+mixed batch the torch path runs as below and those rows take the kernel's tokens instead, so a
+row's path depends on its own request, never on its batch mates. The kernel's exponentials come
+from Philox keyed by the per-row seeds in metadata.seeds, not from torch generators: a seeded
+request is reproducible from its seed and the number of tokens it has sampled, whatever the
+batch, but its tokens are not bit-equal to the torch path's. The torch path (the CPU reference)
+is unchanged.
 """
 
 from __future__ import annotations
@@ -39,14 +49,24 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
-    def __init__(self, default_generator: torch.Generator | None = None) -> None:
+    def __init__(self, default_generator: torch.Generator | None = None,
+                 use_triton: bool | None = None) -> None:
         super().__init__()
         # Rows without their own generator draw from this (None: torch's global RNG).
         self.default_generator = default_generator
+        # The fused kernel for the rows that allow it: None = for CUDA logits; True = for CPU
+        # logits too (Triton's interpreter, in tests); False = never.
+        self.use_triton = use_triton
+        self._num_sms: dict[torch.device, int] = {}
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        # logits: [B, V] float32
+        # logits: [B, V] float32 or the model's dtype (the torch path works in float32)
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
+        if self.uses_fused_kernel(logits, metadata):
+            return SamplerOutput(self._sample_fused(logits, metadata), None, None, None)
+        fused = None
+        if self.kernel_allowed(logits) and metadata.fused_rows is not None:
+            fused = self._sample_fused(logits, metadata)  # for the rows that need only it
         logits = logits.to(torch.float32)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -63,11 +83,59 @@ class Sampler(nn.Module):
                 metadata.repetition_penalties,
             )
         sampled = self._sample(logits, metadata)
+        if fused is not None:
+            sampled = torch.where(metadata.fused_rows, fused, sampled)
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
         ids, lps, ranks = compute_topk_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
         return SamplerOutput(sampled, ids, lps, ranks)
+
+    def kernel_allowed(self, logits: torch.Tensor) -> bool:
+        """Whether the fused kernel may run on these logits (see use_triton)."""
+        return bool(self.use_triton) or (self.use_triton is None and logits.is_cuda)
+
+    def uses_fused_kernel(self, logits: torch.Tensor, metadata: SamplingMetadata) -> bool:
+        """Whether the fused kernel samples the whole batch (no torch path): allowed on the
+        logits' device, row seeds built, and no row asks beyond temperature and greedy."""
+        return (self.kernel_allowed(logits) and metadata.seeds is not None
+                and metadata.no_penalties and not metadata.blocked_token_ids
+                and metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
+                and metadata.max_num_logprobs is None)
+
+    def warm_up(self, logits: torch.Tensor, max_rows: int) -> None:
+        """Compile the fused kernel's variants for batches of 1 to max_rows now, not in the
+        steps of the first requests (its merge kernel has one per power of two of splits)."""
+        if not self.kernel_allowed(logits):
+            return
+        from sluice.worker.triton_sampling import choose_num_splits, sample_tokens
+
+        temperature = torch.tensor([0.0, 1.0], device=logits.device)  # a greedy, a random row
+        seeds = torch.tensor([1, 2], dtype=torch.int64, device=logits.device)
+        num_sms = self._sm_count(logits.device)
+        padded = {}
+        for rows in range(1, max_rows + 1):
+            num_splits = choose_num_splits(rows, logits.shape[1], num_sms)
+            padded.setdefault(1 << (num_splits - 1).bit_length(), num_splits)
+        for num_splits in padded.values():
+            sample_tokens(logits[:2], temperature, seeds, num_splits)
+
+    def _sm_count(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            self._num_sms[device] = (torch.cuda.get_device_properties(device)
+                                     .multi_processor_count if device.type == "cuda" else 4)
+        return self._num_sms[device]
+
+    def _sample_fused(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        # Imported here: CPU-only installs need no Triton, and tests choose its interpreter
+        # before the kernels are defined.
+        from sluice.worker.triton_sampling import choose_num_splits, sample_tokens
+
+        num_splits = 1
+        if logits.is_cuda:
+            num_splits = choose_num_splits(logits.shape[0], logits.shape[1],
+                                           self._sm_count(logits.device))
+        return sample_tokens(logits, metadata.temperature, metadata.seeds, num_splits)
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = None

@@ -2,6 +2,11 @@
 
 Only what some row needs is built: a batch without penalties sends no token history, one
 without top-k uses no top-k column. The columns travel in one copy from pinned memory.
+
+Row seeds (the fused sampling kernel's Philox keys, see triton_sampling.py) are mixed on the host
+each launch, so building them never waits for the device: a seeded request's key comes from its
+seed and the number of tokens it has sampled so far (its draws do not depend on the batch, its
+row or the step), any other row's from the runner's seed, the launch number and the row.
 """
 
 from __future__ import annotations
@@ -9,8 +14,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sluice.sampling_params import SamplingParams
 from sluice.worker.input_batch import CachedRequestState
 from sluice.worker.sampling_metadata import SamplingMetadata
+
+_UINT64_MASK = (1 << 64) - 1
 
 
 class SamplingStaging:
@@ -19,45 +27,93 @@ class SamplingStaging:
     waits and never allocates pinned memory on the hot path."""
 
     NUM_FLOAT_COLUMNS = 6  # temperature, top_p, min_p, presence, frequency, repetition
+    NUM_INT_COLUMNS = 3  # top_k, row seed, fused-kernel row (0 / 1)
 
     def __init__(self, max_rows: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.device = device
         self.floats = [torch.zeros(self.NUM_FLOAT_COLUMNS * max_rows, dtype=torch.float32,
                                    pin_memory=pin) for _ in range(2)]
-        self.ints = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin)
-                     for _ in range(2)]
+        self.ints = [torch.zeros(self.NUM_INT_COLUMNS * max_rows, dtype=torch.int64,
+                                 pin_memory=pin) for _ in range(2)]
         self.turn = 0
 
-    def upload(self, floats: list[list[float]], ints: list[int]) -> tuple[torch.Tensor,
-                                                                         torch.Tensor]:
-        """floats: NUM_FLOAT_COLUMNS columns of B values; ints: B values. Device [6, B], [B]."""
+    def upload(self, floats: list[list[float]],
+               ints: list[list[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """floats: NUM_FLOAT_COLUMNS columns of B values; ints: NUM_INT_COLUMNS columns of B
+        values. Device [6, B] float32, [3, B] int64."""
         self.turn ^= 1
-        num_rows = len(ints)
+        num_rows = len(ints[0])
         host_floats = self.floats[self.turn][:self.NUM_FLOAT_COLUMNS * num_rows]
         host_floats.numpy().reshape(self.NUM_FLOAT_COLUMNS, num_rows)[:] = floats
-        host_ints = self.ints[self.turn][:num_rows]
-        host_ints.numpy()[:] = ints
+        host_ints = self.ints[self.turn][:self.NUM_INT_COLUMNS * num_rows]
+        int_columns = host_ints.numpy().reshape(self.NUM_INT_COLUMNS, num_rows)
+        for column, values in zip(int_columns, ints, strict=True):
+            column[:] = values
         if self.device.type == "cpu":
-            return host_floats.view(self.NUM_FLOAT_COLUMNS, num_rows).clone(), host_ints.clone()
+            return (host_floats.view(self.NUM_FLOAT_COLUMNS, num_rows).clone(),
+                    host_ints.view(self.NUM_INT_COLUMNS, num_rows).clone())
         return (host_floats.to(self.device, non_blocking=True).view(self.NUM_FLOAT_COLUMNS,
                                                                     num_rows),
-                host_ints.to(self.device, non_blocking=True))
+                host_ints.to(self.device, non_blocking=True).view(self.NUM_INT_COLUMNS,
+                                                                  num_rows))
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping): a bijection under which nearby
+    inputs give unrelated outputs."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _mix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return _splitmix64(_splitmix64(a) ^ b)
+
+
+def _as_uint64(values: list[int]) -> np.ndarray:
+    return np.array([v & _UINT64_MASK for v in values], dtype=np.uint64)
+
+
+def build_row_seeds(states: list[CachedRequestState], base_seed: int,
+                    launch: int) -> np.ndarray:
+    """[B] int64 Philox keys for one sampling launch. Row i of a seeded request: a mix of its
+    seed and its num_sampled; any other row: a mix of base_seed (the runner's), the launch
+    number and i."""
+    num_rows = len(states)
+    launch_key = _mix(_as_uint64([base_seed]), _as_uint64([launch]))
+    keys = _mix(np.repeat(launch_key, num_rows), np.arange(num_rows, dtype=np.uint64))
+    seeded = [i for i, s in enumerate(states) if s.sampling_params.seed is not None]
+    if seeded:
+        keys[seeded] = _mix(_as_uint64([states[i].sampling_params.seed for i in seeded]),
+                            _as_uint64([states[i].num_sampled for i in seeded]))
+    return keys.view(np.int64)
 
 
 def build_sampling_metadata(states: list[CachedRequestState], staging: SamplingStaging,
-                            vocab_size: int) -> SamplingMetadata:
+                            vocab_size: int,
+                            row_seeds: np.ndarray | None = None) -> SamplingMetadata:
+    """row_seeds: [B] int64 from build_row_seeds, or None where the fused kernel cannot be used
+    (the metadata then has no seeds)."""
     params = [s.sampling_params for s in states]
     device = staging.device
     greedy = [p.greedy for p in params]
     no_penalties = all(p.presence_penalty == 0 and p.frequency_penalty == 0
                        and p.repetition_penalty == 1.0 for p in params)
-    columns, top_k = staging.upload(
+    blocked = {i: s.sampling_params.all_stop_token_ids for i, s in enumerate(states)
+               if s.sampling_params.min_tokens
+               and len(s.token_ids) - s.num_prompt_tokens < s.sampling_params.min_tokens
+               and s.sampling_params.all_stop_token_ids}
+    plain = [_needs_only_temperature(p) and i not in blocked for i, p in enumerate(params)]
+    columns, int_columns = staging.upload(
         [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params],
          [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
          [p.repetition_penalty for p in params]],
-        [p.top_k for p in params])
+        [[p.top_k for p in params],
+         np.zeros(len(states), dtype=np.int64) if row_seeds is None else row_seeds, plain])
     temperature, top_p, min_p, presence, frequency, repetition = columns.unbind(0)
+    top_k, seeds, plain_column = int_columns.unbind(0)
     prompt_token_ids = None
     output_token_ids: list[list[int]] = []
     if not no_penalties:
@@ -70,10 +126,6 @@ def build_sampling_metadata(states: list[CachedRequestState], staging: SamplingS
         output_token_ids = [s.output_token_ids for s in states]
 
     wanted = [p.logprobs for p in params if p.logprobs is not None]
-    blocked = {i: s.sampling_params.all_stop_token_ids for i, s in enumerate(states)
-               if s.sampling_params.min_tokens
-               and len(s.token_ids) - s.num_prompt_tokens < s.sampling_params.min_tokens
-               and s.sampling_params.all_stop_token_ids}
     return SamplingMetadata(
         temperature=temperature,
         all_greedy=all(greedy),
@@ -90,4 +142,15 @@ def build_sampling_metadata(states: list[CachedRequestState], staging: SamplingS
         prompt_token_ids=prompt_token_ids,
         output_token_ids=output_token_ids,
         blocked_token_ids=blocked,
+        seeds=None if row_seeds is None else seeds,
+        fused_rows=(plain_column.bool() if row_seeds is not None and any(plain)
+                    and not all(plain) else None),
     )
+
+
+def _needs_only_temperature(params: SamplingParams) -> bool:
+    """Whether the fused kernel can sample this request: temperature or greedy, nothing else
+    (min_tokens blocking is checked per step)."""
+    return (params.presence_penalty == 0 and params.frequency_penalty == 0
+            and params.repetition_penalty == 1.0 and params.top_k <= 0 and params.top_p >= 1.0
+            and params.min_p <= 0.0 and params.logprobs is None)

@@ -38,3 +38,9 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]
     # row -> token ids that must not be sampled now (EOS / stop ids while below min_tokens).
     blocked_token_ids: dict[int, set[int]]
+    # [B] int64 Philox keys of the fused sampling kernel (sampling_inputs.build_row_seeds);
+    # None: the batch was built without them and samples on the torch path.
+    seeds: torch.Tensor | None = None
+    # [B] bool: the rows the fused kernel samples when the others need the torch path (they
+    # need nothing but temperature or greedy). None when all rows or none do, or without seeds.
+    fused_rows: torch.Tensor | None = None
