@@ -111,6 +111,7 @@ def main(ns: argparse.Namespace) -> int:
 
         runner.launch, runner._prepare_inputs = timed_launch, timed_prepare
 
+    compiles = _watch_jit_compiles() if device.type == "cuda" else None
     windows: list[dict[str, Any]] = []
     starts = ([int(x) for x in ns.profile_at.split(",") if x.strip()]
               if device.type == "cuda" and ns.profile_steps > 0 else [])
@@ -140,6 +141,8 @@ def main(ns: argparse.Namespace) -> int:
     finally:
         StepHandle.result = original_result  # type: ignore[method-assign]
         runner.launch, runner._prepare_inputs = original_launch, original_prepare
+        if compiles is not None:
+            compiles.stop()
 
     output_tokens = sum(workload.max_tokens)
     result = {
@@ -151,6 +154,9 @@ def main(ns: argparse.Namespace) -> int:
                                for k, v in sorted(phases.items())},
         "timeline": _summarize_timeline(timeline) if timeline else None,
         "profiler_windows": windows,
+        # Triton kernels compiled (or loaded from the disk cache) during the run: each one a
+        # variant the warm-up did not reach. Clear ~/.triton/cache to see compile times.
+        "jit_compiles_during_run": compiles.records if compiles is not None else None,
     }
     print(json.dumps(result, indent=1))
     if ns.output:
@@ -217,3 +223,37 @@ def _summarize_timeline(timeline: list[tuple[Any, Any, int, int]]) -> dict[str, 
     total_idle = sum(k["idle_ms"] for k in kinds.values()) / 1000
     return {"span_s": round((rows[-1][1] - rows[0][0]) / 1000, 3),
             "device_s": round(total_busy, 3), "idle_s": round(total_idle, 3), "kinds": out}
+
+
+class _JitWatch:
+    """Triton's JIT hooks: each kernel variant built while installed, with the seconds it took."""
+
+    def __init__(self) -> None:
+        from triton import knobs
+
+        self.knobs = knobs
+        self.records: list[dict[str, Any]] = []
+        self._started: dict[str, float] = {}
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, **kwargs: Any) -> bool:
+        self._started[kwargs["repr"]] = time.perf_counter()
+        return False
+
+    def _after(self, **kwargs: Any) -> bool:
+        start = self._started.pop(kwargs["repr"], time.perf_counter())
+        self.records.append({"kernel": kwargs["repr"][:300],
+                             "seconds": round(time.perf_counter() - start, 3)})
+        return False
+
+    def stop(self) -> None:
+        self.knobs.runtime.jit_cache_hook = None
+        self.knobs.runtime.jit_post_compile_hook = None
+
+
+def _watch_jit_compiles() -> _JitWatch | None:
+    try:
+        return _JitWatch()
+    except (ImportError, AttributeError):  # a Triton without these hooks
+        return None

@@ -189,30 +189,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_prefill(self) -> None:
-        """Compile the prefill-side kernels now rather than in the first request: one step of
-        two prompts on padding inputs (nothing stored, the null block read)."""
-        lens = [min(self.scheduler_config.max_num_batched_tokens // 2,
-                    self.scheduler_config.max_model_len, 512)] * 2
-        num_tokens = sum(lens)
-        self.buf_input_ids.np[:num_tokens] = 0
-        self.buf_positions.np[:num_tokens] = np.concatenate([np.arange(n) for n in lens])
-        self.buf_slot_mapping.np[:num_tokens] = -1
-        self.buf_query_start_loc.np[:3] = [0, lens[0], num_tokens]
-        self.buf_seq_lens.np[:2] = lens
-        width = -(-max(lens) // self.block_size)
-        self.buf_block_tables.np[:2 * width] = 0
-        for buf, n in ((self.buf_input_ids, num_tokens), (self.buf_positions, num_tokens),
-                       (self.buf_slot_mapping, num_tokens), (self.buf_query_start_loc, 3),
-                       (self.buf_seq_lens, 2)):
-            buf.to_device(n)
-        block_tables = self.buf_block_tables.to_device(2 * width).view(2, width)
-        metadata = self._metadata(2, num_tokens, max_query_len=max(lens),
-                                  max_seq_len=max(lens), block_tables=block_tables)
-        hidden = self.model(self.buf_input_ids.device[:num_tokens],
-                            self.buf_positions.device[:num_tokens], metadata)
+        """Compile the kernels of eager steps now rather than in the first requests' (a Triton
+        variant compiled mid-run stalls its step by up to a second): a step of two prompts, and
+        a mixed step of two decodes and a prompt, on padding inputs (nothing stored, the null
+        block read); then the sampler's variants."""
+        # A full token budget: GEMM kernels of that size load, and the allocator grows, now.
+        prompt = min(self.scheduler_config.max_num_batched_tokens // 2,
+                     self.scheduler_config.max_model_len)
+        hidden = self._warm_up_step([prompt, prompt], [prompt, prompt])
+        if self.scheduler_config.max_num_seqs >= 3 and prompt > 2:
+            self._warm_up_step([2, 2, prompt - 2], [1, 1, prompt - 2])
         self.sampler.warm_up(self.model.compute_logits(hidden[:2], upcast=False),
                              self.scheduler_config.max_num_seqs)
         torch.cuda.synchronize()
+
+    def _warm_up_step(self, seq_lens: list[int], query_lens: list[int]) -> torch.Tensor:
+        num_reqs, num_tokens = len(seq_lens), sum(query_lens)
+        self.buf_input_ids.np[:num_tokens] = 0
+        self.buf_positions.np[:num_tokens] = np.concatenate(
+            [np.arange(s - q, s) for s, q in zip(seq_lens, query_lens)])
+        self.buf_slot_mapping.np[:num_tokens] = -1
+        self.buf_query_start_loc.np[0] = 0
+        self.buf_query_start_loc.np[1:num_reqs + 1] = np.cumsum(query_lens)
+        self.buf_seq_lens.np[:num_reqs] = seq_lens
+        width = -(-max(seq_lens) // self.block_size)
+        self.buf_block_tables.np[:num_reqs * width] = 0
+        for buf, n in ((self.buf_input_ids, num_tokens), (self.buf_positions, num_tokens),
+                       (self.buf_slot_mapping, num_tokens),
+                       (self.buf_query_start_loc, num_reqs + 1), (self.buf_seq_lens, num_reqs)):
+            buf.to_device(n)
+        block_tables = self.buf_block_tables.to_device(num_reqs * width).view(num_reqs, width)
+        metadata = self._metadata(num_reqs, num_tokens, max_query_len=max(query_lens),
+                                  max_seq_len=max(seq_lens), block_tables=block_tables)
+        return self.model(self.buf_input_ids.device[:num_tokens],
+                          self.buf_positions.device[:num_tokens], metadata)
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:

@@ -32,31 +32,41 @@ class SamplingStaging:
     def __init__(self, max_rows: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.device = device
-        self.floats = [torch.zeros(self.NUM_FLOAT_COLUMNS * max_rows, dtype=torch.float32,
+        width = _aligned_width(max_rows)
+        self.floats = [torch.zeros(self.NUM_FLOAT_COLUMNS * width, dtype=torch.float32,
                                    pin_memory=pin) for _ in range(2)]
-        self.ints = [torch.zeros(self.NUM_INT_COLUMNS * max_rows, dtype=torch.int64,
+        self.ints = [torch.zeros(self.NUM_INT_COLUMNS * width, dtype=torch.int64,
                                  pin_memory=pin) for _ in range(2)]
         self.turn = 0
 
     def upload(self, floats: list[list[float]],
                ints: list[list[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """floats: NUM_FLOAT_COLUMNS columns of B values; ints: NUM_INT_COLUMNS columns of B
-        values. Device [6, B] float32, [3, B] int64."""
+        values. Device [6, B] float32, [3, B] int64.
+
+        Every column starts 16-byte aligned (rows padded to a multiple of 4 values): Triton
+        compiles a kernel variant per alignment of its pointer arguments, so a column at an odd
+        offset would compile a new one mid-run (measured: 0.8 s in a throughput run)."""
         self.turn ^= 1
         num_rows = len(ints[0])
-        host_floats = self.floats[self.turn][:self.NUM_FLOAT_COLUMNS * num_rows]
-        host_floats.numpy().reshape(self.NUM_FLOAT_COLUMNS, num_rows)[:] = floats
-        host_ints = self.ints[self.turn][:self.NUM_INT_COLUMNS * num_rows]
-        int_columns = host_ints.numpy().reshape(self.NUM_INT_COLUMNS, num_rows)
+        width = _aligned_width(num_rows)
+        host_floats = self.floats[self.turn][:self.NUM_FLOAT_COLUMNS * width]
+        host_floats.numpy().reshape(self.NUM_FLOAT_COLUMNS, width)[:, :num_rows] = floats
+        host_ints = self.ints[self.turn][:self.NUM_INT_COLUMNS * width]
+        int_columns = host_ints.numpy().reshape(self.NUM_INT_COLUMNS, width)
         for column, values in zip(int_columns, ints, strict=True):
-            column[:] = values
+            column[:num_rows] = values
         if self.device.type == "cpu":
-            return (host_floats.view(self.NUM_FLOAT_COLUMNS, num_rows).clone(),
-                    host_ints.view(self.NUM_INT_COLUMNS, num_rows).clone())
-        return (host_floats.to(self.device, non_blocking=True).view(self.NUM_FLOAT_COLUMNS,
-                                                                    num_rows),
-                host_ints.to(self.device, non_blocking=True).view(self.NUM_INT_COLUMNS,
-                                                                  num_rows))
+            device_floats, device_ints = host_floats.clone(), host_ints.clone()
+        else:
+            device_floats = host_floats.to(self.device, non_blocking=True)
+            device_ints = host_ints.to(self.device, non_blocking=True)
+        return (device_floats.view(self.NUM_FLOAT_COLUMNS, width)[:, :num_rows],
+                device_ints.view(self.NUM_INT_COLUMNS, width)[:, :num_rows])
+
+
+def _aligned_width(num_rows: int) -> int:
+    return -(-num_rows // 4) * 4
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:

@@ -392,6 +392,7 @@ def test_seeded_requests_through_the_engine_with_the_kernel(qwen3_dir: str) -> N
         results.append(alone)
     assert results[0] == results[1]
     torch_path = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256, seed=0)
+    torch_path.llm_engine.engine_core.model_runner.sampler.use_triton = False  # (CUDA too)
     assert torch_path.generate([target], params)[0].outputs[0].token_ids != results[0]
 
 
@@ -423,3 +424,17 @@ def test_full_vocabulary_on_the_gpu(num_rows: int) -> None:
     drawn = sample_tokens(logits, random, seeds, 1)
     assert torch.equal(sample_tokens(logits, random, seeds, num_splits), drawn)
     assert not (drawn % 3 == 0).any()
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 5, 8])
+def test_sampling_columns_start_16_byte_aligned(num_rows: int) -> None:
+    """Triton compiles a variant per pointer alignment: a column at an odd offset would compile
+    one mid-run. Every uploaded column starts on 16 bytes, and holds the values given."""
+    staging = SamplingStaging(8, torch.device(DEVICE))
+    floats = [[float(c * 10 + r) for r in range(num_rows)] for c in range(6)]
+    ints = [[c * 100 + r for r in range(num_rows)] for c in range(3)]
+    for _ in range(2):  # both buffer sets
+        float_columns, int_columns = staging.upload(floats, ints)
+        assert float_columns.tolist() == floats and int_columns.tolist() == ints
+        for column in [*float_columns.unbind(0), *int_columns.unbind(0)]:
+            assert column.is_contiguous() and column.data_ptr() % 16 == 0
