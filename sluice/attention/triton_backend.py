@@ -28,10 +28,12 @@ from sluice.attention.triton.unified import MAX_INT32
 SplitKVMode = Literal["auto", "always", "never"]
 
 # Picked by `python -m sluice.bench.kernels --sweep` on an H200 with Qwen3-0.6B's attention (16 / 8
-# heads, head_dim 128, bf16, block size 16): decode 256 x 1k context at 97% of the copy bandwidth,
-# split-KV decode 8 x 8k at 78%, an 8k prefill at 367 TFLOP/s. More stages than 3 gain nothing:
-# the block-table load ahead of each K/V tile takes a pipeline stage of its own.
-DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+# heads, head_dim 128, bf16, block size 16). Decode: on the ragged decode batches of the nano-vllm
+# workload (`--only-ragged --consecutive-blocks`, steps 100 to 900: batch 256 to 37) 128-key tiles
+# took 2-8% less time than 64-key ones (which were best on a uniform batch of 256 x 1k: 97% of
+# the copy bandwidth); split-KV decode 8 x 8k at 78%, an 8k prefill at 367 TFLOP/s. More stages
+# than 3 gain nothing: the block-table load ahead of each K/V tile takes a stage of its own.
+DECODE_TILES = TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)
 PREFILL_TILES = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 # Few programs: split so the GPU fills (about 4 programs per SM), keeping at least

@@ -62,8 +62,8 @@ PREFILL_SWEEP = [
     TileConfig(64, 64, 4, 3),
     TileConfig(256, 64, 8, 3),
 ]
-RAGGED_SWEEP = [TileConfig(16, n, w, s) for n, w, s in [(32, 4, 2), (32, 2, 4), (64, 2, 2),
-                                                        (16, 4, 4), (32, 4, 6)]]
+RAGGED_SWEEP = [TileConfig(16, n, w, s) for n, w, s in [(64, 2, 2), (64, 4, 5), (128, 4, 2),
+                                                        (128, 8, 2), (256, 8, 2)]]
 SPLIT_SWEEP = [
     TileConfig(16, n, w, s)
     for n, w, s in [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3)]
@@ -119,14 +119,17 @@ def copy_bandwidth(device: torch.device, iters: int) -> float:
 
 
 def make_step(
-    seq_lens: list[int], query_lens: list[int], device: torch.device, seed: int = 0
+    seq_lens: list[int], query_lens: list[int], device: torch.device, seed: int = 0,
+    shuffle: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Random q/k/v, a cache whose blocks are shuffled over the whole pool (a served cache),
-    and the metadata of one step."""
+    """Random q/k/v, a cache whose blocks are shuffled over the whole pool (a served cache; with
+    shuffle=False each request's blocks are consecutive, as an offline run's first requests get
+    them), and the metadata of one step."""
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_req = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + 1
-    perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
+    perm = (torch.randperm(num_blocks, generator=gen, device=device) if shuffle
+            else torch.arange(num_blocks, device=device)).to(torch.int32)
     width = max(blocks_per_req)
     block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32, device=device)
     slots, first = [], 0
@@ -206,11 +209,11 @@ def workload_contexts(step: int) -> list[int]:
 
 
 def run_ragged(timer: GraphTimer, copy_bps: float, step: int,
-               configs: dict[str, TritonBackendConfig]) -> dict[str, Any]:
+               configs: dict[str, TritonBackendConfig], shuffle: bool = True) -> dict[str, Any]:
     """A decode batch of the real workload's ragged contexts (see workload_contexts)."""
     device = timer.flush.device
     contexts = workload_contexts(step)
-    step_inputs = make_step(contexts, [1] * len(contexts), device)
+    step_inputs = make_step(contexts, [1] * len(contexts), device, shuffle=shuffle)
     query, key, value, kv_cache, metadata = step_inputs
     elsize = kv_cache.element_size()
     batch = len(contexts)
@@ -335,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode batches of the nano-vllm workload at these engine steps "
                              "(ragged contexts); empty: none")
     parser.add_argument("--only-ragged", action="store_true", help="skip the other cases")
+    parser.add_argument("--consecutive-blocks", action="store_true",
+                        help="ragged batches: each request's blocks consecutive, not shuffled")
     ns = parser.parse_args(argv)
     if ns.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {ns.iters}")
@@ -368,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             for tiles in DECODE_SWEEP + RAGGED_SWEEP:
                 configs[_sweep_name(tiles)] = TritonBackendConfig(split_kv="never",
                                                                   decode_tiles=tiles)
-        record = run_ragged(timer, copy_bps, step, configs)
+        record = run_ragged(timer, copy_bps, step, configs, shuffle=not ns.consecutive_blocks)
         report["ragged_decode"].append(record)
         _write(ns.output, report)
         for label, run in record["runs"].items():
