@@ -20,9 +20,11 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store key/value at `metadata.slot_mapping`, then attend causally over each
-        request's paged context."""
+        """Store key/value at `metadata.slot_mapping` (unless `kv_stored`: the caller has
+        written them already), then attend causally over each request's paged context. Without
+        a cache (`kv_cache.numel() == 0`, a profiling run) attend over `key`/`value` directly."""
         ...
 
 

@@ -26,6 +26,10 @@ class AttentionMetadata:
     # Host copies, so the reference backend never syncs with the device.
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
+    # Optional, for decode batches (one query per request, no padding tokens): [num_reqs] int32,
+    # the requests longest context first. A kernel that runs one program per request may start
+    # them in this order, so the longest ones do not make the tail of the launch.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

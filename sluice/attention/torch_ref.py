@@ -2,7 +2,8 @@
 
 Clarity over speed: one loop over requests, vectorised gathers within each. Steps of `forward`:
 1. store the key/value of every query token at its slot (slot -1 = padding, skipped), so a request
-   can read a prefix another request of the same batch has just written;
+   can read a prefix another request of the same batch has just written (unless the caller has
+   stored them: `kv_stored`);
 2. per request, gather its `seq_len` context tokens through its block table row and attend its
    `query_len` queries (the last `query_len` positions) causally over them, in float32.
 """
@@ -25,6 +26,7 @@ class TorchRefBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
         metadata: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,  # key/value already at their slots: no store
     ) -> torch.Tensor:  # [T, H, D]
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         output = torch.zeros_like(query)  # padding tokens past the requests stay zero
@@ -34,6 +36,7 @@ class TorchRefBackend:
             block_size = kv_cache.shape[2]
             key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, KVH, D]
             value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        if has_cache and not kv_stored:
             slots = metadata.slot_mapping[: key.shape[0]]
             stored = slots >= 0
             key_cache[slots[stored]] = key[stored].to(key_cache.dtype)

@@ -103,13 +103,15 @@ class TritonBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
         metadata: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,  # key/value already at their slots: no store_kv launch
     ) -> torch.Tensor:  # [T, H, D]
         output = torch.empty_like(query)
         if query.shape[0] == 0:
             return output
         if kv_cache.numel() == 0:
             return self._forward_without_cache(output, query, key, value, metadata, scale)
-        store_kv(key, value, kv_cache, metadata.slot_mapping)
+        if not kv_stored:
+            store_kv(key, value, kv_cache, metadata.slot_mapping)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         num_splits = self._num_splits(metadata, key.shape[1], query.device)
         if num_splits > 0:

@@ -42,7 +42,10 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [T, KVH * D]
         v: torch.Tensor,  # [T, KVH * D]
         attn_metadata: AttentionMetadata,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, H * D]
+        """kv_stored: k and v are already in `kv_cache` at `attn_metadata.slot_mapping` (a fused
+        kernel wrote them with the rotary embedding), so the backend skips its store."""
         num_tokens = q.shape[0]
         out = self.backend.forward(
             q.view(num_tokens, self.num_heads, self.head_dim),
@@ -51,6 +54,7 @@ class Attention(nn.Module):
             self.kv_cache,
             attn_metadata,
             self.scale,
+            kv_stored,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 

@@ -1,7 +1,8 @@
 """Triton kernels for the small per-layer ops of the decoder, each one launch per call:
 
 - `qk_norm_rope`: per-head RMSNorm of q and k (Qwen3; skipped without weights, as in Llama) and
-  neox RoPE, rewriting the q and k columns of the fused qkv projection output in place;
+  neox RoPE, rewriting the q and k columns of the fused qkv projection output in place, and
+  given a paged KV cache, storing the final k and the v heads there (`qk_norm_rope_store_kv`);
 - `silu_and_mul`: SwiGLU's `silu(gate) * up`;
 - `rms_norm` and `add_rms_norm`: the decoder's norms, the latter with the residual sum.
 
@@ -42,8 +43,14 @@ def _qk_norm_rope_kernel(
     cos_sin_ptr,  # [max_pos, D] float32: cos in the first half, sin in the second
     q_weight_ptr,  # [D] (read only with HAS_NORM)
     k_weight_ptr,  # [D]
+    key_cache_ptr,  # [num_blocks, block_size, KVH, D] (written only with STORE_KV)
+    value_cache_ptr,  # [num_blocks, block_size, KVH, D]
+    slot_mapping_ptr,  # [>= T] int64; < 0: a padding token, not stored
     stride_token,
     stride_position,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
     eps,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -51,23 +58,45 @@ def _qk_norm_rope_kernel(
     HALF_PAD: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    CACHE_BLOCK_SIZE: tl.constexpr,
 ):
-    # Head blocks [0, num_q_blocks) cover q heads, the rest k heads: a block never mixes the
-    # two, so it has one norm weight.
+    # Head blocks [0, num_q_blocks) cover q heads, then num_kv_blocks of k heads, then (with
+    # STORE_KV) num_kv_blocks of v heads: a block never mixes two, so it has one norm weight.
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     num_q_blocks: tl.constexpr = (NUM_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
+    num_kv_blocks: tl.constexpr = (NUM_KV_HEADS + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
+    dims = tl.arange(0, HALF_PAD)
+    dim_mask = dims < HALF
+    dtype = qkv_ptr.dtype.element_ty
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        # [1, HALF_PAD]: the first half of head 0 at this token's slot in either cache
+        cache_row = ((slot // CACHE_BLOCK_SIZE) * stride_cache_block
+                     + (slot % CACHE_BLOCK_SIZE) * stride_cache_slot + dims[None, :])
+        if block >= num_q_blocks + num_kv_blocks:
+            # A v block only copies: it reads nothing but its heads (and none for padding).
+            kv_heads = (block - num_q_blocks - num_kv_blocks) * HEADS_PER_PROGRAM + tl.arange(
+                0, HEADS_PER_PROGRAM)
+            mask = (kv_heads < NUM_KV_HEADS)[:, None] & dim_mask[None, :] & (slot >= 0)
+            heads = NUM_HEADS + NUM_KV_HEADS + kv_heads
+            offsets = token * stride_token + heads[:, None] * (2 * HALF) + dims[None, :]
+            cache_offsets = cache_row + kv_heads[:, None] * stride_cache_head
+            cache_dtype = value_cache_ptr.dtype.element_ty
+            v1 = tl.load(qkv_ptr + offsets, mask=mask)
+            v2 = tl.load(qkv_ptr + offsets + HALF, mask=mask)
+            tl.store(value_cache_ptr + cache_offsets, v1.to(cache_dtype), mask=mask)
+            tl.store(value_cache_ptr + cache_offsets + HALF, v2.to(cache_dtype), mask=mask)
+            return
     is_q = block < num_q_blocks
     first_head = tl.where(is_q, block * HEADS_PER_PROGRAM,
                           NUM_HEADS + (block - num_q_blocks) * HEADS_PER_PROGRAM)
     end_head = tl.where(is_q, NUM_HEADS, NUM_HEADS + NUM_KV_HEADS)
     heads = first_head + tl.arange(0, HEADS_PER_PROGRAM)
-    dims = tl.arange(0, HALF_PAD)
-    dim_mask = dims < HALF
     mask = (heads < end_head)[:, None] & dim_mask[None, :]
     # x1: the first half of each head, x2 the second; [HEADS_PER_PROGRAM, HALF_PAD]
     offsets = token * stride_token + heads[:, None] * (2 * HALF) + dims[None, :]
-    dtype = qkv_ptr.dtype.element_ty
     x1 = tl.load(qkv_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(qkv_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
@@ -83,8 +112,17 @@ def _qk_norm_rope_kernel(
     cos_sin_row = cos_sin_ptr + position * stride_position
     cos = tl.load(cos_sin_row + dims, mask=dim_mask, other=0.0)[None, :]
     sin = tl.load(cos_sin_row + HALF + dims, mask=dim_mask, other=0.0)[None, :]
-    tl.store(qkv_ptr + offsets, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(qkv_ptr + offsets + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    out1 = (x1 * cos - x2 * sin).to(dtype)
+    out2 = (x2 * cos + x1 * sin).to(dtype)
+    tl.store(qkv_ptr + offsets, out1, mask=mask)
+    tl.store(qkv_ptr + offsets + HALF, out2, mask=mask)
+    if STORE_KV:
+        # The same k values, in the cache dtype: what store_kv would write from qkv's k.
+        key_mask = mask & (block >= num_q_blocks) & (slot >= 0)
+        cache_offsets = cache_row + (heads - NUM_HEADS)[:, None] * stride_cache_head
+        cache_dtype = key_cache_ptr.dtype.element_ty
+        tl.store(key_cache_ptr + cache_offsets, out1.to(cache_dtype), mask=key_mask)
+        tl.store(key_cache_ptr + cache_offsets + HALF, out2.to(cache_dtype), mask=key_mask)
 
 
 def heads_per_program(num_tokens: int, num_heads: int, num_kv_heads: int) -> int:
@@ -105,8 +143,14 @@ def qk_norm_rope(
     eps: float,
     num_heads: int,
     num_kv_heads: int,
+    kv_cache: torch.Tensor | None = None,  # [2, num_blocks, block_size, KVH, D]
+    slot_mapping: torch.Tensor | None = None,  # [>= T] int64; < 0: not stored
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H * D], k [T, KVH * D]: views of qkv
-    """sluice.model.layers.qk_norm_rope, rewriting qkv's q and k columns in place.
+    """sluice.model.layers.qk_norm_rope, rewriting qkv's q and k columns in place. Given a
+    kv_cache, also what store_kv would do next (sluice.attention.triton.store_kv): each token's
+    final k heads and its v heads go to the cache at its slot, cast to the cache dtype, unless
+    the slot is negative (padding). k is still rewritten in qkv too: attention without a cache
+    (a profiling run) reads it there.
 
     Grid (T, head blocks): a program handles 1 or a few heads of one token (see
     `heads_per_program`) and reads that token's cos/sin row once for all of them. Tokens alone
@@ -115,6 +159,13 @@ def qk_norm_rope(
     prefill 8,192 tokens, 8 heads per program still gives 24,576 programs of 2 KiB read and
     written each, enough to keep the memory system busy with fewer per-program overheads and
     cos/sin reads (these hit L2: a token's programs read the same row).
+
+    With a cache, k blocks also write their heads to the cache from registers (store_kv's read
+    of k is saved), and each token gets as many v blocks as k blocks, which copy its v heads and
+    read nothing else. v has programs of its own rather than riding along in the k programs so
+    that no program moves more than about three heads' bytes (a k program reads one and writes
+    two) and decode keeps the most programs in flight: T * (H + 2 * KVH), 32 per token for
+    Qwen3-0.6B, 32,768 programs at an 8,192-token prefill.
     """
     num_tokens, width = qkv.shape
     head_dim = cos_sin_cache.shape[1]
@@ -125,11 +176,17 @@ def qk_norm_rope(
     if has_norm:
         assert k_norm_weight is not None and q_norm_weight.dtype == qkv.dtype
         assert q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()
+    stores_kv = kv_cache is not None
+    if stores_kv:
+        assert slot_mapping is not None and slot_mapping.shape[0] >= num_tokens
+        assert kv_cache.shape[3:] == (num_kv_heads, head_dim) and kv_cache.stride(4) == 1
     q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
     if num_tokens == 0:
         return q, k
     block_heads = heads_per_program(num_tokens, num_heads, num_kv_heads)
-    num_blocks = triton.cdiv(num_heads, block_heads) + triton.cdiv(num_kv_heads, block_heads)
+    num_kv_blocks = triton.cdiv(num_kv_heads, block_heads)
+    num_blocks = triton.cdiv(num_heads, block_heads) + num_kv_blocks * (2 if stores_kv else 1)
+    key_cache, value_cache = (kv_cache[0], kv_cache[1]) if stores_kv else (qkv, qkv)
     half_pad = triton.next_power_of_2(head_dim // 2)
     _qk_norm_rope_kernel[(num_tokens, num_blocks)](
         qkv,
@@ -137,8 +194,14 @@ def qk_norm_rope(
         cos_sin_cache,
         q_norm_weight if has_norm else qkv,
         k_norm_weight if has_norm else qkv,
+        key_cache,
+        value_cache,
+        slot_mapping if stores_kv else positions,
         qkv.stride(0),
         cos_sin_cache.stride(0),
+        key_cache.stride(0) if stores_kv else 0,
+        key_cache.stride(1) if stores_kv else 0,
+        key_cache.stride(2) if stores_kv else 0,
         eps,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
@@ -146,10 +209,35 @@ def qk_norm_rope(
         HALF_PAD=half_pad,
         HEADS_PER_PROGRAM=block_heads,
         HAS_NORM=has_norm,
+        STORE_KV=stores_kv,
+        CACHE_BLOCK_SIZE=kv_cache.shape[2] if stores_kv else 1,
         # 16 bytes per thread and load: 2 warps for 8 bfloat16 heads of 128, 1 for one head.
         num_warps=max(1, min(4, block_heads * half_pad * qkv.element_size() // 512)),
     )
     return q, k
+
+
+def qk_norm_rope_store_kv(
+    qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D], last dim contiguous
+    positions: torch.Tensor,  # [T] int
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
+    q_norm_weight: torch.Tensor | None,  # [D], or None for no q/k norm
+    k_norm_weight: torch.Tensor | None,  # [D]
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D], or empty: none bound yet
+    slot_mapping: torch.Tensor,  # [>= T] int64; < 0: not stored
+) -> tuple[torch.Tensor, torch.Tensor, bool]:  # q, k (views of qkv), whether k/v are stored
+    """The attention layers' qk_norm_rope_op on CUDA (sluice.worker.compile): qk_norm_rope
+    storing k and v into the layer's cache, which spares the attention backend its store_kv
+    launch; nothing is stored while no cache is bound (a profiling run)."""
+    stored = kv_cache.numel() > 0
+    q, k = qk_norm_rope(
+        qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, num_heads,
+        num_kv_heads, kv_cache if stored else None, slot_mapping,
+    )
+    return q, k, stored
 
 
 @triton.jit

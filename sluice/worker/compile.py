@@ -1,9 +1,9 @@
 """Fused Triton kernels for the small per-layer ops on CUDA (sluice.model.triton_ops): per-head
-q/k RMSNorm with RoPE, SiLU-and-mul, RMSNorm with and without the residual add. Each is one
-launch instead of several torch kernels, which matters most in decode, where the model is a
-chain of small launches, and they run near memory bandwidth at prefill sizes, where the
-torch.compile (inductor) versions they replace did not (rotary at 8,192 tokens: 10x the bytes'
-time).
+q/k RMSNorm with RoPE and the paged KV-cache store, SiLU-and-mul, RMSNorm with and without the
+residual add. Each is one launch instead of several torch kernels, which matters most in decode,
+where the model is a chain of small launches, and they run near memory bandwidth at prefill
+sizes, where the torch.compile (inductor) versions they replace did not (rotary at 8,192 tokens:
+10x the bytes' time).
 
 Only the instance attributes of this model change; other engines in the process are untouched.
 """
@@ -27,5 +27,5 @@ def install_fused_ops(model: nn.Module) -> None:
         elif isinstance(module, SiluAndMul):
             module.op = triton_ops.silu_and_mul
         elif isinstance(module, LlamaAttention):
-            module.qk_norm_rope_op = triton_ops.qk_norm_rope
+            module.qk_norm_rope_op = triton_ops.qk_norm_rope_store_kv
 

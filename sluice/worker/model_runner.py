@@ -68,6 +68,7 @@ class StepInputs:
     drafts: list[list[int]]
     block_tables: torch.Tensor  # [B, most blocks of any request], on the device
     graph: tuple[DecodeGraphs, int] | None  # the CUDA graph to replay (graph set, size), if any
+    ordered: bool  # a decode batch: buf_decode_order holds its longest-first order
 
 
 def resolve_device(device: str) -> torch.device:
@@ -129,6 +130,8 @@ class ModelRunner:
         self.buf_slot_mapping = StagedBuffer((max_tokens,), torch.int64, dev)
         self.buf_query_start_loc = StagedBuffer((max_num_reqs + 1,), torch.int32, dev)
         self.buf_seq_lens = StagedBuffer((max_num_reqs,), torch.int32, dev)
+        # A decode batch's requests, longest context first (AttentionMetadata.decode_order).
+        self.buf_decode_order = StagedBuffer((max_num_reqs,), torch.int32, dev)
         # Block tables travel compact ([B, width] of this step, one contiguous copy); CUDA graphs
         # read them from a fixed full-width table, filled on the device.
         self.buf_block_tables = StagedBuffer((max_num_reqs * self.max_blocks_per_req,),
@@ -234,14 +237,16 @@ class ModelRunner:
         self.buf_slot_mapping.np[:] = -1
         self.buf_seq_lens.np[:] = 0
         self.buf_query_start_loc.np[:] = np.arange(self.buf_query_start_loc.np.shape[0])
+        self.buf_decode_order.np[:] = np.arange(self.buf_decode_order.np.shape[0])
         for buf in (self.buf_input_ids, self.buf_positions, self.buf_slot_mapping,
-                    self.buf_seq_lens, self.buf_query_start_loc):
+                    self.buf_seq_lens, self.buf_query_start_loc, self.buf_decode_order):
             buf.to_device(buf.np.shape[0])
 
         def make_inputs(size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
             metadata = self._metadata(size, size, max_query_len=1,
                                       max_seq_len=self.scheduler_config.max_model_len,
-                                      block_tables=self.graph_block_tables[:size])
+                                      block_tables=self.graph_block_tables[:size],
+                                      decode_order=self.buf_decode_order.device[:size])
             return (self.buf_input_ids.device[:size], self.buf_positions.device[:size],
                     metadata)
 
@@ -326,7 +331,8 @@ class ModelRunner:
             metadata = self._metadata(
                 num_reqs, step.num_tokens, max_query_len=int(step.num_scheduled.max()),
                 max_seq_len=int((step.num_computed + step.num_scheduled).max()),
-                block_tables=step.block_tables)
+                block_tables=step.block_tables,
+                decode_order=self.buf_decode_order.device[:num_reqs] if step.ordered else None)
             hidden = self.model(self.buf_input_ids.device[:step.num_tokens],
                                 self.buf_positions.device[:step.num_tokens], metadata)
 
@@ -457,9 +463,13 @@ class ModelRunner:
                 dst, src = pending.setdefault(s.pending_step, ([], []))
                 dst.append(int(query_start_loc[i]) + n - 1)
                 src.append(s.pending_index)
-        if num_layout_tokens == num_reqs:  # all decodes: one token each at num_computed
+        ordered = num_layout_tokens == num_reqs
+        if ordered:  # all decodes: one token each at num_computed
             positions = num_computed
             req_of_token = np.arange(num_reqs)
+            # Longest context first: the attention kernel starts its programs in this order,
+            # so the longest requests do not make the tail of the launch.
+            self.buf_decode_order.np[:num_reqs] = np.argsort(-num_computed, kind="stable")
         else:
             req_of_token = np.repeat(np.arange(num_reqs), layout)
             within = np.arange(num_layout_tokens) - query_start_loc[req_of_token]
@@ -500,10 +510,11 @@ class ModelRunner:
             if size is not None:
                 graph = (self.graphs, size)
                 padded_reqs = padded_tokens = size
-                # Padding rows: no token to store, no context, the null block.
+                # Padding rows: no token to store, no context, the null block; ordered last.
                 self.buf_seq_lens.np[num_reqs:size] = 0
                 self.buf_query_start_loc.np[num_reqs + 1:size + 1] = np.arange(
                     num_reqs + 1, size + 1)
+                self.buf_decode_order.np[num_reqs:size] = np.arange(num_reqs, size)
         elif self.prefill_graphs is not None and num_reqs == 1 and not pending:
             size = self.prefill_graphs.padded_size(num_tokens)
             if size is not None:
@@ -518,6 +529,8 @@ class ModelRunner:
         self.buf_slot_mapping.to_device(padded_tokens)
         self.buf_query_start_loc.to_device(padded_reqs + 1)
         self.buf_seq_lens.to_device(padded_reqs)
+        if ordered:
+            self.buf_decode_order.to_device(padded_reqs)
         block_tables = self.buf_block_tables.to_device(num_reqs * width).view(num_reqs, width)
         if graph is not None:
             # Padding rows keep whatever they held: with no context they read nothing.
@@ -532,7 +545,7 @@ class ModelRunner:
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
         return StepInputs(req_ids, states, num_tokens, num_computed, num_scheduled,
-                          query_start_loc, num_drafts, drafts, block_tables, graph)
+                          query_start_loc, num_drafts, drafts, block_tables, graph, ordered)
 
     def _verify_graph_size(self, states: list[CachedRequestState], num_computed: np.ndarray,
                            num_scheduled: np.ndarray, num_drafts: np.ndarray) -> int | None:
@@ -548,7 +561,8 @@ class ModelRunner:
         return self.verify_graphs.padded_size(len(states))
 
     def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
-                  block_tables: torch.Tensor) -> AttentionMetadata:
+                  block_tables: torch.Tensor,
+                  decode_order: torch.Tensor | None = None) -> AttentionMetadata:
         return AttentionMetadata(
             num_actual_tokens=num_tokens,
             max_query_len=max_query_len,
@@ -559,6 +573,7 @@ class ModelRunner:
             slot_mapping=self.buf_slot_mapping.device[:num_tokens],
             query_start_loc_cpu=self.buf_query_start_loc.cpu[:num_reqs + 1],
             seq_lens_cpu=self.buf_seq_lens.cpu[:num_reqs],
+            decode_order=decode_order,
         )
 
     def _compute_prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,

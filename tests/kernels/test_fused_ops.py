@@ -2,8 +2,9 @@
 sluice.model.layers compute: float32 within float32 rounding, bfloat16 bit for bit under the
 interpreter (the kernels round where torch rounds); on a GPU, approximate rsqrt / exp and another
 summation order may move a bfloat16 value across a rounding boundary now and then, so there a
-few values may differ by about one unit in the last place. And a tiny Qwen3 and Llama give the
-same hidden states with the fused ops installed as without.
+few values may differ by about one unit in the last place. The q/k-norm + RoPE variant that
+also stores k and v in the paged KV cache writes exactly what store_kv would. And a tiny Qwen3
+and Llama give the same hidden states and caches with the fused ops installed as without.
 
 On a CPU the kernels run in Triton's interpreter (see conftest.py), so shapes stay tiny.
 """
@@ -17,9 +18,11 @@ import pytest
 import torch
 import triton.language as tl
 
+from sluice.attention import triton_backend
 from sluice.attention.backend import AttentionBackend
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.torch_ref import TorchRefBackend
+from sluice.attention.triton.store_kv import store_kv
 from sluice.attention.triton_backend import TritonBackend
 from sluice.model import layers, triton_ops
 from sluice.model.attention import bind_kv_caches
@@ -132,6 +135,95 @@ def test_qk_norm_rope_several_heads_per_program(monkeypatch, head_shape, dtype):
     check_qk_norm_rope(37, *head_shape, dtype, with_norm=True)
 
 
+def check_qk_norm_rope_store_kv(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    cache_dtype: torch.dtype, block_size: int,
+) -> None:
+    """Against the unfused pair (qk_norm_rope, then store_kv of its k and qkv's v) on a cache of
+    random contents: 11 tokens, two of them padding (slot -1), slot_mapping longer than the
+    batch (entries past it must not be stored), slots scattered over the blocks."""
+    num_tokens, num_blocks = 11, 5
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = random(num_tokens, width, dtype=dtype, seed=10, scale=2.0)
+    generator = torch.Generator().manual_seed(11)
+    positions = torch.randint(0, MAX_POSITIONS, (num_tokens,), generator=generator).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[: num_tokens + 3]
+    slots[[3, num_tokens - 1]] = -1
+    slot_mapping = slots.to(DEVICE)
+    q_weight = random(head_dim, dtype=dtype, seed=12, scale=0.3) + 1
+    k_weight = random(head_dim, dtype=dtype, seed=13, scale=0.3) + 1
+    args = (positions, cos_sin_cache(head_dim), q_weight, k_weight, EPS, num_heads, num_kv_heads)
+    cache_shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = random(*cache_shape, dtype=cache_dtype, seed=14)
+
+    expected_qkv, expected_cache = qkv.clone(), kv_cache.clone()
+    _, k = triton_ops.qk_norm_rope(expected_qkv, *args)
+    v = expected_qkv[:, (num_heads + num_kv_heads) * head_dim :]
+    kv_shape = (num_tokens, num_kv_heads, head_dim)
+    store_kv(k.view(kv_shape), v.view(kv_shape), expected_cache, slot_mapping)
+    fused_qkv, fused_cache = qkv.clone(), kv_cache.clone()
+    q, k, stored = triton_ops.qk_norm_rope_store_kv(fused_qkv, *args, fused_cache, slot_mapping)
+
+    assert stored
+    assert torch.equal(fused_qkv, expected_qkv)
+    assert q.data_ptr() == fused_qkv.data_ptr()
+    assert torch.equal(fused_cache, expected_cache)
+    # What store_kv writes, spelled out: the batch's k and v at their slots, the rest as it was.
+    real = slots[:num_tokens] >= 0
+    written = slots[:num_tokens][real]
+    for cache, before, rows in ((fused_cache[0], kv_cache[0], k), (fused_cache[1], kv_cache[1], v)):
+        by_slot = cache.reshape(-1, num_kv_heads, head_dim).cpu()
+        assert torch.equal(by_slot[written], rows.view(kv_shape).cpu()[real].to(cache_dtype))
+        untouched = torch.ones(by_slot.shape[0], dtype=torch.bool)
+        untouched[written] = False
+        assert torch.equal(by_slot[untouched], before.reshape(by_slot.shape).cpu()[untouched])
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+# Each GQA group (1, 2, 4) with both block sizes, each pair of (qkv, cache) dtypes twice.
+STORE_CASES = [
+    ((2, 2, 16), F32, F32, 4),
+    ((2, 2, 16), BF16, BF16, 16),
+    ((4, 2, 32), BF16, BF16, 4),
+    ((4, 2, 32), BF16, F32, 16),
+    ((4, 1, 64), BF16, F32, 4),
+    ((4, 1, 64), F32, F32, 16),
+]
+
+
+@pytest.mark.parametrize(
+    "head_shape,dtype,cache_dtype,block_size", STORE_CASES,
+    ids=["h{}_kvh{}_d{}-{}-cache_{}-block{}".format(*shape, str(dtype)[6:], str(cache)[6:], block)
+         for shape, dtype, cache, block in STORE_CASES],
+)
+def test_qk_norm_rope_store_kv_writes_what_store_kv_writes(head_shape, dtype, cache_dtype,
+                                                           block_size):
+    check_qk_norm_rope_store_kv(*head_shape, dtype, cache_dtype, block_size)
+
+
+@pytest.mark.parametrize("head_shape", [(4, 2, 32), (6, 3, 16)],
+                         ids=lambda s: "h{}_kvh{}_d{}".format(*s))
+def test_qk_norm_rope_store_kv_several_heads_per_program(monkeypatch, head_shape):
+    """The prefill grid: k and v blocks of up to 8 heads, partly masked (3 k or v heads in a
+    block of 8)."""
+    monkeypatch.setattr(triton_ops, "ONE_HEAD_PER_PROGRAM_BELOW", 0)
+    assert triton_ops.heads_per_program(11, *head_shape[:2]) > 1
+    check_qk_norm_rope_store_kv(*head_shape, torch.bfloat16, torch.bfloat16, block_size=4)
+
+
+def test_qk_norm_rope_store_kv_stores_nothing_without_a_cache():
+    """Before the cache is bound (a profiling run): the plain op, and attention must store."""
+    qkv = random(5, (4 + 2 * 2) * 16, dtype=torch.bfloat16, seed=15)
+    positions = torch.arange(5, device=DEVICE)
+    args = (positions, cos_sin_cache(16), None, None, EPS, 4, 2)
+    expected = qkv.clone()
+    triton_ops.qk_norm_rope(expected, *args)
+    slot_mapping = torch.arange(5, device=DEVICE)
+    _, _, stored = triton_ops.qk_norm_rope_store_kv(qkv, *args, torch.empty(0), slot_mapping)
+    assert not stored
+    assert torch.equal(qkv, expected)
+
+
 def test_heads_per_program_one_at_decode_more_at_prefill():
     assert triton_ops.heads_per_program(256, 16, 8) == 1
     assert triton_ops.heads_per_program(8192, 16, 8) == 8
@@ -204,12 +296,15 @@ def build_tiny_model(
     return model, config
 
 
-def step_metadata(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
-    """Request i owns blocks [i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)."""
+def step_metadata(query_lens: list[int], seq_lens: list[int],
+                  num_padding: int = 0) -> AttentionMetadata:
+    """Request i owns blocks [i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST); the
+    `num_padding` tokens past the requests (a CUDA graph's fixed batch) have slot -1."""
     slots: list[int] = []
     for req, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         slots += [req * BLOCKS_PER_REQUEST * BLOCK_SIZE + p
                   for p in range(seq_len - query_len, seq_len)]
+    slots += [-1] * num_padding
     query_start_loc = torch.tensor([0, *np.cumsum(query_lens).tolist()], dtype=torch.int32)
     seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32)
     block_tables = torch.arange(len(seq_lens) * BLOCKS_PER_REQUEST, dtype=torch.int32)
@@ -226,20 +321,34 @@ def step_metadata(query_lens: list[int], seq_lens: list[int]) -> AttentionMetada
     )
 
 
-def prefill_then_decode(model: torch.nn.Module, config: HFModelConfig) -> list[torch.Tensor]:
-    """Hidden states of a prefill of two prompts (5 and 8 tokens) into a fresh paged cache, then
-    one decode step each reading it back."""
+def prefill_then_decode(
+    model: torch.nn.Module, config: HFModelConfig
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Hidden states of a prefill of two prompts (5 and 8 tokens, then 2 padding tokens) into a
+    fresh paged cache, then one decode step each reading it back; and the layers' caches after
+    both steps."""
     shape = (2, 2 * BLOCKS_PER_REQUEST, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
-    bind_kv_caches(model, [torch.zeros(shape, device=DEVICE)
-                           for _ in range(config.num_hidden_layers)])
+    kv_caches = [torch.zeros(shape, device=DEVICE) for _ in range(config.num_hidden_layers)]
+    bind_kv_caches(model, kv_caches)
     generator = torch.Generator().manual_seed(8)
     input_ids = torch.randint(0, config.vocab_size, (15,), generator=generator).to(DEVICE)
-    prefill_positions = torch.tensor([*range(5), *range(8)], device=DEVICE)
+    prefill_ids = torch.cat([input_ids[:13], input_ids.new_zeros(2)])
+    prefill_positions = torch.tensor([*range(5), *range(8), 0, 0], device=DEVICE)
     decode_positions = torch.tensor([5, 8], device=DEVICE)
     with torch.no_grad():
-        prefill = model(input_ids[:13], prefill_positions, step_metadata([5, 8], [5, 8]))
+        prefill = model(prefill_ids, prefill_positions, step_metadata([5, 8], [5, 8], 2))
         decode = model(input_ids[13:], decode_positions, step_metadata([1, 1], [6, 9]))
-    return [prefill, decode]
+    return [prefill[:13], decode], kv_caches
+
+
+def assert_same_steps(
+    got: tuple[list[torch.Tensor], list[torch.Tensor]],
+    expected: tuple[list[torch.Tensor], list[torch.Tensor]],
+    tolerance: float,
+) -> None:
+    """Hidden states and KV caches (every slot: padding tokens store nothing) agree."""
+    for actual, reference in zip(got[0] + got[1], expected[0] + expected[1], strict=True):
+        torch.testing.assert_close(actual, reference, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("model_type", list(ARCHS))
@@ -248,19 +357,21 @@ def test_fused_ops_give_the_models_hidden_states(model_type):
     expected = prefill_then_decode(model, config)
     install_fused_ops(model)
     attention = model.model.layers[0].self_attn
-    assert attention.qk_norm_rope_op is triton_ops.qk_norm_rope
+    assert attention.qk_norm_rope_op is triton_ops.qk_norm_rope_store_kv
     assert model.model.layers[0].mlp.act_fn.op is triton_ops.silu_and_mul
     got = prefill_then_decode(model, config)
-    for actual, reference in zip(got, expected):
-        torch.testing.assert_close(actual, reference, rtol=1e-5, atol=1e-5)
+    assert_same_steps(got, expected, tolerance=1e-5)
 
 
-def test_triton_attention_takes_the_fused_ops_views_of_qkv():
-    """q, k and v reach the Triton backend as row-strided views of the qkv buffer."""
+def test_triton_attention_reads_the_cache_the_fused_op_stored(monkeypatch):
+    """The fused op stores k and v and the Triton backend launches no store of its own: the
+    cache it reads, and every hidden state, match the torch ops with the reference backend."""
     reference, config = build_tiny_model("qwen3", TorchRefBackend())
     expected = prefill_then_decode(reference, config)
     model, _ = build_tiny_model("qwen3", TritonBackend())
     install_fused_ops(model)
+    store_calls = []
+    monkeypatch.setattr(triton_backend, "store_kv", lambda *args: store_calls.append(args))
     got = prefill_then_decode(model, config)
-    for actual, reference_hidden in zip(got, expected):
-        torch.testing.assert_close(actual, reference_hidden, rtol=1e-4, atol=1e-4)
+    assert store_calls == []
+    assert_same_steps(got, expected, tolerance=1e-4)

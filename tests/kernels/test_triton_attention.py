@@ -170,6 +170,26 @@ def test_split_kv_decode_matches_reference(device, num_splits, num_heads, num_kv
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2)])
+def test_decode_batch_in_a_given_order_matches_reference(device, num_heads, num_kv_heads):
+    # The runner's longest-first order of a decode batch, padding requests (seq_len 0) last:
+    # the programs follow it, every request still gets its own output row.
+    requests = [(9, 1), (0, 1), (40, 1), (77, 1), (16, 1), (0, 1), (1, 1)]
+    step = make_step(requests, num_heads, num_kv_heads, 16, device=device, seed=5)
+    seq_lens = torch.tensor([s for s, _ in requests])
+    order = torch.argsort(-seq_lens, stable=True).to(torch.int32)
+    assert order.tolist() == [3, 2, 4, 0, 6, 1, 5]
+    step.metadata.decode_order = order.to(device)
+    backend = TritonBackend(TritonBackendConfig(split_kv="never"))
+    assert_matches_reference(step, backend)
+    # With padding tokens after the requests the order is not used (and not needed).
+    padded = make_step(requests, num_heads, num_kv_heads, 16, device=device, seed=5,
+                       num_padding_tokens=2)
+    padded.metadata.decode_order = order.to(device)
+    assert_matches_reference(padded, backend)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("split_kv", ["never", "always"])
 @pytest.mark.parametrize("num_padding_tokens", [0, 1])
 def test_cuda_graph_padding_rows_store_nothing_and_read_as_zeros(device, split_kv,

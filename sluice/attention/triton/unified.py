@@ -51,6 +51,7 @@ def _unified_attention_kernel(
     block_tables_ptr,  # [num_reqs, max_blocks] int32
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
+    order_ptr,  # [num_reqs] int32 (ORDERED only): the request of each program
     num_reqs,
     num_tokens,
     num_q_tiles,
@@ -77,19 +78,29 @@ def _unified_attention_kernel(
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ONE_QUERY: tl.constexpr,  # every request in this launch has one query token
+    ORDERED: tl.constexpr,  # ONE_QUERY, no padding tokens, programs follow order_ptr
 ):
-    # Late tiles of a request see the most keys: start them first for a better tail.
-    tile = num_q_tiles - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = find_tile_owner(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_end = num_tokens
-    seq_len = 0
-    if req < num_reqs:
-        q_end = tl.load(query_start_loc_ptr + req + 1)
+    if ORDERED:
+        # A decode batch with an order: program i serves request order[i] (longest first), whose
+        # one query is token req (no padding tokens after the requests).
+        req = tl.load(order_ptr + tl.program_id(0))
+        q_start = req
         seq_len = tl.load(seq_lens_ptr + req)
-    query_len = q_end - q_start
-    q_tile_start = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first query, request-local
+        query_len = 1
+        q_tile_start = 0
+    else:
+        # Late tiles of a request see the most keys: start them first for a better tail.
+        tile = num_q_tiles - 1 - tl.program_id(0)
+        req = find_tile_owner(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_end = num_tokens
+        seq_len = 0
+        if req < num_reqs:
+            q_end = tl.load(query_start_loc_ptr + req + 1)
+            seq_len = tl.load(seq_lens_ptr + req)
+        query_len = q_end - q_start
+        q_tile_start = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first query, local
     if (q_tile_start >= query_len) | (query_len < min_query_len) | (query_len > max_query_len):
         return
     context_len = seq_len - query_len  # keys before this step's queries
@@ -189,8 +200,12 @@ def unified_attention(
     block_q = block_m // group_pad
     num_reqs = metadata.num_reqs
     # Request i's tiles start at query_start_loc[i] // BLOCK_Q + i (< num_tokens // BLOCK_Q +
-    # num_reqs + 1 with the padding "request" num_reqs).
-    num_q_tiles = num_tokens // block_q + num_reqs + 1
+    # num_reqs + 1 with the padding "request" num_reqs); an ordered decode batch needs a
+    # program per request.
+    one_query = metadata.max_query_len == 1 or query_lens[1] <= 1
+    ordered = (metadata.decode_order is not None and metadata.max_query_len == 1
+               and num_tokens == num_reqs and query_lens[0] <= 1 <= query_lens[1])
+    num_q_tiles = num_reqs if ordered else num_tokens // block_q + num_reqs + 1
     dtypes = KernelDtypes.of(key.dtype, query.device)
     if paged:
         page_size = key.shape[1]
@@ -207,6 +222,7 @@ def unified_attention(
         metadata.block_tables,
         metadata.seq_lens,
         metadata.query_start_loc,
+        metadata.decode_order if ordered else metadata.seq_lens,
         num_reqs,
         num_tokens,
         num_q_tiles,
@@ -229,7 +245,8 @@ def unified_attention(
         PAGED=paged,
         UPCAST_DOT=dtypes.upcast_dot,
         DOT_PRECISION=dtypes.dot_precision,
-        ONE_QUERY=metadata.max_query_len == 1 or query_lens[1] <= 1,
+        ONE_QUERY=one_query,
+        ORDERED=ordered,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

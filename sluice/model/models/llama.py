@@ -50,6 +50,28 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+def qk_norm_rope_leaving_kv_store(
+    qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D]
+    positions: torch.Tensor,  # [T]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
+    q_norm_weight: torch.Tensor | None,  # [D]; None: no q/k norm
+    k_norm_weight: torch.Tensor | None,  # [D]
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D], or empty
+    slot_mapping: torch.Tensor,  # [>= T] int64
+) -> tuple[torch.Tensor, torch.Tensor, bool]:  # q [T, H * D], k [T, KVH * D], k/v stored
+    """The attention layer's qk_norm_rope_op: (q, k, whether k and v are already in kv_cache at
+    slot_mapping). This one is the torch op and stores nothing, leaving the store to the
+    attention backend; the fused kernel on CUDA stores them itself
+    (sluice.model.triton_ops.qk_norm_rope_store_kv)."""
+    q, k = qk_norm_rope(
+        qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, num_heads, num_kv_heads
+    )
+    return q, k, False
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -68,8 +90,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, attn_backend)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        # A plain function, so a runner may swap in one fused kernel for all layers.
-        self.qk_norm_rope_op = qk_norm_rope
+        # A plain function, so a runner may swap in one fused kernel for all layers, which may
+        # also store k and v into the paged KV cache (see qk_norm_rope_leaving_kv_store).
+        self.qk_norm_rope_op = qk_norm_rope_leaving_kv_store
 
     def qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         """(q weight, k weight, eps) of the per-head RMSNorm before RoPE: none in Llama."""
@@ -81,12 +104,12 @@ class LlamaAttention(nn.Module):
         """positions: [T]; hidden: [T, hidden] -> [T, hidden]."""
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
         q_norm_weight, k_norm_weight, eps = self.qk_norms()
-        q, k = self.qk_norm_rope_op(  # [T, H * D], [T, KVH * D]; may be views of qkv
+        q, k, kv_stored = self.qk_norm_rope_op(  # [T, H * D], [T, KVH * D]; may be views of qkv
             qkv, positions, self.rotary_emb.cos_sin_cache, q_norm_weight, k_norm_weight, eps,
-            self.num_heads, self.num_kv_heads,
+            self.num_heads, self.num_kv_heads, self.attn.kv_cache, attn_metadata.slot_mapping,
         )
         v = qkv[:, self.q_size + self.kv_size :]  # [T, KVH * D]
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        return self.o_proj(self.attn(q, k, v, attn_metadata, kv_stored=kv_stored))
 
 
 class LlamaDecoderLayer(nn.Module):
