@@ -37,16 +37,12 @@ DECODE_TILES = TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)
 PREFILL_TILES = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 # Few programs: split so the GPU fills (about 4 programs per SM), keeping at least
-# MIN_KEYS_PER_SPLIT keys per split so the merge stays cheap next to the reads.
+# MIN_KEYS_PER_SPLIT keys per split so the merge stays cheap next to the reads. With more
+# programs, splits measured slower or within noise on the workload's ragged decode batches
+# (batch 37 to 126, `--only-ragged --consecutive-blocks`).
 SPLIT_BELOW_PROGRAMS_PER_SM = 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
-# Batches of 2 to 3 programs per SM, with the ragged contexts of a real workload, still gain
-# from a split: batch 37 of the nano-vllm workload at step 900 (296 programs, contexts 1.5k on
-# average) reached 64% of the copy bandwidth unsplit, 68% in 8 splits; from batch 65 (520
-# programs) on, splits measured within noise of none (`python -m sluice.bench.kernels
-# --only-ragged` on an H200). (programs per SM below which, splits)
-MIDDLE_SPLITS = ((3, 8),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +71,9 @@ def choose_num_splits(
     GPU or contexts are short; else a power of two (few distinct values: few compiled
     variants)."""
     programs = num_reqs * num_kv_heads
-    fits = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
-    if programs == 0:
+    if programs == 0 or programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
         return 1
-    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
-        splits = next((n for per_sm, n in MIDDLE_SPLITS if programs < per_sm * num_sms), 1)
-        return min(splits, 1 << (fits.bit_length() - 1))
+    fits = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
     want = -(-4 * num_sms // programs)
     num_splits = min(want, fits, MAX_SPLITS)
     return 1 << (num_splits.bit_length() - 1)

@@ -225,7 +225,9 @@ def test_qk_norm_rope_store_kv_stores_nothing_without_a_cache():
 
 
 def test_heads_per_program_one_at_decode_more_at_prefill():
-    assert triton_ops.heads_per_program(256, 16, 8) == 1
+    assert triton_ops.heads_per_program(32, 16, 8) == 1
+    assert triton_ops.heads_per_program(128, 16, 8) == 2
+    assert triton_ops.heads_per_program(256, 16, 8) == 8
     assert triton_ops.heads_per_program(8192, 16, 8) == 8
     assert triton_ops.heads_per_program(8192, 4, 1) == 4
 
