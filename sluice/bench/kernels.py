@@ -19,6 +19,7 @@ Shapes are Qwen3-0.6B's attention: 16 query heads, 8 KV heads, head_dim 128, bf1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import statistics
@@ -218,39 +219,26 @@ def run_ragged(timer: GraphTimer, copy_bps: float, step: int,
     elsize = kv_cache.element_size()
     batch = len(contexts)
     bytes_moved = (2 * sum(contexts) * NUM_KV_HEADS + 2 * batch * NUM_HEADS) * HEAD_DIM * elsize
-    results = {}
-    for label, config in configs.items():
+
+    def timed(config: TritonBackendConfig, inputs: tuple, num_bytes: int) -> dict[str, Any]:
         backend = TritonBackend(config)
-        seconds = timer(lambda b=backend: b.forward(*step_inputs, SCALE))
-        results[label] = {"config": _describe(config), "us": seconds * 1e6,
-                          "bytes_per_s": bytes_moved / seconds,
-                          "fraction_of_copy": bytes_moved / seconds / copy_bps}
-    # The same batch ordered so the longest contexts are started first (the unified kernel
-    # runs requests last to first): what longest-first scheduling of the programs would give.
-    # (the split-KV kernel runs them first to last).
-    ascending = make_step(sorted(contexts), [1] * batch, device)
-    descending = make_step(sorted(contexts, reverse=True), [1] * batch, device)
-    for label, config, inputs in (
-            ("unified_longest_first", TritonBackendConfig(split_kv="never"), ascending),
-            ("split_2_longest_first", TritonBackendConfig(split_kv="always", num_splits=2),
-             descending),
-            ("split_4_longest_first", TritonBackendConfig(split_kv="always", num_splits=4),
-             descending)):
-        backend = TritonBackend(config)
-        seconds = timer(lambda b=backend, inputs=inputs: b.forward(*inputs, SCALE))
-        results[label] = {"config": _describe(config), "us": seconds * 1e6,
-                          "bytes_per_s": bytes_moved / seconds,
-                          "fraction_of_copy": bytes_moved / seconds / copy_bps}
-    # The same bytes as a uniform batch at the mean context: what raggedness alone costs.
+        seconds = timer(lambda: backend.forward(*inputs, SCALE))
+        return {"config": _describe(config), "us": seconds * 1e6,
+                "bytes_per_s": num_bytes / seconds,
+                "fraction_of_copy": num_bytes / seconds / copy_bps}
+
+    results = {label: timed(config, step_inputs, bytes_moved) for label, config in configs.items()}
+    # Longest context first, as the model runner orders a decode batch (decode_order).
+    order = torch.argsort(metadata.seq_lens, descending=True, stable=True).to(torch.int32)
+    ordered = (query, key, value, kv_cache, dataclasses.replace(metadata, decode_order=order))
+    results["unified_longest_first"] = timed(TritonBackendConfig(split_kv="never"), ordered,
+                                             bytes_moved)
+    # The same number of requests, uniform at the mean context: what raggedness alone costs.
     mean = round(sum(contexts) / batch)
-    uniform = make_step([mean] * batch, [1] * batch, device)
-    backend = TritonBackend(TritonBackendConfig(split_kv="never"))
-    seconds = timer(lambda: backend.forward(*uniform, SCALE))
+    uniform = make_step([mean] * batch, [1] * batch, device, shuffle=shuffle)
     uniform_bytes = (2 * mean * batch * NUM_KV_HEADS + 2 * batch * NUM_HEADS) * HEAD_DIM * elsize
-    results["unified_uniform_mean_context"] = {
-        "config": _describe(TritonBackendConfig(split_kv="never")), "us": seconds * 1e6,
-        "bytes_per_s": uniform_bytes / seconds,
-        "fraction_of_copy": uniform_bytes / seconds / copy_bps}
+    results["unified_uniform_mean_context"] = timed(TritonBackendConfig(split_kv="never"),
+                                                    uniform, uniform_bytes)
     return {"step": step, "batch": batch, "mean_context": sum(contexts) / batch,
             "max_context": max(contexts), "bytes": bytes_moved, "runs": results}
 
