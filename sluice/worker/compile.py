@@ -3,7 +3,8 @@ q/k RMSNorm with RoPE and the paged KV-cache store, SiLU-and-mul, RMSNorm with a
 residual add. Each is one launch instead of several torch kernels, which matters most in decode,
 where the model is a chain of small launches, and they run near memory bandwidth at prefill
 sizes, where the torch.compile (inductor) versions they replace did not (rotary at 8,192 tokens:
-10x the bytes' time).
+10x the bytes' time). And the projections of small decode batches (sluice.model.triton_gemm,
+the down projection with SiLU-and-mul folded in), which cuBLAS runs slowly at a few rows.
 
 Only the instance attributes of this model change; other engines in the process are untouched.
 """
@@ -12,15 +13,19 @@ from __future__ import annotations
 
 from torch import nn
 
-from sluice.model.layers import RMSNorm, SiluAndMul
-from sluice.model.models.llama import LlamaAttention
+from sluice.model.layers import Linear, RMSNorm, SiluAndMul
+from sluice.model.models.llama import LlamaAttention, LlamaMLP
 
 
 def install_fused_ops(model: nn.Module) -> None:
     """Swap the torch ops of every layer of `model` (CUDA weights) for the Triton kernels."""
-    from sluice.model import triton_ops  # Triton only where a GPU runs the model
+    from sluice.model import triton_gemm, triton_ops  # Triton only where a GPU runs the model
 
     for module in model.modules():
+        if isinstance(module, Linear):
+            module.gemm_op = triton_gemm.linear
+        elif isinstance(module, LlamaMLP) and module.down_proj.bias is None:
+            module.act_down_op = triton_gemm.silu_mul_linear
         if isinstance(module, RMSNorm):
             module.norm_op = triton_ops.rms_norm
             module.add_norm_op = triton_ops.add_rms_norm

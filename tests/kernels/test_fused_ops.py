@@ -24,7 +24,7 @@ from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.torch_ref import TorchRefBackend
 from sluice.attention.triton.store_kv import store_kv
 from sluice.attention.triton_backend import TritonBackend
-from sluice.model import layers, triton_ops
+from sluice.model import layers, triton_gemm, triton_ops
 from sluice.model.attention import bind_kv_caches
 from sluice.model.hf_config import HFModelConfig, parse_hf_config
 from sluice.model.registry import get_model_class
@@ -361,6 +361,9 @@ def test_fused_ops_give_the_models_hidden_states(model_type):
     attention = model.model.layers[0].self_attn
     assert attention.qk_norm_rope_op is triton_ops.qk_norm_rope_store_kv
     assert model.model.layers[0].mlp.act_fn.op is triton_ops.silu_and_mul
+    # both steps' projections (15 and 2 rows) run in the Triton GEMM
+    assert attention.qkv_proj.gemm_op is triton_gemm.linear
+    assert model.model.layers[0].mlp.act_down_op is triton_gemm.silu_mul_linear
     got = prefill_then_decode(model, config)
     assert_same_steps(got, expected, tolerance=1e-5)
 

@@ -44,10 +44,15 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
         self.act_fn = SiluAndMul()
         self.down_proj = Linear(intermediate_size, hidden_size)
+        # (gate_up, down weight) -> down(silu_and_mul(gate_up)) in one op; install_fused_ops
+        self.act_down_op = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.act_down_op is not None:
+            return self.act_down_op(gate_up, self.down_proj.weight)
+        return self.down_proj(self.act_fn(gate_up))
 
 
 def qk_norm_rope_leaving_kv_store(

@@ -1,0 +1,147 @@
+"""The measurements behind sluice.model.triton_gemm's choices, on Qwen3-0.6B's four projections
+(q/k/v, o, gate_up, down with SiLU-and-mul folded in), bf16, in CUDA graphs over rotating weight
+copies (no L2 reuse between calls, as in the model):
+
+1. per shape and batch size: cuBLAS (the down projection: the SiLU-and-mul kernel then cuBLAS),
+   the best of a sweep of Triton configurations, and the configuration choose_config picks;
+2. the whole decode chain of 28 layers' four projections, cuBLAS against triton_gemm.linear /
+   silu_mul_linear (what the model runs).
+
+    PYTHONPATH=. python scripts/gemm_sweep.py OUT_DIR   # writes OUT_DIR/gemm-sweep.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing as mp
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from sluice.model import triton_gemm, triton_ops
+from sluice.model.triton_gemm import GemmConfig, choose_config, skinny_mm
+
+SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+SWEEP_ROWS = [1, 16, 32, 64]
+CHAIN_ROWS = [1, 4, 8, 16, 32]
+COPIES = 24
+REPS = 10
+
+
+def time_graph(fns: list) -> float:
+    """Microseconds per call: the calls captured in one graph, best of 5 timings of REPS
+    replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / REPS / len(fns))
+    return best
+
+
+def configs(m: int, k: int):
+    for bn, bm, bk, stages, split in itertools.product(
+            (32, 64, 128), (16, 32, 64), (128, 256), (3, 5), (1, 2, 4, 8)):
+        if bm > max(16, 1 << (m - 1).bit_length()) or k % (bk * split) or k // split < 2 * bk:
+            continue
+        if (bn + bm) * bk * 2 * stages > 200_000:
+            continue
+        yield GemmConfig(bn, bm, bk, 4, stages, split)
+
+
+def _compile(job: tuple[str, tuple]) -> tuple | None:
+    """Build one variant; the configuration back if it does not fit the GPU."""
+    name, cfg = job
+    n, k = SHAPES[name]
+    silu = name == "down"
+    x = torch.randn(4, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    try:
+        skinny_mm(x, w, GemmConfig(*cfg), silu_mul=silu)
+    except Exception:  # out of shared memory
+        return job
+    torch.cuda.synchronize()
+    return None
+
+
+def cublas(x: torch.Tensor, w: torch.Tensor, silu: bool) -> torch.Tensor:
+    return F.linear(triton_ops.silu_and_mul(x) if silu else x, w)
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    jobs = sorted({(name, tuple(c)) for name, (_, k) in SHAPES.items()
+                   for m in SWEEP_ROWS for c in configs(m, k)})
+    with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 1)) as pool:
+        # fill Triton's cache in parallel; drop what does not fit
+        unfit = {job for job in pool.map(_compile, jobs, chunksize=4) if job is not None}
+    result = {"command": "PYTHONPATH=. python scripts/gemm_sweep.py " + out_dir,
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "configs_swept": len(jobs) - len(unfit), "shapes": {}, "chain_us": {}}
+    for name, (n, k) in SHAPES.items():
+        silu = name == "down"
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
+                   for _ in range(COPIES)]
+        for m in SWEEP_ROWS:
+            x = torch.randn(m, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
+            t_cublas = time_graph([lambda w=w, x=x, s=silu: cublas(x, w, s) for w in weights])
+            times = {}
+            for cfg in configs(m, k):
+                if (name, tuple(cfg)) in unfit:
+                    continue
+                times[cfg] = time_graph([lambda w=w, x=x, c=cfg, s=silu:
+                                         skinny_mm(x, w, c, silu_mul=s) for w in weights])
+            best = min(times, key=times.get)
+            chosen = choose_config(m, n, k, silu_mul=silu)
+            row = {"cublas_us": round(t_cublas, 2), "best_us": round(times[best], 2),
+                   "best_config": list(best),
+                   "chosen_config": list(chosen) if chosen else None,
+                   "chosen_us": round(times[chosen], 2) if chosen in times else None}
+            result["shapes"][f"{name} m={m}"] = row
+            print(f"{name:8s} m={m:3d} {row}", flush=True)
+    layers = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
+                     for _ in range(28)] for name, (n, k) in SHAPES.items()}
+    for m in CHAIN_ROWS:
+        h = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+
+        def layer(i: int, fused: bool, h: torch.Tensor = h):
+            def run() -> None:
+                lin = triton_gemm.linear if fused else F.linear
+                qkv = lin(h, layers["qkv"][i])
+                o = lin(qkv[:, :2048], layers["o"][i])
+                gate_up = lin(o, layers["gate_up"][i])
+                if fused:
+                    triton_gemm.silu_mul_linear(gate_up, layers["down"][i])
+                else:
+                    F.linear(triton_ops.silu_and_mul(gate_up), layers["down"][i])
+            return run
+
+        row = {"cublas": round(28 * time_graph([layer(i, False) for i in range(28)]), 1),
+               "sluice": round(28 * time_graph([layer(i, True) for i in range(28)]), 1)}
+        result["chain_us"][f"m={m}"] = row
+        print(f"28 layers' projections, {m} rows: {row} us", flush=True)
+    with open(os.path.join(out_dir, "gemm-sweep.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

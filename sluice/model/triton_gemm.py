@@ -1,0 +1,213 @@
+"""A Triton GEMM for the decoder's projections at small decode batches: y = x W^T for x [M, K]
+with M at most MAX_ROWS, W [N, K] a layer's weight (nn.Linear layout).
+
+At these sizes a projection is bound by reading W once, and cuBLAS's kernels for them are slow
+to reach the bandwidth (on an H200, in CUDA graphs over distinct weights: Qwen3-0.6B's
+o_proj at one row 12.7 us in cuBLAS, 4.8 us here). Each program computes one [BLOCK_N, BLOCK_M]
+tile of y^T = W x^T: the weight rows are the tensor cores' long side, the few batch rows the
+short one. When the output has too few tiles to fill the GPU, K is split over programs (serial
+split-K): every split stores a float32 partial, and the last split of a tile to arrive sums
+them in split order (deterministic, no second launch) and resets the tile's arrival counter.
+
+`silu_mul_linear` reads x as SwiGLU's [M, 2K] (gate, up) and computes `silu(gate) * up` on the
+fly, rounded to the dtype as `silu_and_mul` rounds it: the down projection then needs no
+activation launch and no [M, K] intermediate.
+
+Measured on the H200 (see benchmarks/README.md): with the configuration `choose_config` picks,
+within 2% of the best of 454 configurations at one and 16 rows for Qwen3-0.6B's four
+projections; above 16 rows cuBLAS is as fast or faster, and `linear` leaves those to it.
+
+The functions take CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1` (the tests). The grid
+depends only on python ints, so a launch can be captured in a CUDA graph. The split-K counters
+are one buffer per device: launches that split K must not run concurrently on two streams.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Batches of at most this many rows run here; larger ones in cuBLAS.
+MAX_ROWS = 16
+# K is split until the launch has about this many programs (the H200 has 132 SMs).
+TARGET_PROGRAMS = 128
+MAX_SPLIT_K = 8
+# Arrival counters: one per output tile of a split launch.
+MAX_SPLIT_TILES = 4096
+
+
+class GemmConfig(NamedTuple):
+    block_n: int
+    block_m: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+
+@triton.jit(do_not_specialize=["M"])  # one compiled variant for every batch size
+def _skinny_mm_kernel(
+    x_ptr,  # [M, K], or [M, 2K] (gate, up) with SILU_MUL
+    w_ptr,  # [N, K]
+    y_ptr,  # [M, N]
+    partial_ptr,  # [SPLIT_K, M, N] float32 (SPLIT_K > 1)
+    counter_ptr,  # [>= tiles] int32, zero between launches (SPLIT_K > 1)
+    M,
+    N,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    K: tl.constexpr,  # a model dimension: one compiled variant per layer shape
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    UPCAST: tl.constexpr,  # the CPU interpreter: its 16-bit dot products are wrong
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs: no TF32 rounding
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    K_PART: tl.constexpr = K // SPLIT_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * K_PART + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    dtype = y_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, K_PART, BLOCK_K):
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        if SILU_MUL:
+            gate = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=m_mask[:, None], other=0.0).to(tl.float32)
+            # silu_and_mul: silu(gate) rounded to the dtype, times up, rounded again
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            x = (act * up).to(dtype)
+        else:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        if UPCAST:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(dtype), mask=out_mask)
+    else:
+        tile_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tl.store(partial_ptr + pid_k * M * N + tile_offs, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last split of this tile: the others are visible
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for split in range(SPLIT_K):
+                total += tl.load(partial_ptr + split * M * N + tile_offs, mask=out_mask,
+                                 cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(dtype), mask=out_mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The split-K arrival counters of a device: zero between launches (each launch's last
+    programs reset their tiles'), so one buffer serves every launch on the stream. Allocated on
+    first use, outside any CUDA graph's pool when a warm-up runs before capture."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        counters = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
+def choose_config(m: int, n: int, k: int, silu_mul: bool = False) -> GemmConfig | None:
+    """The configuration for an [m, k] x [n, k]^T product, or None to leave it to cuBLAS (more
+    than MAX_ROWS rows, or K not a multiple of 16). 16-row tiles; 64-wide weight tiles,
+    32-wide when fewer than 96 tiles would leave SMs idle (not with the SiLU prologue, whose
+    cost grows with the number of tiles); 128 of K per iteration (less where K has no such
+    factor: tiny test models); then K split in two until about TARGET_PROGRAMS programs, each
+    over at least 256 of K."""
+    if m > MAX_ROWS or m < 1 or k % 16:
+        return None
+    block_k = next(b for b in (128, 64, 32, 16) if k % b == 0)
+    block_m = 16
+    m_tiles = triton.cdiv(m, block_m)
+    block_n = 64
+    if not silu_mul and triton.cdiv(n, 64) * m_tiles < 96:
+        block_n = 32
+    programs = triton.cdiv(n, block_n) * m_tiles
+    split = 1
+    while (programs * split * 2 <= TARGET_PROGRAMS and split < MAX_SPLIT_K
+           and k % (2 * split * block_k) == 0 and k // (2 * split) >= 256):
+        split *= 2
+    return GemmConfig(block_n, block_m, block_k, 4, 5, split)
+
+
+def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
+              silu_mul: bool = False) -> torch.Tensor:
+    """x [M, K] (silu_mul: [M, 2K] gate and up), weight [N, K] -> x W^T [M, N] in x's dtype."""
+    m = x.shape[0]
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
+        raise ValueError(f"x of shape {tuple(x.shape)} does not fit a weight of shape "
+                         f"{tuple(weight.shape)}{' with SiLU-and-mul' if silu_mul else ''}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype} but the weight is {weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("skinny_mm needs the rows of x and of the weight contiguous")
+    if k % (config.split_k * config.block_k):
+        raise ValueError(f"K={k} is not a multiple of split_k * block_k of {config}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
+    if config.split_k > 1:
+        if grid[0] * grid[1] > MAX_SPLIT_TILES:
+            raise ValueError(f"{grid[0] * grid[1]} output tiles: more than {MAX_SPLIT_TILES}")
+        partial = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+    else:
+        partial = counters = out  # not read
+    _skinny_mm_kernel[grid](
+        x, weight, out, partial, counters, m, n, x.stride(0), weight.stride(0), out.stride(0),
+        K=k, BLOCK_N=config.block_n, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
+        SPLIT_K=config.split_k, SILU_MUL=silu_mul, UPCAST=_INTERPRET,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) for x [..., K]: here for small batches, else cuBLAS."""
+    rows = x.reshape(-1, x.shape[-1])
+    config = choose_config(rows.shape[0], weight.shape[0], weight.shape[1])
+    if config is None or rows.stride(-1) != 1:
+        return F.linear(x, weight)
+    return skinny_mm(rows, weight, config).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(silu_and_mul(x), weight) for x [T, 2K] (gate, up): in one launch for small
+    batches, else the SiLU-and-mul kernel and cuBLAS."""
+    config = choose_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul=True)
+    if config is None or x.dim() != 2 or x.stride(1) != 1:
+        from sluice.model.triton_ops import silu_and_mul
+
+        return F.linear(silu_and_mul(x), weight)
+    return skinny_mm(x, weight, config, silu_mul=True)
