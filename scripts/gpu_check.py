@@ -1,8 +1,9 @@
 """GPU check: greedy ids on CUDA (float32) equal the CPU reference for tiny Qwen3 / Llama / Qwen2
 models, under every GPU optimisation (Triton attention, CUDA graphs, compiled ops, async
 scheduling) and with them switched off one at a time, with and without prefix caching and
-with small prefill chunks; and with speculative decoding (n-gram, a draft model, an EAGLE head;
-verification CUDA graphs and eager). Exits non-zero on any mismatch.
+with small prefill chunks (64-token steps replay the CUDA graphs of mixed steps); and with
+speculative decoding (n-gram, a draft model, an EAGLE head; verification CUDA graphs and eager).
+Exits non-zero on any mismatch.
 
     PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR]
 
@@ -30,6 +31,9 @@ CONFIGS = {
     "sync_scheduling": {"async_scheduling": False},
     "no_prefix_caching": {"enable_prefix_caching": False},
     "chunks_of_32": {"max_num_batched_tokens": 32},
+    # 64-token steps of a prompt chunk beside decodes: the CUDA graphs of mixed steps (64 is
+    # their smallest token bucket; with 32-token steps such steps run eagerly).
+    "chunks_of_64": {"max_num_batched_tokens": 64},
     "torch_ref_attention": {"attention_backend": "torch_ref", "enforce_eager": True},
 }
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -83,6 +87,10 @@ def main() -> None:
             if stats is not None:
                 result[f"{arch}_{name}_accepted_of_drafted"] = (
                     f"{stats.num_accepted_tokens}/{stats.num_draft_tokens}")
+            if name in ("default", "chunks_of_64"):
+                runner = llm.llm_engine.engine_core.model_runner
+                replays = runner.mixed_graphs.num_replays if runner.mixed_graphs else 0
+                result[f"{arch}_{name}_replayed_mixed_step_graphs"] = replays > 0
             if name == "default":
                 result[f"{arch}_one_prompt_at_a_time_equals_cpu"] = greedy_ids(
                     llm, prompts, one_at_a_time=True) == reference

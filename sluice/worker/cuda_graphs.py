@@ -7,7 +7,9 @@ buffers, so replaying it only needs this step's inputs copied into those buffers
 stays outside the graph: which rows sample, and how, changes every step.
 
 The same class holds the graphs of one-prompt prefills, keyed by padded token count: the
-tokens past the prompt store nothing and come out as zeros.
+tokens past the prompt store nothing and come out as zeros; and those of any other step (several
+prompts, prompts beside decodes), keyed by padded token count with the requests padded to a fixed
+number: a padding request has no queries and no context.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = pool  # share another set's memory pool: only one graph runs at a time
+        self.num_replays = 0
 
     @property
     def max_size(self) -> int:
@@ -68,4 +71,5 @@ class DecodeGraphs:
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of `size` on whatever the persistent buffers hold: hidden [size, H]."""
         self.graphs[size].replay()
+        self.num_replays += 1
         return self.outputs[size]

@@ -6,8 +6,9 @@ state (so a seeded generator continues where it stopped) and get a fresh block t
 It never decides policy: which tokens to compute comes entirely from the scheduler.
 
 Per step: host inputs are built with numpy into pinned buffers and copied to fixed device buffers
-without blocking; a batch of decodes replays a CUDA graph of its padded size when there is one;
-only the rows that reach the end of their known tokens are sampled.
+without blocking; a step replays a CUDA graph when one fits it (a batch of decodes by its padded
+size, a lone prompt or any other step by its padded token count); only the rows that reach the
+end of their known tokens are sampled.
 
 With speculative decoding (see sluice/worker/spec_decode.py) a request's drafts ride at the end
 of its scheduled tokens; the step then runs synchronously: verify, append, propose.
@@ -152,13 +153,17 @@ class ModelRunner:
         self._inputs_copied: torch.cuda.Event | None = None
         self.graphs: DecodeGraphs | None = None  # decode batches, by number of requests
         self.prefill_graphs: DecodeGraphs | None = None  # one prompt, by number of tokens
+        # Any other step (several prompts, prompts beside decodes), by number of tokens, its
+        # requests padded to mixed_graph_reqs.
+        self.mixed_graphs: DecodeGraphs | None = None
+        self.mixed_graph_reqs = 0
         self.verify_graphs: DecodeGraphs | None = None  # decodes with 1 + k tokens each
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 
     def shutdown(self) -> None:
         """Drop every device tensor this runner holds (see EngineCore.shutdown)."""
-        self.graphs = self.prefill_graphs = self.verify_graphs = None
+        self.graphs = self.prefill_graphs = self.mixed_graphs = self.verify_graphs = None
         self._last_step = None
         self.spec = None
         self.requests.clear()
@@ -278,6 +283,30 @@ class ModelRunner:
 
         self.prefill_graphs.capture(self.model, make_prefill_inputs)
         logger.info("captured CUDA graphs for one-prompt prefills of %s tokens", sizes)
+
+        # Every other step: several prompts, or prompts beside decodes (what a full token budget
+        # of an offline run or a server under load schedules). Its requests are padded to
+        # max_size: padding requests have no queries and no context. Eagerly such a step was
+        # bound by launching ~50 kernels a layer from Python.
+        self.mixed_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
+        self.mixed_graph_reqs = max_size
+
+        def make_mixed_inputs(size: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                  AttentionMetadata]:
+            self.buf_query_start_loc.np[:max_size + 1] = 0  # every token is padding
+            self.buf_seq_lens.np[:max_size] = 0
+            self.buf_query_start_loc.to_device(max_size + 1)
+            self.buf_seq_lens.to_device(max_size)
+            # max_query_len > a decode tile's queries: the attention runs its decode rows and its
+            # prompt rows in two launches, as an eager mixed step does.
+            metadata = self._metadata(max_size, size, max_query_len=size,
+                                      max_seq_len=self.scheduler_config.max_model_len,
+                                      block_tables=self.graph_block_tables[:max_size])
+            return (self.buf_input_ids.device[:size], self.buf_positions.device[:size],
+                    metadata)
+
+        self.mixed_graphs.capture(self.model, make_mixed_inputs)
+        logger.info("captured CUDA graphs for steps of several requests, %s tokens", sizes)
 
     def _capture_verify_graphs(self, max_size: int) -> None:
         """Verification steps of decodes with drafts: every request laid out as 1 + k tokens
@@ -520,6 +549,16 @@ class ModelRunner:
             if size is not None:
                 graph = (self.prefill_graphs, size)
                 padded_tokens = size  # tokens past query_start_loc[1] are padding
+        if (graph is None and verify_size is None and self.mixed_graphs is not None
+                and num_tokens > num_reqs and num_reqs <= self.mixed_graph_reqs):
+            size = self.mixed_graphs.padded_size(num_tokens)
+            if size is not None:
+                graph = (self.mixed_graphs, size)
+                padded_reqs, padded_tokens = self.mixed_graph_reqs, size
+                # Padding requests: no queries (they start where the real tokens end), no
+                # context; the tokens after the real ones belong to none and come out as zeros.
+                self.buf_seq_lens.np[num_reqs:padded_reqs] = 0
+                self.buf_query_start_loc.np[num_reqs + 1:padded_reqs + 1] = num_tokens
         if graph is not None:
             self.buf_input_ids.np[num_layout_tokens:padded_tokens] = 0
             self.buf_positions.np[num_layout_tokens:padded_tokens] = 0
