@@ -98,12 +98,17 @@ class BlockTables:
 class StagedBuffer:
     """A host buffer (pinned when the device is a GPU) with a numpy view, and its device twin."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 views: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """views: (host, device) tensors to use rather than new ones (a StagedArena's)."""
+        if views is not None:
+            self.cpu, self.device = views
+        else:
+            pin = device.type == "cuda"
+            self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            self.device = self.cpu if device.type == "cpu" else torch.zeros(
+                shape, dtype=dtype, device=device)
         self.np = self.cpu.numpy()
-        self.device = self.cpu if device.type == "cpu" else torch.zeros(
-            shape, dtype=dtype, device=device)
 
     def to_device(self, n: int) -> torch.Tensor:
         """Copy the first n entries to the device (contiguous, so the copy never goes through
@@ -112,3 +117,47 @@ class StagedBuffer:
         if dst is not src:
             dst.copy_(src, non_blocking=True)
         return dst
+
+
+class StagedArena:
+    """StagedBuffers laid end to end at the same byte offsets in one pinned host allocation and
+    one device allocation, so that neighbours travel in one copy (`copy_span`). A step's
+    inputs used to go in eight small copies; on an H200 each cost 3 to 7 us of the device's time
+    between two decode steps (a copy, then the gap to the next)."""
+
+    ALIGN = 64
+
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 device: torch.device) -> None:
+        self.offsets: dict[int, int] = {}  # id(buffer) -> byte offset
+        layout = []
+        total = 0
+        for name, (shape, dtype) in specs.items():
+            nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+            layout.append((name, shape, dtype, total, nbytes))
+            total += -(-nbytes // self.ALIGN) * self.ALIGN
+        self.cpu = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.device = self.cpu if device.type == "cpu" else torch.zeros(
+            total, dtype=torch.uint8, device=device)
+        self.buffers: dict[str, StagedBuffer] = {}
+        for name, shape, dtype, offset, nbytes in layout:
+            host = self.cpu[offset:offset + nbytes].view(dtype).view(shape)
+            twin = host if self.device is self.cpu else self.device[
+                offset:offset + nbytes].view(dtype).view(shape)
+            buffer = StagedBuffer(shape, dtype, device, views=(host, twin))
+            self.buffers[name] = buffer
+            self.offsets[id(buffer)] = offset
+
+    def copy_span(self, first: StagedBuffer, last: StagedBuffer, last_count: int) -> None:
+        """Copy everything from `first`'s start to `last`'s first `last_count` entries (whole
+        buffers in between, used or not) to the device, without blocking."""
+        if self.device is self.cpu:
+            return
+        start = self.offsets[id(first)]
+        end = self.offsets[id(last)] + last_count * last.cpu.element_size()
+        if end > start:
+            self.device[start:end].copy_(self.cpu[start:end], non_blocking=True)
+
+    def span_bytes(self, first: StagedBuffer, last: StagedBuffer, last_count: int) -> int:
+        return (self.offsets[id(last)] + last_count * last.cpu.element_size()
+                - self.offsets[id(first)])

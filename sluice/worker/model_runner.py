@@ -37,7 +37,12 @@ from sluice.model.hf_config import HFModelConfig
 from sluice.model.loader import load_model, resolve_dtype
 from sluice.sampling_params import SamplingParams
 from sluice.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from sluice.worker.input_batch import BlockTables, CachedRequestState, StagedBuffer
+from sluice.worker.input_batch import (
+    BlockTables,
+    CachedRequestState,
+    StagedArena,
+    StagedBuffer,
+)
 from sluice.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from sluice.worker.sampler import Sampler, compute_topk_logprobs
 from sluice.worker.sampling_inputs import (
@@ -126,23 +131,35 @@ class ModelRunner:
         self.block_tables = BlockTables(self.max_blocks_per_req, initial_rows=max_num_reqs)
         max_tokens = max(scheduler_config.max_num_batched_tokens, max_num_reqs)
         dev = self.device
-        self.buf_input_ids = StagedBuffer((max_tokens,), torch.int64, dev)
-        self.buf_positions = StagedBuffer((max_tokens,), torch.int64, dev)
-        self.buf_slot_mapping = StagedBuffer((max_tokens,), torch.int64, dev)
-        self.buf_query_start_loc = StagedBuffer((max_num_reqs + 1,), torch.int32, dev)
-        self.buf_seq_lens = StagedBuffer((max_num_reqs,), torch.int32, dev)
-        # A decode batch's requests, longest context first (AttentionMetadata.decode_order).
-        self.buf_decode_order = StagedBuffer((max_num_reqs,), torch.int32, dev)
-        # Block tables travel compact ([B, width] of this step, one contiguous copy); CUDA graphs
-        # read them from a fixed full-width table, filled on the device.
-        self.buf_block_tables = StagedBuffer((max_num_reqs * self.max_blocks_per_req,),
-                                             torch.int32, dev)
+        # One step's inputs, in the order they travel: the per-request arrays and the block
+        # tables (compact, [B, width] of this step) in one copy, the per-token arrays in
+        # another (see _upload_inputs). CUDA graphs read the block tables from a fixed
+        # full-width table, filled on the device.
+        arena = StagedArena({
+            "query_start_loc": ((max_num_reqs + 1,), torch.int32),
+            "seq_lens": ((max_num_reqs,), torch.int32),
+            # A decode batch's requests, longest context first (AttentionMetadata.decode_order).
+            "decode_order": ((max_num_reqs,), torch.int32),
+            # Where tokens still in flight go in this step's input ids: (destination, source).
+            "pending": ((2 * max_num_reqs,), torch.int64),
+            "block_tables": ((max_num_reqs * self.max_blocks_per_req,), torch.int32),
+            "input_ids": ((max_tokens,), torch.int64),
+            "positions": ((max_tokens,), torch.int64),
+            "slot_mapping": ((max_tokens,), torch.int64),
+        }, dev)
+        self.inputs_arena = arena
+        self.buf_query_start_loc = arena.buffers["query_start_loc"]
+        self.buf_seq_lens = arena.buffers["seq_lens"]
+        self.buf_decode_order = arena.buffers["decode_order"]
+        self.buf_pending = arena.buffers["pending"]
+        self.buf_block_tables = arena.buffers["block_tables"]
+        self.buf_input_ids = arena.buffers["input_ids"]
+        self.buf_positions = arena.buffers["positions"]
+        self.buf_slot_mapping = arena.buffers["slot_mapping"]
         self.graph_block_tables = (
             torch.zeros((max_num_reqs, self.max_blocks_per_req), dtype=torch.int32, device=dev)
             if dev.type == "cuda" else None)
         self.buf_logits_indices = StagedBuffer((max_tokens,), torch.int64, dev)
-        # Where tokens still in flight go in this step's input ids: (destination, source row).
-        self.buf_pending = StagedBuffer((2 * max_num_reqs,), torch.int64, dev)
         # Two pinned buffers for sampled ids: a step may land while the next one is launched.
         self._sampled_host = [torch.zeros(max_num_reqs, dtype=torch.int64,
                                           pin_memory=dev.type == "cuda") for _ in range(2)]
@@ -574,28 +591,46 @@ class ModelRunner:
             self.buf_input_ids.np[num_layout_tokens:padded_tokens] = 0
             self.buf_positions.np[num_layout_tokens:padded_tokens] = 0
             self.buf_slot_mapping.np[num_layout_tokens:padded_tokens] = -1
-        self.buf_input_ids.to_device(padded_tokens)
-        self.buf_positions.to_device(padded_tokens)
-        self.buf_slot_mapping.to_device(padded_tokens)
-        self.buf_query_start_loc.to_device(padded_reqs + 1)
-        self.buf_seq_lens.to_device(padded_reqs)
-        if ordered:
-            self.buf_decode_order.to_device(padded_reqs)
-        block_tables = self.buf_block_tables.to_device(num_reqs * width).view(num_reqs, width)
+        # Pending tokens: per step in flight, (destinations, sources) side by side.
+        pending_spans = []
+        start = 0
+        for handle, (dst, src) in pending.items():
+            count = len(dst)
+            self.buf_pending.np[start:start + count] = dst
+            self.buf_pending.np[start + count:start + 2 * count] = src
+            pending_spans.append((handle, start, count))
+            start += 2 * count
+        self._upload_inputs(num_reqs * width, padded_tokens)
+        block_tables = self.buf_block_tables.device[:num_reqs * width].view(num_reqs, width)
         if graph is not None:
             # Padding rows keep whatever they held: with no context they read nothing.
             self.graph_block_tables[:num_reqs, :width].copy_(block_tables)
-        for handle, (dst, src) in pending.items():
-            count = len(dst)
-            self.buf_pending.np[:count] = dst
-            self.buf_pending.np[count:2 * count] = src
-            index = self.buf_pending.to_device(2 * count)
+        for handle, start, count in pending_spans:
+            index = self.buf_pending.device[start:start + 2 * count]
             self.buf_input_ids.device.index_copy_(0, index[:count], handle.sampled[index[count:]])
         if self.device.type == "cuda":
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
         return StepInputs(req_ids, states, num_tokens, num_computed, num_scheduled,
                           query_start_loc, num_drafts, drafts, block_tables, graph, ordered)
+
+    # Past this many unused bytes between the per-token arrays' used parts, they travel in
+    # three copies rather than one (a full 8,192-token budget wastes 128 KiB at decode).
+    _MAX_WASTED_UPLOAD_BYTES = 256 * 1024
+
+    def _upload_inputs(self, block_table_entries: int, num_tokens: int) -> None:
+        """This step's inputs to the device without blocking: query_start_loc through the
+        block tables (whole small buffers, the tables' first entries) in one copy, input ids
+        through slot mapping in another (three when that span is mostly unused)."""
+        arena = self.inputs_arena
+        arena.copy_span(self.buf_query_start_loc, self.buf_block_tables, block_table_entries)
+        token_bytes = num_tokens * self.buf_input_ids.cpu.element_size()
+        span = arena.span_bytes(self.buf_input_ids, self.buf_slot_mapping, num_tokens)
+        if span - 3 * token_bytes <= self._MAX_WASTED_UPLOAD_BYTES:
+            arena.copy_span(self.buf_input_ids, self.buf_slot_mapping, num_tokens)
+        else:
+            for buf in (self.buf_input_ids, self.buf_positions, self.buf_slot_mapping):
+                buf.to_device(num_tokens)
 
     def _verify_graph_size(self, states: list[CachedRequestState], num_computed: np.ndarray,
                            num_scheduled: np.ndarray, num_drafts: np.ndarray) -> int | None:
