@@ -92,10 +92,16 @@ def main() -> None:
                 replays = runner.mixed_graphs.num_replays if runner.mixed_graphs else 0
                 result[f"{arch}_{name}_replayed_mixed_step_graphs"] = replays > 0
             if name == "default":
+                # Steps of more tokens than this ran with the layers' norms folded (prompt
+                # steps here); None: not folded (Qwen2's q/k/v bias).
+                runner = llm.llm_engine.engine_core.model_runner
+                result[f"{arch}_folded_norms_above_tokens"] = (
+                    runner.model.model.folded_above_tokens)
                 result[f"{arch}_one_prompt_at_a_time_equals_cpu"] = greedy_ids(
                     llm, prompts, one_at_a_time=True) == reference
             llm.shutdown()
     print(json.dumps(result, indent=1), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
         json.dump(result, f, indent=1)
     failed = [k for k, v in result.items() if v is False]

@@ -50,6 +50,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x_f32.to(x.dtype)
 
 
+def scale_by_inv_rms(x: torch.Tensor, residual: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, N] times each row's 1 / rms(residual row) ([T, hidden]), computed in float32
+    and rounded to x's dtype: what completes an RMSNorm whose weight was folded into the
+    projection that made x from the raw residual (LlamaModel.fold_norms)."""
+    residual_f32 = residual[: x.shape[0]].float()
+    inv_rms = torch.rsqrt(residual_f32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x.float() * inv_rms).to(x.dtype)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalise `x + residual`; also return that sum (the next residual)."""
@@ -152,11 +161,19 @@ def qk_norm_rope(
     eps: float,
     num_heads: int,
     num_kv_heads: int,
+    residual: torch.Tensor | None = None,  # [T, hidden]: the input norm folded
+    residual_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H * D], k [T, KVH * D]
     """Attention's q and k from qkv: each head RMS-normalised over head_dim when weights are
     given (Qwen3), then rotated. This version returns new tensors; the fused kernel
     (sluice.model.triton_ops) rewrites qkv's q and k columns and returns views of them, so
-    callers must not read those columns afterwards."""
+    callers must not read those columns afterwards.
+
+    Given `residual`, qkv first becomes scale_by_inv_rms(qkv, residual, residual_eps), in
+    place (its v columns are read afterwards): the layer's input norm was folded into the
+    projection (LlamaModel.fold_norms)."""
+    if residual is not None:
+        qkv.copy_(scale_by_inv_rms(qkv, residual, residual_eps))
     num_tokens, head_dim = qkv.shape[0], cos_sin_cache.shape[1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
@@ -168,8 +185,12 @@ def qk_norm_rope(
     return q.reshape(num_tokens, q_size), k.reshape(num_tokens, kv_size)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2 * I] (gate, up) -> [T, I]."""
+def silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None = None,
+                 residual_eps: float = 0.0) -> torch.Tensor:
+    """x: [T, 2 * I] (gate, up) -> [T, I]. Given `residual`, x is first
+    scale_by_inv_rms(x, residual, residual_eps): the input norm folded into gate_up_proj."""
+    if residual is not None:
+        x = scale_by_inv_rms(x, residual, residual_eps)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -179,9 +200,12 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.op = silu_and_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, 2 * I] (gate, up) -> [T, I]."""
-        return self.op(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                residual_eps: float = 0.0) -> torch.Tensor:
+        """x: [T, 2 * I] (gate, up) -> [T, I]; `residual`: see silu_and_mul."""
+        if residual is None:
+            return self.op(x)
+        return self.op(x, residual, residual_eps)
 
 
 class Linear(nn.Module):

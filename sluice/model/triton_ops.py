@@ -6,6 +6,10 @@
 - `silu_and_mul`: SwiGLU's `silu(gate) * up`;
 - `rms_norm` and `add_rms_norm`: the decoder's norms, the latter with the residual sum.
 
+The first two optionally read the residual stream too, to complete an RMSNorm whose weight was
+folded into the projection before them (LlamaModel.fold_norms): each row is first scaled by its
+1 / rms(residual row), as `sluice.model.layers.scale_by_inv_rms` does.
+
 Each computes exactly what its torch namesake in `sluice.model.layers` computes, in the same order
 and the same dtypes: statistics and transcendental math in float32, every rounding to the input
 dtype where torch rounds (after the norm scaling, after the weight product, after the rotation,
@@ -50,8 +54,12 @@ def _qk_norm_rope_kernel(
     key_cache_ptr,  # [num_blocks, block_size, KVH, D] (written only with STORE_KV)
     value_cache_ptr,  # [num_blocks, block_size, KVH, D]
     slot_mapping_ptr,  # [>= T] int64; < 0: a padding token, not stored
+    residual_ptr,  # [T, hidden] (read only with ROW_RMS)
     stride_token,
     stride_position,
+    stride_residual,
+    hidden_size,
+    residual_eps,
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
@@ -64,6 +72,8 @@ def _qk_norm_rope_kernel(
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
     CACHE_BLOCK_SIZE: tl.constexpr,
+    ROW_RMS: tl.constexpr,  # scale q, k and v by the residual row's 1 / rms first
+    HIDDEN_PAD: tl.constexpr,
 ):
     # Head blocks [0, num_q_blocks) cover q heads, then num_kv_blocks of k heads, then (with
     # STORE_KV) num_kv_blocks of v heads: a block never mixes two, so it has one norm weight.
@@ -74,25 +84,44 @@ def _qk_norm_rope_kernel(
     dims = tl.arange(0, HALF_PAD)
     dim_mask = dims < HALF
     dtype = qkv_ptr.dtype.element_ty
+    if ROW_RMS:
+        # The input norm folded into the projection (see qk_norm_rope): this token's 1 / rms.
+        cols = tl.arange(0, HIDDEN_PAD)
+        row = tl.load(residual_ptr + token * stride_residual + cols, mask=cols < hidden_size,
+                      other=0.0).to(tl.float32)
+        row_scale = tl.rsqrt(tl.sum(row * row, axis=0) / hidden_size + residual_eps)
+    else:
+        row_scale = 1.0
     if STORE_KV:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         # [1, HALF_PAD]: the first half of head 0 at this token's slot in either cache
         cache_row = ((slot // CACHE_BLOCK_SIZE) * stride_cache_block
                      + (slot % CACHE_BLOCK_SIZE) * stride_cache_slot + dims[None, :])
-        if block >= num_q_blocks + num_kv_blocks:
-            # A v block only copies: it reads nothing but its heads (and none for padding).
-            kv_heads = (block - num_q_blocks - num_kv_blocks) * HEADS_PER_PROGRAM + tl.arange(
-                0, HEADS_PER_PROGRAM)
-            mask = (kv_heads < NUM_KV_HEADS)[:, None] & dim_mask[None, :] & (slot >= 0)
-            heads = NUM_HEADS + NUM_KV_HEADS + kv_heads
-            offsets = token * stride_token + heads[:, None] * (2 * HALF) + dims[None, :]
+    if block >= num_q_blocks + num_kv_blocks:
+        # A v block: copies its heads to the cache (none for padding), and with ROW_RMS first
+        # scales them, also in qkv, where attention without a cache reads them.
+        kv_heads = (block - num_q_blocks - num_kv_blocks) * HEADS_PER_PROGRAM + tl.arange(
+            0, HEADS_PER_PROGRAM)
+        mask = (kv_heads < NUM_KV_HEADS)[:, None] & dim_mask[None, :]
+        if STORE_KV and not ROW_RMS:
+            mask = mask & (slot >= 0)
+        heads = NUM_HEADS + NUM_KV_HEADS + kv_heads
+        offsets = token * stride_token + heads[:, None] * (2 * HALF) + dims[None, :]
+        v1 = tl.load(qkv_ptr + offsets, mask=mask)
+        v2 = tl.load(qkv_ptr + offsets + HALF, mask=mask)
+        if ROW_RMS:
+            v1 = (v1.to(tl.float32) * row_scale).to(dtype)
+            v2 = (v2.to(tl.float32) * row_scale).to(dtype)
+            tl.store(qkv_ptr + offsets, v1, mask=mask)
+            tl.store(qkv_ptr + offsets + HALF, v2, mask=mask)
+        if STORE_KV:
             cache_offsets = cache_row + kv_heads[:, None] * stride_cache_head
             cache_dtype = value_cache_ptr.dtype.element_ty
-            v1 = tl.load(qkv_ptr + offsets, mask=mask)
-            v2 = tl.load(qkv_ptr + offsets + HALF, mask=mask)
-            tl.store(value_cache_ptr + cache_offsets, v1.to(cache_dtype), mask=mask)
-            tl.store(value_cache_ptr + cache_offsets + HALF, v2.to(cache_dtype), mask=mask)
-            return
+            cache_mask = mask & (slot >= 0)
+            tl.store(value_cache_ptr + cache_offsets, v1.to(cache_dtype), mask=cache_mask)
+            tl.store(value_cache_ptr + cache_offsets + HALF, v2.to(cache_dtype),
+                     mask=cache_mask)
+        return
     is_q = block < num_q_blocks
     first_head = tl.where(is_q, block * HEADS_PER_PROGRAM,
                           NUM_HEADS + (block - num_q_blocks) * HEADS_PER_PROGRAM)
@@ -103,6 +132,9 @@ def _qk_norm_rope_kernel(
     offsets = token * stride_token + heads[:, None] * (2 * HALF) + dims[None, :]
     x1 = tl.load(qkv_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(qkv_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
+    if ROW_RMS:
+        x1 = (x1 * row_scale).to(dtype).to(tl.float32)
+        x2 = (x2 * row_scale).to(dtype).to(tl.float32)
     if HAS_NORM:
         mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
         inv_rms = tl.rsqrt(mean_square + eps)[:, None]
@@ -153,12 +185,21 @@ def qk_norm_rope(
     num_kv_heads: int,
     kv_cache: torch.Tensor | None = None,  # [2, num_blocks, block_size, KVH, D]
     slot_mapping: torch.Tensor | None = None,  # [>= T] int64; < 0: not stored
+    residual: torch.Tensor | None = None,  # [T, hidden]: the input norm folded (see below)
+    residual_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H * D], k [T, KVH * D]: views of qkv
     """sluice.model.layers.qk_norm_rope, rewriting qkv's q and k columns in place. Given a
     kv_cache, also what store_kv would do next (sluice.attention.triton.store_kv): each token's
     final k heads and its v heads go to the cache at its slot, cast to the cache dtype, unless
     the slot is negative (padding). k is still rewritten in qkv too: attention without a cache
     (a profiling run) reads it there.
+
+    Given `residual`, qkv is the projection of the raw residual rows by a weight with the
+    layer's input-norm weight folded in (LlamaModel.fold_norms): every q, k and v head is first
+    multiplied in float32 by its token's 1 / rms(residual row) (eps `residual_eps`) and rounded
+    to qkv's dtype, which completes the norm; v is rewritten so in qkv as well as stored. That
+    1 / rms costs each program a read of the row (2 KiB for Qwen3-0.6B, from L2 after the
+    first), in place of a norm launch per layer.
 
     Grid (T, head blocks): a program handles 1 or a few heads of one token (see
     `heads_per_program`) and reads that token's cos/sin row once for all of them. Tokens alone
@@ -188,12 +229,19 @@ def qk_norm_rope(
     if stores_kv:
         assert slot_mapping is not None and slot_mapping.shape[0] >= num_tokens
         assert kv_cache.shape[3:] == (num_kv_heads, head_dim) and kv_cache.stride(4) == 1
+    row_rms = residual is not None
+    if row_rms:
+        assert residual.shape[0] >= num_tokens and residual.stride(1) == 1
+        if residual.shape[1] > MAX_NORM_SIZE:
+            raise ValueError(
+                f"hidden size must be at most {MAX_NORM_SIZE}, got {residual.shape[1]}")
     q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
     if num_tokens == 0:
         return q, k
     block_heads = heads_per_program(num_tokens, num_heads, num_kv_heads)
     num_kv_blocks = triton.cdiv(num_kv_heads, block_heads)
-    num_blocks = triton.cdiv(num_heads, block_heads) + num_kv_blocks * (2 if stores_kv else 1)
+    num_blocks = (triton.cdiv(num_heads, block_heads)
+                  + num_kv_blocks * (2 if stores_kv or row_rms else 1))
     key_cache, value_cache = (kv_cache[0], kv_cache[1]) if stores_kv else (qkv, qkv)
     half_pad = triton.next_power_of_2(head_dim // 2)
     _qk_norm_rope_kernel[(num_tokens, num_blocks)](
@@ -205,8 +253,12 @@ def qk_norm_rope(
         key_cache,
         value_cache,
         slot_mapping if stores_kv else positions,
+        residual if row_rms else qkv,
         qkv.stride(0),
         cos_sin_cache.stride(0),
+        residual.stride(0) if row_rms else 0,
+        residual.shape[1] if row_rms else 1,
+        residual_eps,
         key_cache.stride(0) if stores_kv else 0,
         key_cache.stride(1) if stores_kv else 0,
         key_cache.stride(2) if stores_kv else 0,
@@ -219,6 +271,8 @@ def qk_norm_rope(
         HAS_NORM=has_norm,
         STORE_KV=stores_kv,
         CACHE_BLOCK_SIZE=kv_cache.shape[2] if stores_kv else 1,
+        ROW_RMS=row_rms,
+        HIDDEN_PAD=triton.next_power_of_2(residual.shape[1]) if row_rms else 1,
         # 16 bytes per thread and load: 2 warps for 8 bfloat16 heads of 128, 1 for one head.
         num_warps=max(1, min(4, block_heads * half_pad * qkv.element_size() // 512)),
     )
@@ -236,6 +290,8 @@ def qk_norm_rope_store_kv(
     num_kv_heads: int,
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D], or empty: none bound yet
     slot_mapping: torch.Tensor,  # [>= T] int64; < 0: not stored
+    residual: torch.Tensor | None = None,  # [T, hidden]: the input norm folded
+    residual_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:  # q, k (views of qkv), whether k/v are stored
     """The attention layers' qk_norm_rope_op on CUDA (sluice.worker.compile): qk_norm_rope
     storing k and v into the layer's cache, which spares the attention backend its store_kv
@@ -243,7 +299,7 @@ def qk_norm_rope_store_kv(
     stored = kv_cache.numel() > 0
     q, k = qk_norm_rope(
         qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, num_heads,
-        num_kv_heads, kv_cache if stored else None, slot_mapping,
+        num_kv_heads, kv_cache if stored else None, slot_mapping, residual, residual_eps,
     )
     return q, k, stored
 
@@ -252,10 +308,16 @@ def qk_norm_rope_store_kv(
 def _silu_and_mul_kernel(
     x_ptr,  # [T, 2 * I]: gate, up
     out_ptr,  # [T, I]
+    residual_ptr,  # [T, hidden] (read only with ROW_RMS)
     stride_x,
     stride_out,
+    stride_residual,
     intermediate_size,
+    hidden_size,
+    residual_eps,
     BLOCK: tl.constexpr,
+    ROW_RMS: tl.constexpr,  # scale gate and up by the residual row's 1 / rms first
+    HIDDEN_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -263,27 +325,46 @@ def _silu_and_mul_kernel(
     gate_ptr = x_ptr + token * stride_x + cols
     gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptr + intermediate_size, mask=mask, other=0.0).to(tl.float32)
+    if ROW_RMS:
+        hidden_cols = tl.arange(0, HIDDEN_PAD)
+        row = tl.load(residual_ptr + token * stride_residual + hidden_cols,
+                      mask=hidden_cols < hidden_size, other=0.0).to(tl.float32)
+        row_scale = tl.rsqrt(tl.sum(row * row, axis=0) / hidden_size + residual_eps)
+        gate = (gate * row_scale).to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = (up * row_scale).to(out_ptr.dtype.element_ty).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     # F.silu computes in float32 and rounds; the product is then a rounded 16-bit product.
     activation = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
     tl.store(out_ptr + token * stride_out + cols, (activation * up).to(dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2 * I] (gate, up) -> [T, I]; sluice.model.layers.silu_and_mul.
+def silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None = None,
+                 residual_eps: float = 0.0) -> torch.Tensor:
+    """x: [T, 2 * I] (gate, up) -> [T, I]; sluice.model.layers.silu_and_mul. Given `residual`
+    (the input norm folded into the gate/up weight, LlamaModel.fold_norms), gate and up are
+    first multiplied in float32 by the token's 1 / rms(residual row) and rounded to x's dtype.
 
     Grid (T, I / SILU_BLOCK): 3 programs per token at I = 3,072, so 768 at decode batch 256 and
     24,576 at an 8,192-token prefill."""
     num_tokens, width = x.shape
     intermediate_size = width // 2
     assert x.stride(1) == 1 and width % 2 == 0
+    row_rms = residual is not None
+    if row_rms:
+        assert residual.shape[0] >= num_tokens and residual.stride(1) == 1
+        if residual.shape[1] > MAX_NORM_SIZE:
+            raise ValueError(
+                f"hidden size must be at most {MAX_NORM_SIZE}, got {residual.shape[1]}")
     out = torch.empty(num_tokens, intermediate_size, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
     block = min(SILU_BLOCK, triton.next_power_of_2(intermediate_size))
     grid = (num_tokens, triton.cdiv(intermediate_size, block))
     _silu_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0), intermediate_size, BLOCK=block, num_warps=4
+        x, out, residual if row_rms else x, x.stride(0), out.stride(0),
+        residual.stride(0) if row_rms else 0, intermediate_size,
+        residual.shape[1] if row_rms else 1, residual_eps, BLOCK=block, ROW_RMS=row_rms,
+        HIDDEN_PAD=triton.next_power_of_2(residual.shape[1]) if row_rms else 1, num_warps=4,
     )
     return out
 

@@ -85,8 +85,10 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def check_qk_norm_rope(
     num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-    with_norm: bool,
+    with_norm: bool, with_residual: bool = False,
 ) -> None:
+    """With a residual (the input norm folded into the projection): q, k and v scaled by each
+    token's 1 / rms(residual row) first, v rewritten in place."""
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = random(num_tokens, width, dtype=dtype, seed=0, scale=2.0)
     # Ragged positions, up to the end of the table.
@@ -99,17 +101,22 @@ def check_qk_norm_rope(
     table = cos_sin_cache(head_dim)
     args = (positions, table, q_weight, k_weight, EPS, num_heads, num_kv_heads)
 
-    expected_q, expected_k = layers.qk_norm_rope(qkv, *args)
+    # 48 wide: the row's load is masked (64 lanes)
+    residual = random(num_tokens, 48, dtype=dtype, seed=9, scale=3.0) if with_residual else None
+    expected_qkv = qkv.clone()
+    expected_q, expected_k = layers.qk_norm_rope(expected_qkv, *args, residual, EPS)
     fused = qkv.clone()
-    q, k = triton_ops.qk_norm_rope(fused, *args)
+    q, k = triton_ops.qk_norm_rope(fused, *args, residual=residual, residual_eps=EPS)
 
     assert_matches(q, expected_q)
     assert_matches(k, expected_k)
-    # In place: q and k are views of the buffer, whose v columns are untouched.
+    # In place: q and k are views of the buffer, whose v columns are untouched (scaled with a
+    # residual).
     assert q.data_ptr() == fused.data_ptr() and q.stride() == fused.stride()
     assert k.data_ptr() == fused[:, num_heads * head_dim :].data_ptr()
     v_start = (num_heads + num_kv_heads) * head_dim
-    assert torch.equal(fused[:, v_start:], qkv[:, v_start:])
+    assert_matches(fused[:, v_start:], expected_qkv[:, v_start:])
+    assert torch.equal(fused[:, v_start:], qkv[:, v_start:]) == (not with_residual)
 
 
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk_norm", "no_norm"])
@@ -117,6 +124,13 @@ def check_qk_norm_rope(
 @pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=lambda s: "h{}_kvh{}_d{}".format(*s))
 def test_qk_norm_rope_matches_torch(head_shape, dtype, with_norm):
     check_qk_norm_rope(37, *head_shape, dtype, with_norm)
+
+
+@pytest.mark.parametrize("with_norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=lambda s: "h{}_kvh{}_d{}".format(*s))
+def test_qk_norm_rope_with_folded_input_norm_matches_torch(head_shape, dtype, with_norm):
+    check_qk_norm_rope(37, *head_shape, dtype, with_norm, with_residual=True)
 
 
 @pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=lambda s: "h{}_kvh{}_d{}".format(*s))
@@ -133,15 +147,17 @@ def test_qk_norm_rope_several_heads_per_program(monkeypatch, head_shape, dtype):
     monkeypatch.setattr(triton_ops, "ONE_HEAD_PER_PROGRAM_BELOW", 0)
     assert triton_ops.heads_per_program(37, *head_shape[:2]) > 1
     check_qk_norm_rope(37, *head_shape, dtype, with_norm=True)
+    check_qk_norm_rope(37, *head_shape, dtype, with_norm=True, with_residual=True)
 
 
 def check_qk_norm_rope_store_kv(
     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-    cache_dtype: torch.dtype, block_size: int,
+    cache_dtype: torch.dtype, block_size: int, with_residual: bool = False,
 ) -> None:
     """Against the unfused pair (qk_norm_rope, then store_kv of its k and qkv's v) on a cache of
     random contents: 11 tokens, two of them padding (slot -1), slot_mapping longer than the
-    batch (entries past it must not be stored), slots scattered over the blocks."""
+    batch (entries past it must not be stored), slots scattered over the blocks. With a
+    residual, the v stored is the scaled one."""
     num_tokens, num_blocks = 11, 5
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = random(num_tokens, width, dtype=dtype, seed=10, scale=2.0)
@@ -155,14 +171,16 @@ def check_qk_norm_rope_store_kv(
     args = (positions, cos_sin_cache(head_dim), q_weight, k_weight, EPS, num_heads, num_kv_heads)
     cache_shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     kv_cache = random(*cache_shape, dtype=cache_dtype, seed=14)
+    residual = random(num_tokens, 40, dtype=dtype, seed=16, scale=3.0) if with_residual else None
 
     expected_qkv, expected_cache = qkv.clone(), kv_cache.clone()
-    _, k = triton_ops.qk_norm_rope(expected_qkv, *args)
+    _, k = triton_ops.qk_norm_rope(expected_qkv, *args, residual=residual, residual_eps=EPS)
     v = expected_qkv[:, (num_heads + num_kv_heads) * head_dim :]
     kv_shape = (num_tokens, num_kv_heads, head_dim)
     store_kv(k.view(kv_shape), v.view(kv_shape), expected_cache, slot_mapping)
     fused_qkv, fused_cache = qkv.clone(), kv_cache.clone()
-    q, k, stored = triton_ops.qk_norm_rope_store_kv(fused_qkv, *args, fused_cache, slot_mapping)
+    q, k, stored = triton_ops.qk_norm_rope_store_kv(fused_qkv, *args, fused_cache, slot_mapping,
+                                                    residual, EPS)
 
     assert stored
     assert torch.equal(fused_qkv, expected_qkv)
@@ -199,6 +217,7 @@ STORE_CASES = [
 def test_qk_norm_rope_store_kv_writes_what_store_kv_writes(head_shape, dtype, cache_dtype,
                                                            block_size):
     check_qk_norm_rope_store_kv(*head_shape, dtype, cache_dtype, block_size)
+    check_qk_norm_rope_store_kv(*head_shape, dtype, cache_dtype, block_size, with_residual=True)
 
 
 @pytest.mark.parametrize("head_shape", [(4, 2, 32), (6, 3, 16)],
@@ -209,6 +228,8 @@ def test_qk_norm_rope_store_kv_several_heads_per_program(monkeypatch, head_shape
     monkeypatch.setattr(triton_ops, "ONE_HEAD_PER_PROGRAM_BELOW", 0)
     assert triton_ops.heads_per_program(11, *head_shape[:2]) > 1
     check_qk_norm_rope_store_kv(*head_shape, torch.bfloat16, torch.bfloat16, block_size=4)
+    check_qk_norm_rope_store_kv(*head_shape, torch.bfloat16, torch.bfloat16, block_size=4,
+                                with_residual=True)
 
 
 def test_qk_norm_rope_store_kv_stores_nothing_without_a_cache():
@@ -239,6 +260,11 @@ def test_silu_and_mul_matches_torch(dtype, num_tokens, intermediate_size):
     # Wide enough to reach silu's saturated tails.
     x = random(num_tokens, 2 * intermediate_size, dtype=dtype, seed=4, scale=4.0)
     assert_matches(triton_ops.silu_and_mul(x), layers.silu_and_mul(x))
+    # The post-attention norm folded into gate_up_proj: 1 / rms of a 40-wide residual row.
+    residual = random(num_tokens, 40, dtype=dtype, seed=5, scale=3.0)
+    scaled = triton_ops.silu_and_mul(x, residual, EPS)
+    assert_matches(scaled, layers.silu_and_mul(x, residual, EPS))
+    assert not torch.equal(scaled, triton_ops.silu_and_mul(x))
 
 
 @pytest.mark.parametrize("hidden_size", [64, 100])
@@ -368,13 +394,72 @@ def test_fused_ops_give_the_models_hidden_states(model_type):
     assert_same_steps(got, expected, tolerance=1e-5)
 
 
-def test_triton_attention_reads_the_cache_the_fused_op_stored(monkeypatch):
+@pytest.mark.parametrize("model_type", list(ARCHS))
+@pytest.mark.parametrize("ops", ["torch", "fused"])
+def test_folded_norms_give_the_models_hidden_states(model_type, ops):
+    """fold_norms: with the norm weights folded into qkv_proj and gate_up_proj, the folded
+    forward (the projections on the raw residual, 1 / rms in the q/k/v and SiLU ops, the
+    residual adds in o_proj's and down_proj's GEMMs) and the unfolded one (norms with unit
+    weights, the small steps') both give the model's hidden states and caches, with the torch
+    ops and with the fused ones."""
+    model, config = build_tiny_model(model_type, TorchRefBackend())
+    expected = prefill_then_decode(model, config)
+    qkv_before = model.model.layers[0].self_attn.qkv_proj.weight.clone()
+    if ops == "fused":
+        install_fused_ops(model)
+        assert model.model.folded_above_tokens == triton_gemm.MAX_ROWS
+    else:
+        assert model.model.fold_norms(above_tokens=16)
+    layer = model.model.layers[0]
+    gain = build_tiny_model(model_type, TorchRefBackend())[0].model.layers[0].input_layernorm
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight, qkv_before * gain.weight)
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(gain.weight))
+    assert torch.equal(layer.post_attention_layernorm.weight, torch.ones_like(gain.weight))
+    assert model.model.fold_norms(above_tokens=0)  # a second call folds nothing twice
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight, qkv_before * gain.weight)
+
+    # Steps of 15 and 2 tokens: the unfolded forms (with unit norm weights)...
+    assert_same_steps(prefill_then_decode(model, config), expected, tolerance=1e-5)
+    # ...and the folded ones, for both steps.
+    model.model.folded_above_tokens = 0
+    calls = []
+    real_forward = type(layer).add_to_residual
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(layer), "add_to_residual",
+                      lambda self, *args: calls.append(1) or real_forward(self, *args))
+        got = prefill_then_decode(model, config)
+    assert len(calls) == 2 * config.num_hidden_layers
+    assert_same_steps(got, expected, tolerance=1e-5)
+
+
+def test_fold_norms_leaves_biased_and_float16_models_alone():
+    """A q/k/v bias would be scaled by 1 / rms too, and float16 could overflow on the raw
+    residual's products: those models keep their norms."""
+    config = parse_hf_config({**TINY_CONFIG, "architectures": ["Qwen2ForCausalLM"],
+                              "model_type": "qwen2"})
+    with torch.device(DEVICE):
+        qwen2 = get_model_class(config.architectures)(config, TorchRefBackend())
+    torch.nn.init.normal_(qwen2.model.layers[0].input_layernorm.weight)
+    norm_before = qwen2.model.layers[0].input_layernorm.weight.clone()
+    assert not qwen2.model.fold_norms(above_tokens=16)
+    assert qwen2.model.folded_above_tokens is None
+    assert torch.equal(qwen2.model.layers[0].input_layernorm.weight, norm_before)
+    llama, _ = build_tiny_model("llama", TorchRefBackend())
+    llama.half()
+    assert not llama.model.fold_norms(above_tokens=16)
+
+
+@pytest.mark.parametrize("folded", [False, True], ids=["norms", "folded_norms"])
+def test_triton_attention_reads_the_cache_the_fused_op_stored(monkeypatch, folded):
     """The fused op stores k and v and the Triton backend launches no store of its own: the
-    cache it reads, and every hidden state, match the torch ops with the reference backend."""
+    cache it reads, and every hidden state, match the torch ops with the reference backend;
+    also with the norms folded (v scaled by the kernel before it is stored)."""
     reference, config = build_tiny_model("qwen3", TorchRefBackend())
     expected = prefill_then_decode(reference, config)
     model, _ = build_tiny_model("qwen3", TritonBackend())
     install_fused_ops(model)
+    if folded:
+        model.model.folded_above_tokens = 0
     store_calls = []
     monkeypatch.setattr(triton_backend, "store_kv", lambda *args: store_calls.append(args))
     got = prefill_then_decode(model, config)

@@ -54,6 +54,13 @@ class LlamaMLP(nn.Module):
             return self.act_down_op(gate_up, self.down_proj.weight)
         return self.down_proj(self.act_fn(gate_up))
 
+    def add_to_residual(self, residual: torch.Tensor, norm_eps: float) -> None:
+        """residual += forward(rms_norm(residual)), in place, with the norm's weight folded into
+        gate_up_proj (LlamaModel.fold_norms): its 1 / rms scales gate and up inside the
+        activation, and the down projection accumulates into residual (one GEMM, no add)."""
+        activation = self.act_fn(self.gate_up_proj(residual), residual, norm_eps)
+        residual.addmm_(activation, self.down_proj.weight.t())
+
 
 def qk_norm_rope_leaving_kv_store(
     qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D]
@@ -66,13 +73,16 @@ def qk_norm_rope_leaving_kv_store(
     num_kv_heads: int,
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D], or empty
     slot_mapping: torch.Tensor,  # [>= T] int64
+    residual: torch.Tensor | None = None,  # [T, hidden]: the input norm folded
+    residual_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:  # q [T, H * D], k [T, KVH * D], k/v stored
     """The attention layer's qk_norm_rope_op: (q, k, whether k and v are already in kv_cache at
     slot_mapping). This one is the torch op and stores nothing, leaving the store to the
     attention backend; the fused kernel on CUDA stores them itself
-    (sluice.model.triton_ops.qk_norm_rope_store_kv)."""
+    (sluice.model.triton_ops.qk_norm_rope_store_kv). `residual`: see qk_norm_rope."""
     q, k = qk_norm_rope(
-        qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, num_heads, num_kv_heads
+        qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, num_heads,
+        num_kv_heads, residual, residual_eps,
     )
     return q, k, False
 
@@ -116,6 +126,24 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :]  # [T, KVH * D]
         return self.o_proj(self.attn(q, k, v, attn_metadata, kv_stored=kv_stored))
 
+    def add_to_residual(
+        self, positions: torch.Tensor, residual: torch.Tensor, norm_eps: float,
+        attn_metadata: AttentionMetadata,
+    ) -> None:
+        """residual += forward(positions, rms_norm(residual)), in place, with the norm's weight
+        folded into qkv_proj (LlamaModel.fold_norms): qk_norm_rope_op scales q, k and v by
+        1 / rms, and o_proj accumulates into residual (one GEMM, no add)."""
+        qkv = self.qkv_proj(residual)
+        q_norm_weight, k_norm_weight, eps = self.qk_norms()
+        q, k, kv_stored = self.qk_norm_rope_op(
+            qkv, positions, self.rotary_emb.cos_sin_cache, q_norm_weight, k_norm_weight, eps,
+            self.num_heads, self.num_kv_heads, self.attn.kv_cache, attn_metadata.slot_mapping,
+            residual, norm_eps,
+        )
+        v = qkv[:, self.q_size + self.kv_size :]
+        residual.addmm_(self.attn(q, k, v, attn_metadata, kv_stored=kv_stored),
+                        self.o_proj.weight.t())
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, self_attn: nn.Module, config: HFModelConfig) -> None:
@@ -141,6 +169,26 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def add_to_residual(
+        self, positions: torch.Tensor, residual: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> None:
+        """The layer on the residual stream in place, its norms folded (LlamaModel.fold_norms):
+        no norm launch, no add."""
+        self.self_attn.add_to_residual(positions, residual, self.input_layernorm.eps,
+                                       attn_metadata)
+        self.mlp.add_to_residual(residual, self.post_attention_layernorm.eps)
+
+
+def _fold_norm_weight(norm: RMSNorm, linear: Linear) -> None:
+    """linear.weight[:, j] *= norm.weight[j] (in float32, rounded once), norm.weight = 1; in
+    slices of rows, so a large weight needs no float32 copy of itself."""
+    gain = norm.weight.float()
+    weight = linear.weight.data
+    for start in range(0, weight.shape[0], 4096):
+        rows = weight[start : start + 4096]
+        rows.copy_((rows.float() * gain).to(rows.dtype))
+    norm.weight.data.fill_(1.0)
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -158,12 +206,48 @@ class LlamaModel(nn.Module):
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Steps of more tokens than this run the layers' folded forms (fold_norms); None: never.
+        self.folded_above_tokens: int | None = None
+
+    def fold_norms(self, above_tokens: int) -> bool:
+        """Fold each layer's two RMSNorm weights g into the projections they feed (W[:, j] *=
+        g[j] for qkv_proj and gate_up_proj, g then all ones), so that steps of more than
+        `above_tokens` tokens can run `LlamaDecoderLayer.add_to_residual`: the projections read
+        the raw residual stream, the q/k/v and SiLU kernels apply each row's 1 / rms, and
+        o_proj and down_proj accumulate into the residual in their GEMM. That drops a layer's
+        two norm launches (both adds go into the GEMMs); smaller steps keep the norms, which
+        with g = 1 compute the same function. Only where the folded path computes the same
+        thing: no bias on the projections (the bias would be scaled too) and not float16 (the
+        raw residual's products could overflow it). Returns whether it folded.
+
+        rms_norm(x) W^T = (1 / rms(x)) (x (W diag g)^T): equal in exact arithmetic; in 16 bits
+        the roundings move (W diag g is rounded once, the normed activations are not), which is
+        why this is a fused-ops (CUDA) transform, never applied to the CPU reference path."""
+        if self.folded_above_tokens is not None:
+            return True
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (type(layer) is not LlamaDecoderLayer or not isinstance(attn, LlamaAttention)
+                    or any(linear.bias is not None for linear in linears)
+                    or attn.qkv_proj.weight.dtype not in (torch.bfloat16, torch.float32)):
+                return False
+        with torch.no_grad():
+            for layer in self.layers:
+                _fold_norm_weight(layer.input_layernorm, layer.self_attn.qkv_proj)
+                _fold_norm_weight(layer.post_attention_layernorm, layer.mlp.gate_up_proj)
+        self.folded_above_tokens = above_tokens
+        return True
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
+        if self.folded_above_tokens is not None and hidden.shape[0] > self.folded_above_tokens:
+            for layer in self.layers:  # the embedding output is the residual stream
+                layer.add_to_residual(positions, hidden, attn_metadata)
+            return self.norm(hidden)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, attn_metadata)
