@@ -224,8 +224,7 @@ class ModelRunner:
         hidden = self._warm_up_step([prompt, prompt], [prompt, prompt])
         if self.scheduler_config.max_num_seqs >= 3 and prompt > 2:
             self._warm_up_step([2, 2, prompt - 2], [1, 1, prompt - 2])
-        self.sampler.warm_up(self.model.compute_logits(hidden[:2], upcast=False),
-                             self.scheduler_config.max_num_seqs)
+        self.sampler.warm_up(self.model.compute_logits(hidden[:2], upcast=False))
         # The LM head runs eagerly on the rows that sample (1 to max_num_seqs), and cuBLAS picks
         # its kernel by row count. CUDA loads a kernel lazily on its first launch, and that load
         # waits for the device to go idle: mid-run the host stalled in the LM head for a whole

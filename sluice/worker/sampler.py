@@ -13,8 +13,8 @@ exponentials per step when it samples and none when it is greedy. Every mask set
 so a masked token has probability exactly 0 and can never win the race.
 
 Fused path: on CUDA, rows that need nothing but temperature or greedy (no penalties, blocked
-tokens, top-k / top-p / min-p or logprobs) sample in one Triton kernel that reads the logits once,
-in their own dtype (triton_sampling.py). A batch of only such rows skips the torch path; in a
+tokens, top-k / top-p / min-p or logprobs) sample in two Triton kernels that read the logits once
+in their own dtype, and one chunk of them again (a two-level race, triton_sampling.py). A batch of only such rows skips the torch path; in a
 mixed batch the torch path runs as below and those rows take the kernel's tokens instead, so a
 row's path depends on its own request, never on its batch mates. The kernel's exponentials come
 from Philox keyed by the per-row seeds in metadata.seeds, not from torch generators: a seeded
@@ -57,7 +57,6 @@ class Sampler(nn.Module):
         # The fused kernel for the rows that allow it: None = for CUDA logits; True = for CPU
         # logits too (Triton's interpreter, in tests); False = never.
         self.use_triton = use_triton
-        self._num_sms: dict[torch.device, int] = {}
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V] float32 or the model's dtype (the torch path works in float32)
@@ -103,39 +102,23 @@ class Sampler(nn.Module):
                 and metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
                 and metadata.max_num_logprobs is None)
 
-    def warm_up(self, logits: torch.Tensor, max_rows: int) -> None:
-        """Compile the fused kernel's variants for batches of 1 to max_rows now, not in the
-        steps of the first requests (its merge kernel has one per power of two of splits)."""
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Compile the fused kernels now, not in the steps of the first requests (one variant
+        serves every batch size)."""
         if not self.kernel_allowed(logits):
             return
-        from sluice.worker.triton_sampling import choose_num_splits, sample_tokens
+        from sluice.worker.triton_sampling import sample_tokens
 
         temperature = torch.tensor([0.0, 1.0], device=logits.device)  # a greedy, a random row
         seeds = torch.tensor([1, 2], dtype=torch.int64, device=logits.device)
-        num_sms = self._sm_count(logits.device)
-        padded = {}
-        for rows in range(1, max_rows + 1):
-            num_splits = choose_num_splits(rows, logits.shape[1], num_sms)
-            padded.setdefault(1 << (num_splits - 1).bit_length(), num_splits)
-        for num_splits in padded.values():
-            sample_tokens(logits[:2], temperature, seeds, num_splits)
-
-    def _sm_count(self, device: torch.device) -> int:
-        if device not in self._num_sms:
-            self._num_sms[device] = (torch.cuda.get_device_properties(device)
-                                     .multi_processor_count if device.type == "cuda" else 4)
-        return self._num_sms[device]
+        sample_tokens(logits[:2], temperature, seeds)
 
     def _sample_fused(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         # Imported here: CPU-only installs need no Triton, and tests choose its interpreter
         # before the kernels are defined.
-        from sluice.worker.triton_sampling import choose_num_splits, sample_tokens
+        from sluice.worker.triton_sampling import sample_tokens
 
-        num_splits = 1
-        if logits.is_cuda:
-            num_splits = choose_num_splits(logits.shape[0], logits.shape[1],
-                                           self._sm_count(logits.device))
-        return sample_tokens(logits, metadata.temperature, metadata.seeds, num_splits)
+        return sample_tokens(logits, metadata.temperature, metadata.seeds)
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = None

@@ -2,35 +2,37 @@
 
 Per row, the sampled token is
 - greedy rows (temperature < 1e-5): argmax_v logits[v], ties to the lowest index (torch.argmax);
-- random rows: argmax_v logits[v] / T - log(E_v) with E_v ~ Exp(1) i.i.d., the exponential race
-  (Gumbel-max: -log E is Gumbel), which draws exactly from softmax(logits / T). A -inf logit
-  scores -inf whatever its noise, so a masked token is never drawn.
+- random rows: a draw from softmax(logits / T), by the exponential race (Gumbel-max) in two
+  levels. The vocabulary is cut into chunks of BLOCK columns, with softmax masses
+  S_c = sum_{v in c} exp(logits[v] / T). First the chunks race: c* = argmax_c ln S_c - ln E_c;
+  then the columns of c* alone: argmax_{v in c*} logits[v] / T - ln E_v, with every E ~ Exp(1)
+  i.i.d. The first race picks c with probability S_c / sum S, the second v with S_v / S_c*
+  (S_v = exp(logits[v] / T)), so v comes out with probability exactly softmax(logits / T)_v:
+  the one-level race over all V columns, for V / BLOCK + BLOCK exponentials instead of V. (The
+  one-level race, one Philox word per column, was bound by the Philox integer work: 66 us for
+  256 rows of Qwen3's 151,936 columns on an H200.) A -inf logit has no mass and scores -inf
+  whatever its noise, so a masked token is never drawn; a NaN logit is taken as -inf.
 
-Randomness. E_v comes from Philox keyed by the row's 64-bit seed (the host builds one per row and
-launch, see sampling_inputs.build_row_seeds). One Philox call gives four 32-bit words, so a chunk
-of BLOCK columns is read as four quarters of Q = BLOCK / 4 columns: the call at counter c (a
-column of the chunk's first quarter) feeds columns c, c + Q, c + 2Q and c + 3Q. That is a quarter
-of the integer work of one call per column, which would otherwise bound the kernel (10 rounds of
-~10 integer ops per call, against 2 bytes read per bf16 column). A column's draw depends only on
-(seed, column, BLOCK): never on the batch, nor on how the row is split below.
+Kernels. `_chunk_kernel`, one program per (row, chunk): the chunk's log2 S_c (random rows) or
+its maximum and lowest argmax column (greedy rows), the one read of the logits; as many programs
+as chunks per row (38 for Qwen3) keeps the GPU busy at batch 1 too. `_pick_kernel`, one per row:
+the chunk race (or the greedy rows' best chunk), then the race over the chosen chunk's columns,
+which reads those BLOCK logits again.
 
-Logs. Random rows score log2(e) * (logits / T - ln E), the same order as the race, so that only
-base-2 logs appear: on the GPU libdevice's approximate log2 (one MUFU op, where the exact log
-costs ~40 instructions). With two logs and a quarter Philox call per column, arithmetic rather
-than the one read of the logits is what bounds the kernel.
+Randomness. Every E comes from Philox keyed by the row's 64-bit seed (the host builds one per
+row and launch, see sampling_inputs.build_row_seeds). Column v's: one Philox call gives four
+32-bit words, so a chunk's columns are four quarters of Q = BLOCK / 4: the call at counter c (a
+column of the chunk's first quarter) feeds columns c, c + Q, c + 2Q and c + 3Q. Chunk c's: the
+first word of the call at counter CHUNK_COUNTER + c, above every column's counter. A draw
+depends only on (seed, column or chunk, BLOCK), never on the batch.
 
-Grid. One program per (row, split): a row's chunks are cut into `num_splits` runs of whole chunks
-(so the draws above do not move), each program keeping a running (score, column) per lane; with
-more than one split, a second tiny kernel merges the runs' maxima per row. At large batch one
-program per row fills the GPU, but at B = 1..8 a row of 151,936 columns (38 chunks) on one SM
-would run all its Philox work in sequence while the other SMs idle: `choose_num_splits` aims at
-about four programs per SM (B = 1..14: a chunk per program; B = 256: three per row; B >= 528:
-one). Chunks per split is a run-time argument, so batch sizes compile no new variants.
+Logs. Scores are in base 2 (log2(e) * (x / T - ln E), the same order), so only base-2 logs and
+exponentials appear: on the GPU libdevice's approximate log2 (one MUFU op, where the exact log
+costs ~40 instructions) for the exponentials' logs.
 
 Ties: each lane takes a strictly better score only, visiting its columns in increasing order, so
-it keeps its lowest column among equal scores; the final reduction takes the lowest column among
-the lanes (and the splits) holding the maximum. NaN logits are never taken (every comparison with
-NaN is false), where torch.argmax would return them.
+it keeps its lowest column among equal scores; each reduction takes the lowest column (or chunk)
+among those holding the maximum.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ from triton.language.extra import libdevice
 BLOCK = 4096
 # Greedy is temperature below this (as SamplingParams.greedy).
 GREEDY_BELOW = 1e-5
-_PROGRAMS_PER_SM = 4
+# Philox counters of the chunks' draws: above every column's counter (columns < 2^30).
+MAX_VOCAB = 1 << 30
+CHUNK_COUNTER = tl.constexpr(MAX_VOCAB)
 _NO_COLUMN = tl.constexpr(2**31 - 1)
 LOG2_E = tl.constexpr(1.4426950408889634)
 
@@ -111,89 +115,96 @@ def _race_run(row_logits, first_col, num_chunks, vocab_size, seed, scale,
     return best, best_col
 
 
-@triton.jit(do_not_specialize=["chunks_per_split", "num_splits"])
-def _race_kernel(
+@triton.jit(do_not_specialize=["num_chunks"])
+def _chunk_kernel(
     logits_ptr,  # [B, V] float32 / bfloat16 / float16, unit column stride
     temperature_ptr,  # [B] float32
-    seeds_ptr,  # [B] int64
-    sampled_ptr,  # [B] int64 (one split)
-    partial_score_ptr,  # [B, num_splits] float32 (several splits)
-    partial_col_ptr,  # [B, num_splits] int32
+    chunk_score_ptr,  # [B, num_chunks] float32
+    chunk_col_ptr,  # [B, num_chunks] int32 (greedy rows)
     vocab_size,
     stride_logits_row,
-    chunks_per_split,
-    num_splits,
-    SPLIT: tl.constexpr,
+    num_chunks,
+    GREEDY_BELOW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One chunk of one row: a greedy row's chunk maximum and its lowest column; a random
+    row's log2 of the chunk's softmax mass, log2(sum_v 2^(log2(e) x_v / T)), -inf when the
+    chunk is all -inf."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_logits_row + cols,
+                mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))  # a NaN logit is never drawn
+    out = row * num_chunks + chunk
+    temperature = tl.load(temperature_ptr + row)
+    if temperature < GREEDY_BELOW:
+        best = tl.max(x, axis=0)
+        tl.store(chunk_score_ptr + out, best)
+        tl.store(chunk_col_ptr + out, tl.min(tl.where(x == best, cols, _NO_COLUMN), axis=0))
+    else:
+        y = x * (LOG2_E / temperature)
+        peak = tl.max(y, axis=0)
+        # All -inf: no mass; a +inf logit: all of it (y - peak would be NaN for both).
+        infinite = tl.abs(peak) == float("inf")
+        mass = tl.sum(tl.exp2(y - tl.where(infinite, 0.0, peak)), axis=0)
+        weight = tl.where(infinite, peak, peak + tl.log2(tl.where(infinite, 1.0, mass)))
+        tl.store(chunk_score_ptr + out, weight)
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _pick_kernel(
+    logits_ptr,  # [B, V]
+    temperature_ptr,  # [B] float32
+    seeds_ptr,  # [B] int64
+    chunk_score_ptr,  # [B, num_chunks] float32
+    chunk_col_ptr,  # [B, num_chunks] int32
+    sampled_ptr,  # [B] int64
+    vocab_size,
+    stride_logits_row,
+    num_chunks,
     GREEDY_BELOW: tl.constexpr,
     FAST_LOG: tl.constexpr,  # libdevice's approximate log2 (GPU); the interpreter has none
     BLOCK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
 ):
+    """One row: the greedy row's best chunk (the lowest among equal maxima) gives its column;
+    a random row races its chunks by their masses, then the columns of the winning chunk."""
     row = tl.program_id(0)
-    split = tl.program_id(1)
-    row_logits = logits_ptr + row.to(tl.int64) * stride_logits_row
-    first_col = split * chunks_per_split * BLOCK
-    num_chunks = tl.minimum(chunks_per_split, tl.cdiv(vocab_size - first_col, BLOCK))
+    chunks = tl.arange(0, CHUNKS_PAD)
+    scores = tl.load(chunk_score_ptr + row * num_chunks + chunks, mask=chunks < num_chunks,
+                     other=float("-inf"))
     temperature = tl.load(temperature_ptr + row)
     if temperature < GREEDY_BELOW:
-        best, best_col = _race_run(row_logits, first_col, num_chunks, vocab_size, 0, 1.0,
-                                   False, FAST_LOG, BLOCK)
+        best = tl.max(scores, axis=0)
+        chunk = tl.min(tl.where(scores == best, chunks, _NO_COLUMN), axis=0)
+        col = tl.load(chunk_col_ptr + row * num_chunks + chunk)
     else:
         seed = tl.load(seeds_ptr + row)
-        best, best_col = _race_run(row_logits, first_col, num_chunks, vocab_size, seed,
-                                   LOG2_E / temperature, True, FAST_LOG, BLOCK)
-    score = tl.max(best, axis=0)
-    col = tl.min(tl.where(best == score, best_col, _NO_COLUMN), axis=0)
-    if SPLIT:
-        tl.store(partial_score_ptr + row * num_splits + split, score)
-        tl.store(partial_col_ptr + row * num_splits + split, col)
-    else:
-        tl.store(sampled_ptr + row, col.to(tl.int64))
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(
-    partial_score_ptr,  # [B, num_splits] float32
-    partial_col_ptr,  # [B, num_splits] int32
-    sampled_ptr,  # [B] int64
-    num_splits,
-    SPLITS_PAD: tl.constexpr,
-):
-    row = tl.program_id(0)
-    splits = tl.arange(0, SPLITS_PAD)
-    mask = splits < num_splits
-    score = tl.load(partial_score_ptr + row * num_splits + splits, mask=mask,
-                    other=float("-inf"))
-    col = tl.load(partial_col_ptr + row * num_splits + splits, mask=mask, other=_NO_COLUMN)
-    best = tl.max(score, axis=0)
-    tl.store(sampled_ptr + row, tl.min(tl.where(score == best, col, _NO_COLUMN), axis=0)
-             .to(tl.int64))
-
-
-def choose_num_splits(num_rows: int, vocab_size: int, num_sms: int, block: int = BLOCK) -> int:
-    """Programs per row: enough that the batch gives about _PROGRAMS_PER_SM programs per SM,
-    each with a whole number of chunks (at least one)."""
-    num_chunks = triton.cdiv(vocab_size, block)
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, max(num_rows, 1))
-    return _split_evenly(num_chunks, wanted)[1]
-
-
-def _split_evenly(num_chunks: int, wanted: int) -> tuple[int, int]:
-    """(chunks per split, splits) for at most `wanted` splits, none of them empty."""
-    chunks_per_split = triton.cdiv(num_chunks, max(1, min(wanted, num_chunks)))
-    return chunks_per_split, triton.cdiv(num_chunks, chunks_per_split)
+        bits, _, _, _ = tl.randint4x(seed, chunks + CHUNK_COUNTER)
+        scores = scores - _log2(_neg_log2_uniform(bits, FAST_LOG), FAST_LOG)
+        best = tl.max(scores, axis=0)
+        chunk = tl.min(tl.where(scores == best, chunks, _NO_COLUMN), axis=0)
+        row_logits = logits_ptr + row.to(tl.int64) * stride_logits_row
+        lane_best, lane_col = _race_run(row_logits, chunk * BLOCK, 1, vocab_size, seed,
+                                        LOG2_E / temperature, True, FAST_LOG, BLOCK)
+        top = tl.max(lane_best, axis=0)
+        col = tl.min(tl.where(lane_best == top, lane_col, _NO_COLUMN), axis=0)
+    tl.store(sampled_ptr + row, col.to(tl.int64))
 
 
 def sample_tokens(
     logits: torch.Tensor,  # [B, V] float32 / bfloat16 / float16
     temperature: torch.Tensor,  # [B] float32; < 1e-5 = greedy
     seeds: torch.Tensor,  # [B] int64 Philox keys (random rows)
-    num_splits: int = 1,
     block: int = BLOCK,
 ) -> torch.Tensor:
     """[B] int64 sampled token ids (see the module docstring). `block` (a power of two, at
-    least 4) sets the columns per chunk and so the columns each Philox call feeds: rows sample
-    the same tokens for the same block, whatever num_splits."""
+    least 4) sets the columns per chunk, and so the draws: rows sample the same tokens for the
+    same block whatever their batch."""
     num_rows, vocab_size = logits.shape
+    if vocab_size >= MAX_VOCAB:
+        raise ValueError(f"vocabulary size must be below {MAX_VOCAB}, got {vocab_size}")
     assert logits.stride(1) == 1, "logits need unit column stride"
     assert block >= 4 and block & (block - 1) == 0, block
     sampled = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
@@ -201,20 +212,16 @@ def sample_tokens(
         return sampled
     temperature = temperature.to(torch.float32).contiguous()
     seeds = seeds.to(torch.int64).contiguous()
-    chunks_per_split, num_splits = _split_evenly(triton.cdiv(vocab_size, block), num_splits)
-    split = num_splits > 1
-    partial_score = partial_col = sampled  # unused with one split
-    if split:
-        partial_score = torch.empty(num_rows, num_splits, dtype=torch.float32,
-                                    device=logits.device)
-        partial_col = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
-    _race_kernel[(num_rows, num_splits)](
-        logits, temperature, seeds, sampled, partial_score, partial_col,
-        vocab_size, logits.stride(0), chunks_per_split, num_splits,
-        SPLIT=split, GREEDY_BELOW=GREEDY_BELOW, FAST_LOG=logits.is_cuda, BLOCK=block,
-        num_warps=4,
+    num_chunks = triton.cdiv(vocab_size, block)
+    chunk_score = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_col = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
+    _chunk_kernel[(num_rows, num_chunks)](
+        logits, temperature, chunk_score, chunk_col, vocab_size, logits.stride(0), num_chunks,
+        GREEDY_BELOW=GREEDY_BELOW, BLOCK=block, num_warps=4,
     )
-    if split:
-        _merge_kernel[(num_rows,)](partial_score, partial_col, sampled, num_splits,
-                                   SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1)
+    _pick_kernel[(num_rows,)](
+        logits, temperature, seeds, chunk_score, chunk_col, sampled, vocab_size,
+        logits.stride(0), num_chunks, GREEDY_BELOW=GREEDY_BELOW, FAST_LOG=logits.is_cuda,
+        BLOCK=block, CHUNKS_PAD=max(16, triton.next_power_of_2(num_chunks)), num_warps=4,
+    )
     return sampled

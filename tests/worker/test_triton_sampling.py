@@ -1,5 +1,5 @@
-"""The fused sampling kernel: greedy rows equal torch.argmax (ties to the lowest index, across
-chunks and splits), random rows equal the documented Philox race (checked against a numpy
+"""The fused sampling kernels: greedy rows equal torch.argmax (ties to the lowest index, across
+chunks), random rows equal the documented two-level Philox race (checked against a numpy
 rendering of it, whose draws follow softmax(logits / T) and never pick a -inf token), seeded
 requests draw the same tokens whatever their batch, and the Sampler takes the kernel exactly for
 the rows that need nothing but temperature or greedy.
@@ -32,7 +32,7 @@ from sluice.worker.sampling_inputs import (
     build_sampling_metadata,
 )
 from sluice.worker.sampling_metadata import SamplingMetadata
-from sluice.worker.triton_sampling import _neg_log2_uniform, choose_num_splits, sample_tokens
+from sluice.worker.triton_sampling import MAX_VOCAB, _neg_log2_uniform, sample_tokens
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEG_INF = float("-inf")
@@ -70,21 +70,41 @@ def neg_log2_uniform(bits: np.ndarray) -> np.ndarray:
 
 def reference_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                    block: int) -> torch.Tensor:
-    """[B] tokens: argmax of the logits (greedy rows) or of log2(e) * (logits / T - ln E),
-    where column v's E / ln 2 comes from word (v % block) // (block / 4) of Philox at counter
-    v // block * block + v % (block / 4)."""
+    """[B] tokens: argmax of the logits (greedy rows); for random rows, the chunk c* of `block`
+    columns that maximises log2 S_c + log2(e) * (-ln E_c) (S_c the chunk's softmax mass, its E
+    from the first word of Philox at counter 2^30 + c), then argmax over c*'s columns of
+    log2(e) * (logits / T - ln E), column v's E from word (v % block) // (block / 4) of Philox
+    at counter v // block * block + v % (block / 4). Chunk masses in float64."""
     x = logits.cpu().float().numpy()
     num_rows, vocab_size = x.shape
     quarter = block // 4
     cols = np.arange(vocab_size)
-    words = philox4x32(seeds.cpu().numpy().view(np.uint64), cols // block * block + cols % quarter)
+    keys = seeds.cpu().numpy().view(np.uint64)
+    words = philox4x32(keys, cols // block * block + cols % quarter)
     bits = np.take_along_axis(words, np.broadcast_to(((cols % block) // quarter)[None, None, :],
                                                      (1, num_rows, vocab_size)), axis=0)[0]
     t = temperature.cpu().numpy().astype(np.float32)[:, None]
-    greedy = t < 1e-5
-    scale = np.float32(LOG2_E) / np.where(greedy, np.float32(1.0), t)
-    scores = np.where(greedy, x, x * scale - np.log2(neg_log2_uniform(bits)))
-    return torch.from_numpy(scores.argmax(axis=-1))  # first maximum: the lowest index
+    greedy = t[:, 0] < 1e-5
+    scale = np.float32(LOG2_E) / np.where(greedy[:, None], np.float32(1.0), t)
+    col_scores = x * scale - np.log2(neg_log2_uniform(bits))
+    num_chunks = -(-vocab_size // block)
+    y = np.full((num_rows, num_chunks * block), -np.inf)
+    y[:, :vocab_size] = x.astype(np.float64) * scale
+    y = y.reshape(num_rows, num_chunks, block)
+    peak = y.max(axis=-1)
+    with np.errstate(invalid="ignore"):
+        mass = np.exp2(y - peak[..., None]).sum(axis=-1)
+    weight = np.where(np.isneginf(peak), -np.inf, peak + np.log2(mass))
+    chunk_bits = philox4x32(keys, MAX_VOCAB + np.arange(num_chunks))[0]
+    chosen = (weight - np.log2(neg_log2_uniform(chunk_bits))).argmax(axis=-1)
+    tokens = []
+    for row in range(num_rows):
+        if greedy[row]:
+            tokens.append(int(x[row].argmax()))  # first maximum: the lowest index
+            continue
+        start = int(chosen[row]) * block
+        tokens.append(start + int(col_scores[row, start : start + block].argmax()))
+    return torch.tensor(tokens)
 
 
 def chi_square_bound(dof: int, z: float = 4.753) -> float:
@@ -142,54 +162,55 @@ def tie_rows(vocab_size: int, block: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_greedy_rows_equal_torch_argmax(dtype: torch.dtype, num_splits: int) -> None:
+def test_greedy_rows_equal_torch_argmax(dtype: torch.dtype) -> None:
     block, vocab_size = 64, 300  # 5 chunks, the last one partial
     logits = torch.cat([random_logits(3, vocab_size, seed=4), tie_rows(vocab_size, block)])
     logits[1, ::7] = NEG_INF
     logits = logits.to(dtype).to(DEVICE)
     sampled = sample_tokens(logits, torch.zeros(len(logits), device=DEVICE),
-                            seeds_of(len(logits)).to(DEVICE), num_splits=num_splits, block=block)
+                            seeds_of(len(logits)).to(DEVICE), block=block)
     assert sampled.dtype == torch.int64
     assert sampled.tolist() == logits.argmax(dim=-1).tolist()
     assert sampled[3:7].tolist() == [10, block - 1, 2, 3 * block + 7]
 
 
-def test_greedy_ties_across_splits_take_the_lowest_index() -> None:
-    # One chunk per split: each boundary between chunks is one between splits.
+def test_greedy_ties_across_chunks_take_the_lowest_index() -> None:
     block, vocab_size = 32, 160
     logits = torch.zeros(3, vocab_size)
     logits[0, [31, 32]] = 1.0
     logits[1, [40, 100, 159]] = 2.0
     logits[2, [159]] = 3.0
     sampled = sample_tokens(logits.to(DEVICE), torch.zeros(3, device=DEVICE),
-                            seeds_of(3).to(DEVICE), num_splits=5, block=block)
+                            seeds_of(3).to(DEVICE), block=block)
     assert sampled.tolist() == [31, 40, 159]
 
 
 # ---- random rows -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("dtype", "num_splits"), [(torch.float32, 1), (torch.bfloat16, 4)])
-def test_random_and_greedy_rows_of_one_batch(dtype: torch.dtype, num_splits: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_and_greedy_rows_of_one_batch(dtype: torch.dtype) -> None:
     block, vocab_size = 64, 300
     logits = random_logits(10, vocab_size, seed=6) * 3
     logits[2, 150:] = NEG_INF
     logits = logits.to(dtype).to(DEVICE)
     temperature = torch.tensor([0.0, 1.0, 0.7, 0.0, 2.0, 1e-6, 0.3, 1.0, 1.0, 5.0])
     seeds = seeds_of(10, base_seed=3, launch=1)
-    sampled = sample_tokens(logits, temperature.to(DEVICE), seeds.to(DEVICE),
-                            num_splits=num_splits, block=block)
+    sampled = sample_tokens(logits, temperature.to(DEVICE), seeds.to(DEVICE), block=block)
     assert sampled.tolist() == reference_race(logits, temperature, seeds, block).tolist()
     greedy = (temperature < 1e-5).nonzero().flatten().tolist()
     assert sampled[greedy].tolist() == logits[greedy].argmax(dim=-1).tolist()
     assert sampled[2] < 150
 
 
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_random_rows_draw_from_softmax_of_logits_over_temperature(temperature: float) -> None:
+# block 32: one chunk (the column race alone); block 4: two chunks (the chunk race, then the
+# columns of the chunk it picks).
+@pytest.mark.parametrize(("temperature", "block"), [(0.5, 32), (1.0, 32), (2.0, 32),
+                                                    (0.5, 4), (1.0, 4), (2.0, 4)])
+def test_random_rows_draw_from_softmax_of_logits_over_temperature(temperature: float,
+                                                                   block: int) -> None:
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, NEG_INF])
-    num_rows, block = 6000, 32
-    seeds = seeds_of(num_rows, base_seed=11, launch=int(temperature * 10))
+    num_rows = 6000
+    seeds = seeds_of(num_rows, base_seed=11 + block, launch=int(temperature * 10))
     all_rows = logits.expand(num_rows, -1)
     temperatures = torch.full((num_rows,), temperature)
     drawn = reference_race(all_rows, temperatures, seeds, block)
@@ -396,16 +417,12 @@ def test_seeded_requests_through_the_engine_with_the_kernel(qwen3_dir: str) -> N
     assert torch_path.generate([target], params)[0].outputs[0].token_ids != results[0]
 
 
-# ---- split choice and full-size shapes -------------------------------------------------------
+# ---- limits and full-size shapes -------------------------------------------------------------
 
-def test_num_splits_fill_the_gpu_at_small_batch_only() -> None:
-    vocab_size, num_sms = 151_936, 132  # Qwen3 on an H200: 38 chunks of 4096
-    assert choose_num_splits(1, vocab_size, num_sms) == 38
-    assert choose_num_splits(8, vocab_size, num_sms) == 38
-    assert choose_num_splits(64, vocab_size, num_sms) == 8  # 9 wanted: 5 chunks each
-    assert choose_num_splits(256, vocab_size, num_sms) == 3
-    assert choose_num_splits(1024, vocab_size, num_sms) == 1
-    assert choose_num_splits(4, 100, num_sms) == 1
+def test_vocabularies_past_the_chunk_counters_are_refused() -> None:
+    logits = torch.zeros(1, 1, device=DEVICE).expand(1, MAX_VOCAB)  # no memory behind it
+    with pytest.raises(ValueError, match=f"vocabulary size must be below {MAX_VOCAB}, got"):
+        sample_tokens(logits, torch.ones(1, device=DEVICE), seeds_of(1).to(DEVICE))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="full vocabulary: too slow for the interpreter")
@@ -417,12 +434,11 @@ def test_full_vocabulary_on_the_gpu(num_rows: int) -> None:
     seeds = seeds_of(num_rows).to(DEVICE)
     greedy = torch.zeros(num_rows, device=DEVICE)
     random = torch.ones(num_rows, device=DEVICE)
-    num_splits = choose_num_splits(num_rows, vocab_size,
-                                   torch.cuda.get_device_properties(0).multi_processor_count)
-    for splits in (1, num_splits):
-        assert torch.equal(sample_tokens(logits, greedy, seeds, splits), logits.argmax(dim=-1))
-    drawn = sample_tokens(logits, random, seeds, 1)
-    assert torch.equal(sample_tokens(logits, random, seeds, num_splits), drawn)
+    assert torch.equal(sample_tokens(logits, greedy, seeds), logits.argmax(dim=-1))
+    drawn = sample_tokens(logits, random, seeds)
+    # (the numpy race on two rows: its Philox words for all of them would take GBs)
+    expected = reference_race(logits[:2], random[:2], seeds[:2], 4096)
+    assert drawn[:2].tolist() == expected.tolist()
     assert not (drawn % 3 == 0).any()
 
 
