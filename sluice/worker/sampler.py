@@ -13,10 +13,11 @@ exponentials per step when it samples and none when it is greedy. Every mask set
 so a masked token has probability exactly 0 and can never win the race.
 
 Fused path: on CUDA, rows that need nothing but temperature or greedy (no penalties, blocked
-tokens, top-k / top-p / min-p or logprobs) sample in two Triton kernels that read the logits once
-in their own dtype, and one chunk of them again (a two-level race, triton_sampling.py). A batch of only such rows skips the torch path; in a
-mixed batch the torch path runs as below and those rows take the kernel's tokens instead, so a
-row's path depends on its own request, never on its batch mates. The kernel's exponentials come
+tokens, top-k / top-p / min-p or logprobs) sample in two Triton kernels that read the logits
+once in their own dtype, and one chunk of them again (a two-level race, triton_sampling.py). A
+batch of only such rows skips the torch path; in a mixed batch the torch path runs as below and
+those rows take the kernels' tokens instead, so a row's path depends on its own request, never
+on its batch mates. The kernels' exponentials come
 from Philox keyed by the per-row seeds in metadata.seeds, not from torch generators: a seeded
 request is reproducible from its seed and the number of tokens it has sampled, whatever the
 batch, but its tokens are not bit-equal to the torch path's. The torch path (the CPU reference)
