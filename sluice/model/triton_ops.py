@@ -45,6 +45,16 @@ SILU_BLOCK = 1024
 
 
 @triton.jit
+def _row_inv_rms(residual_ptr, token, stride_residual, hidden_size, eps,
+                 HIDDEN_PAD: tl.constexpr):
+    """1 / rms of residual row `token` (float32 statistics, as rms_norm)."""
+    cols = tl.arange(0, HIDDEN_PAD)
+    row = tl.load(residual_ptr + token * stride_residual + cols, mask=cols < hidden_size,
+                  other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(row * row, axis=0) / hidden_size + eps)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     qkv_ptr,  # [T, (H + 2 * KVH) * D]: q and k heads rewritten in place, v untouched
     positions_ptr,  # [T]
@@ -86,10 +96,8 @@ def _qk_norm_rope_kernel(
     dtype = qkv_ptr.dtype.element_ty
     if ROW_RMS:
         # The input norm folded into the projection (see qk_norm_rope): this token's 1 / rms.
-        cols = tl.arange(0, HIDDEN_PAD)
-        row = tl.load(residual_ptr + token * stride_residual + cols, mask=cols < hidden_size,
-                      other=0.0).to(tl.float32)
-        row_scale = tl.rsqrt(tl.sum(row * row, axis=0) / hidden_size + residual_eps)
+        row_scale = _row_inv_rms(residual_ptr, token, stride_residual, hidden_size,
+                                 residual_eps, HIDDEN_PAD)
     else:
         row_scale = 1.0
     if STORE_KV:
@@ -326,10 +334,8 @@ def _silu_and_mul_kernel(
     gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptr + intermediate_size, mask=mask, other=0.0).to(tl.float32)
     if ROW_RMS:
-        hidden_cols = tl.arange(0, HIDDEN_PAD)
-        row = tl.load(residual_ptr + token * stride_residual + hidden_cols,
-                      mask=hidden_cols < hidden_size, other=0.0).to(tl.float32)
-        row_scale = tl.rsqrt(tl.sum(row * row, axis=0) / hidden_size + residual_eps)
+        row_scale = _row_inv_rms(residual_ptr, token, stride_residual, hidden_size,
+                                 residual_eps, HIDDEN_PAD)
         gate = (gate * row_scale).to(out_ptr.dtype.element_ty).to(tl.float32)
         up = (up * row_scale).to(out_ptr.dtype.element_ty).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
