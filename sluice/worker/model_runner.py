@@ -159,8 +159,15 @@ class ModelRunner:
         self.graph_block_tables = (
             torch.zeros((max_num_reqs, self.max_blocks_per_req), dtype=torch.int32, device=dev)
             if dev.type == "cuda" else None)
-        self.buf_logits_indices = StagedBuffer((max_tokens,), torch.int64, dev)
-        # Two pinned buffers for sampled ids: a step may land while the next one is launched.
+        # Two of each per-launch staging buffer, alternating by sampling launch: the rows to
+        # sample are uploaded, and the sampled ids read back, asynchronously, so the host may
+        # write the next launch's while the device has not reached this one's copy yet (with
+        # async scheduling it launches step N + 1 before waiting for step N; it waits for N
+        # before launching N + 2, so two suffice). One logits-index buffer was overwritten so
+        # under a server's load: mixed steps replaying CUDA graphs outran the device, and a
+        # step gathered its hidden rows with the next step's indices (out of bounds).
+        self.buf_logits_indices = [StagedBuffer((max_tokens,), torch.int64, dev)
+                                   for _ in range(2)]
         self._sampled_host = [torch.zeros(max_num_reqs, dtype=torch.int64,
                                           pin_memory=dev.type == "cuda") for _ in range(2)]
         self._launch_parity = 0
@@ -423,10 +430,11 @@ class ModelRunner:
         if not sample_rows:
             return
         states = step.states
+        self._launch_parity ^= 1
         if step.num_tokens == len(states) and len(sample_rows) == len(states):
             sample_hidden = hidden[:len(states)]  # all decodes, all sampling
         else:
-            indices = self.buf_logits_indices
+            indices = self.buf_logits_indices[self._launch_parity]
             last = step.query_start_loc[:-1] + step.num_scheduled - 1
             indices.np[:len(sample_rows)] = last[sample_rows]
             sample_hidden = hidden[indices.to_device(len(sample_rows))]
@@ -441,7 +449,6 @@ class ModelRunner:
         metadata = build_sampling_metadata(sample_states, self.sampling_staging,
                                            self.hf_config.vocab_size, row_seeds)
         sampler_output = self.sampler(logits, metadata)
-        self._launch_parity ^= 1
         handle.set_samples(sample_rows, sample_states, sampler_output,
                            self._sampled_host[self._launch_parity])
 
