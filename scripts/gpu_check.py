@@ -116,13 +116,13 @@ def main() -> None:
                 result[f"{arch}_{name}_accepted_of_drafted"] = (
                     f"{stats.num_accepted_tokens}/{stats.num_draft_tokens}")
             if name in ("default", "chunks_of_64"):
-                runner = llm.llm_engine.engine_core.model_runner
+                runner = llm.llm_engine.engine_core.executor.model_runner
                 replays = runner.mixed_graphs.num_replays if runner.mixed_graphs else 0
                 result[f"{arch}_{name}_replayed_mixed_step_graphs"] = replays > 0
             if name == "default":
                 # Steps of more tokens than this ran with the layers' norms folded (prompt
                 # steps here); None: not folded (Qwen2's q/k/v bias).
-                runner = llm.llm_engine.engine_core.model_runner
+                runner = llm.llm_engine.engine_core.executor.model_runner
                 result[f"{arch}_folded_norms_above_tokens"] = (
                     runner.model.model.folded_above_tokens)
                 result[f"{arch}_one_prompt_at_a_time_equals_cpu"] = greedy_ids(

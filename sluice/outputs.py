@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -24,8 +25,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string, if one ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # The stop token id or stop string, if one ended it; for "error", what went wrong.
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -56,3 +58,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None)
+    # From the engine's KV connector on the last output (e.g. where a prefill instance keeps
+    # this request's KV for a decode instance), as vLLM's RequestOutput.kv_transfer_params.
+    kv_transfer_params: dict[str, Any] | None = None

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 # Greedy sampling is temperature below this.
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """How to pick each next token, and when to stop.
+
+    A msgspec struct: the one definition of a request's sampling parameters, in the offline
+    API, on the wire to the engine core and in the step messages to the workers (decoding runs
+    `__post_init__`, so a frame carrying bad values fails validation like a bad argument).
 
     `temperature == 0` is greedy. `top_k` of 0 or -1 disables top-k. `stop` strings are matched
     on the detokenized text and left out of the output (unless `include_stop_str_in_output`).
@@ -37,8 +40,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Filled from generation_config.json / the tokenizer by the input processor, not by users.
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled from generation_config.json / the tokenizer by the input processor, not by users
+    # (stop_token_ids are always among them).
+    all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,7 +55,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        self.all_stop_token_ids = set(self.all_stop_token_ids).union(self.stop_token_ids)
 
     def _verify(self) -> None:
         def bad(name: str, value: object, allowed: str) -> ValueError:
@@ -96,9 +100,4 @@ class SamplingParams:
 
     def clone(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed (used to fan out `n > 1`)."""
-        fields = {f: getattr(self, f) for f in self.__dataclass_fields__
-                  if f != "all_stop_token_ids"}
-        fields.update(changes)
-        params = SamplingParams(**fields)  # type: ignore[arg-type]
-        params.all_stop_token_ids = set(self.all_stop_token_ids)
-        return params
+        return msgspec.structs.replace(self, **changes)

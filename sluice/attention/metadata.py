@@ -10,8 +10,19 @@ its `seq_lens[i]` tokens of context. K/V of every query token is written to `slo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class LayerKVHooks(Protocol):
+    """Per-layer work of a KV connector (sluice/worker/kv_connector.py), run by each attention
+    layer around its attention: wait for the layer's loads, then hand on its stored KV."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata | None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -30,6 +41,8 @@ class AttentionMetadata:
     # the requests longest context first. A kernel that runs one program per request may start
     # them in this order, so the longest ones do not make the tail of the launch.
     decode_order: torch.Tensor | None = None
+    # Set only for eager steps with connector work (never inside a CUDA graph).
+    kv_hooks: LayerKVHooks | None = None
 
     @property
     def num_reqs(self) -> int:

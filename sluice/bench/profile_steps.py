@@ -69,7 +69,8 @@ def main(ns: argparse.Namespace) -> int:
     core = engine.engine_core
     phases: dict[str, float] = defaultdict(float)
     core.scheduler.schedule = _timed(phases, "schedule", core.scheduler.schedule)
-    core.model_runner.launch = _timed(phases, "launch", core.model_runner.launch)
+    runner = core.executor.model_runner
+    runner.launch = _timed(phases, "launch", runner.launch)
     core.scheduler.update_from_output = _timed(phases, "update", core.scheduler.update_from_output)
     engine.output_processor.process_outputs = _timed(
         phases, "output_processing", engine.output_processor.process_outputs)
@@ -88,7 +89,7 @@ def main(ns: argparse.Namespace) -> int:
     # Device timeline: an event once a launch has copied its inputs (the model's work is queued
     # next) and one after its sampling.
     timeline: list[tuple[Any, Any, int, int]] = []  # (start, end, tokens, requests)
-    runner = core.model_runner
+    runner = core.executor.model_runner
     original_launch, original_prepare = runner.launch, runner._prepare_inputs
     if device.type == "cuda":
         begun: list[Any] = []

@@ -4,7 +4,9 @@ Per request: `get_computed_blocks` (once, before first scheduling or after preem
 cached prefix; `allocate_slots` (every step it is scheduled) takes those hits and enough new blocks
 for the step's tokens, or returns None without changing anything; `free` returns every block,
 tail first. Full blocks enter the prefix cache as soon as their tokens are scheduled, in prefill
-and in decode alike.
+and in decode alike, except blocks a KV connector loads into: those are allocated with
+`delay_cache_blocks` and cached by `cache_blocks` once the load is known to be good (a failed
+load must never be served to another request as a prefix hit).
 """
 
 from __future__ import annotations
@@ -94,18 +96,26 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` (+ lookahead) after the computed and hit tokens.
+        """Make room for `num_new_tokens` (+ lookahead) after the computed and hit tokens, and
+        the `num_external_computed_tokens` a KV connector loads between the two.
 
         Returns the newly allocated blocks, or None (and changes nothing) if too few are free.
+        `delay_cache_blocks`: enter none of the new blocks into the prefix cache now.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+        if num_external_computed_tokens < 0:
+            raise ValueError(f"num_external_computed_tokens must be >= 0, "
+                             f"got {num_external_computed_tokens}")
         request_id = request.request_id
         blocks = self.req_to_blocks.get(request_id, [])
-        if not new_computed_blocks and not num_lookahead_tokens:
+        if (not new_computed_blocks and not num_lookahead_tokens
+                and not num_external_computed_tokens and not delay_cache_blocks):
             # The common decode step: the token fits the last block and completes none.
             end = request.num_computed_tokens + num_new_tokens
             if (end <= len(blocks) * self.block_size
@@ -120,7 +130,8 @@ class KVCacheManager:
             f"{len(blocks)} blocks (num_computed_tokens not reset after free?)")
 
         num_computed_tokens = (request.num_computed_tokens
-                               + len(new_computed_blocks) * self.block_size)
+                               + len(new_computed_blocks) * self.block_size
+                               + num_external_computed_tokens)
         num_required_blocks = -(-(num_computed_tokens + num_new_tokens + num_lookahead_tokens)
                                 // self.block_size)
         num_new_blocks = max(0, num_required_blocks - len(blocks) - len(new_computed_blocks))
@@ -141,7 +152,8 @@ class KVCacheManager:
         # Hits are cached already; lookahead (speculative) slots hold no known tokens yet.
         self.num_cached_blocks[request_id] = max(self.num_cached_blocks.get(request_id, 0),
                                                  len(new_computed_blocks))
-        self.cache_blocks(request, num_computed_tokens + num_new_tokens)
+        if not delay_cache_blocks:
+            self.cache_blocks(request, num_computed_tokens + num_new_tokens)
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

@@ -1,22 +1,39 @@
-"""The typed messages between the scheduler and the model runner.
+"""The typed messages of one engine step: scheduler -> workers, workers -> scheduler, and the
+engine core's per-request output to the front end.
+
+Every message here is a msgspec struct and the only definition of what it carries: the same
+objects pass in-process (the uniprocess executor), and are encoded for worker processes (the
+multiprocess executor) and for the front end (the engine-core process), where the channels stamp
+`SCHEMA_VERSION` on every frame and refuse another. No pickle anywhere.
 
 The scheduler sends a diff each step: requests the runner has not seen (or that resume after
 preemption) carry their whole state; requests already running carry only new block ids. The
 runner keeps per-request state (token ids, block table, sampling generator) until a request
 shows up in `finished_req_ids`.
+
+KV connectors (see sluice/core/kv_connector.py) ride along: the scheduler side's plan for the
+step travels down in `kv_connector_metadata` (a struct of the connector's own type, so
+`SchedulerOutput` is generic in it), and the workers' reports come up in `kv_connector_output`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Generic, TypeVar
 
-if TYPE_CHECKING:
-    from sluice.sampling_params import SamplingParams
+import msgspec
+
+from sluice.sampling_params import SamplingParams
+
+# Bump when any message of the step or front-end channels changes shape.
+# 3: one definition per message (sampling parameters and core outputs travel as themselves),
+#    KV connector fields, kv_transfer_params.
+SCHEMA_VERSION = 3
+
+# A connector's per-step plan (its own msgspec struct type).
+ConnectorMetadataT = TypeVar("ConnectorMetadataT")
 
 
-@dataclass(slots=True)
-class NewRequestData:
+class NewRequestData(msgspec.Struct):
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -24,8 +41,7 @@ class NewRequestData:
     num_computed_tokens: int
 
 
-@dataclass(slots=True)
-class CachedRequestData:
+class CachedRequestData(msgspec.Struct):
     req_id: str
     # True: `new_block_ids` replaces the block table (the request was preempted and resumed).
     resumed_from_preemption: bool
@@ -33,19 +49,20 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
-@dataclass(slots=True)
-class SchedulerOutput:
+class SchedulerOutput(msgspec.Struct, Generic[ConnectorMetadataT]):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
     # req_id -> number of tokens to compute this step.
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # Requests that ended since the last step: the runner drops their state.
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = msgspec.field(default_factory=set)
+    preempted_req_ids: set[str] = msgspec.field(default_factory=set)
     # req_id -> draft tokens to verify this step (speculative decoding); they are the last
     # len(drafts) of the request's num_scheduled_tokens.
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # The KV connector's plan for this step (loads, saves), None without a connector.
+    kv_connector_metadata: ConnectorMetadataT | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -56,43 +73,65 @@ class SchedulerOutput:
 PositionLogprobs = dict[int, tuple[float, int]]
 
 
-@dataclass(slots=True)
-class ModelRunnerOutput:
+class KVConnectorOutput(msgspec.Struct, omit_defaults=True):
+    """What a worker's connector reports after a step (see KVConnectorWorker.get_finished).
+
+    finished_sending: requests whose delayed free may happen now (their KV left this instance);
+    finished_recving: requests whose asynchronous load ended (successfully or not: failed blocks
+    are in invalid_block_ids); invalid_block_ids: blocks whose load failed this step or in a load
+    that ended now; stats: counters since the last report (bytes, latencies, errors by kind)."""
+
+    finished_sending: set[str] = msgspec.field(default_factory=set)
+    finished_recving: set[str] = msgspec.field(default_factory=set)
+    invalid_block_ids: set[int] = msgspec.field(default_factory=set)
+    stats: dict[str, float] = msgspec.field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.stats)
+
+
+class ModelRunnerOutput(msgspec.Struct):
     req_ids: list[str]
     # One list per request in `req_ids`; empty while a prompt is still being prefilled in chunks.
     sampled_token_ids: list[list[int]]
     # req_id -> per sampled token; present only for requests that asked for logprobs.
-    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    logprobs: dict[str, list[PositionLogprobs]] = msgspec.field(default_factory=dict)
     # req_id -> logprobs of the prompt positions computed this step (first prompt token: None).
-    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = msgspec.field(
+        default_factory=dict)
     # Speculative decoding: drafts proposed to follow each request's tokens (aligned with
     # req_ids; [] for none); None when speculation is off.
     spec_token_ids: list[list[int]] | None = None
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     """What one step produced for one request, sent from the engine core to the front end."""
 
     req_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
-    stop_reason: int | str | None = None  # the stop token id (or stop string) that ended it
+    # "stop" | "length" | "abort" | "error" once finished
+    finish_reason: str | None = None
+    # The stop token id (or stop string) that ended it; for "error", what went wrong.
+    stop_reason: int | str | None = None
     new_logprobs: list[PositionLogprobs] | None = None
     new_prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    # Set on the last output of a request a KV connector handed on (how a prefill instance tells
+    # the decode side where the KV is).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True)
-class SpecDecodingStats:
+class SpecDecodingStats(msgspec.Struct):
     """Cumulative speculative-decoding counters of one engine core (all zero without it)."""
 
     num_spec_tokens: int = 0  # k: drafts proposed per request per step at most
@@ -100,7 +139,7 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # of those, accepted
     # [k]: accepted drafts at each draft position (position 0 is the first draft)
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
     def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if num_draft_tokens == 0:

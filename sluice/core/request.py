@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from sluice.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from sluice.core.kv_cache_utils import BlockHash
-    from sluice.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
     """Ordered: every status above PREEMPTED is finished."""
 
     WAITING = enum.auto()
+    # Blocks allocated, KV being loaded by a connector; scheduled once the load ends.
     WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -22,6 +26,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # e.g. its KV failed to load and the policy is "fail"
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -37,7 +42,23 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
 }
+
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One sample to generate, as the front end hands it to the engine core (in-process or
+    over the wire): the one definition of what a request carries in. A request with `n > 1`
+    becomes n of these."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: set[int] = msgspec.field(default_factory=set)
+    arrival_time: float = 0.0
+    max_tokens: int = 16
+    # For a KV connector: how this request's KV moves (e.g. where a prefill instance holds it).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class Request:
@@ -51,6 +72,7 @@ class Request:
         eos_token_ids: set[int] | None = None,
         arrival_time: float | None = None,
         max_tokens: int = 16,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -60,6 +82,7 @@ class Request:
         self.max_tokens = max_tokens
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.kv_transfer_params = kv_transfer_params
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -82,6 +105,10 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+
+    @classmethod
+    def from_engine_core_request(cls, message: EngineCoreRequest) -> Request:
+        return cls(**msgspec.structs.asdict(message))
 
     @property
     def num_tokens(self) -> int:

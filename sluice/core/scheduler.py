@@ -13,19 +13,33 @@ when the budget or max_model_len is short), and model-based proposers get k look
 the KV of their next drafts. The drafts are not the request's tokens: only tokens already known
 enter the prefix cache, and after verification `num_computed_tokens` rolls back over the rejected
 drafts, whose KV is then overwritten.
+
+KV connectors (sluice/core/kv_connector.py): a waiting request's prefix may be loadable from
+elsewhere. A synchronous load happens in the step that computes the request's next tokens (the
+request is not scheduled again until that step's output is in); an asynchronous one parks the
+request in WAITING_FOR_REMOTE_KVS, passed over by admission (never head-of-line) until a worker
+reports the load done. Loaded blocks enter the prefix cache only after the load is known good;
+a failed block truncates the request there (recompute) or fails it. A request the connector
+still sends from keeps its blocks (`delay_free`) until the send is reported done; one aborted
+mid-load keeps them until the load ends or `kv_load_abort_timeout_s` passes, so no block is
+reused while a transfer may still write it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
-from sluice.config import SchedulerConfig
+from sluice.config import KVTransferConfig, SchedulerConfig
 from sluice.core.kv_cache_manager import KVCacheManager
+from sluice.core.kv_connector import KVConnectorScheduler
 from sluice.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    KVConnectorOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -33,17 +47,53 @@ from sluice.core.outputs import (
 )
 from sluice.core.request import Request, RequestStatus
 
+logger = logging.getLogger("sluice")
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """One step being put together: what is scheduled so far and what budget is left."""
+
+    token_budget: int
+    now: float
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_partial_prefills: int = 0
+
+    def add(self, request: Request, num_new: int, is_partial: bool) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new
+        self.token_budget -= num_new
+        self.num_partial_prefills += is_partial
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 connector: KVConnectorScheduler | None = None,
+                 kv_transfer_config: KVTransferConfig | None = None) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.connector = connector
+        self.kv_transfer_config = kv_transfer_config
+        if connector is not None and kv_transfer_config is None:
+            raise ValueError("a KV connector needs its kv_transfer_config")
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Ended since the last schedule(): the runner drops their state next step.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        # KV connector state. Requests whose KV is being loaded: asynchronously (waiting in
+        # WAITING_FOR_REMOTE_KVS) or synchronously in a step not yet returned.
+        self._loading: dict[str, Request] = {}
+        self._async_loads: set[str] = set()  # of those, the asynchronous ones
+        self._finished_recving: set[str] = set()  # async loads reported done, not yet promoted
+        # Finished requests whose blocks wait for the connector to report the send done.
+        self._delayed_free: dict[str, Request] = {}
+        # Requests aborted while an async load wrote their blocks: (request, deadline).
+        self._abandoned_loads: dict[str, tuple[Request, float]] = {}
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         # A draft model (or EAGLE head) writes the KV of its next drafts past the verified tokens.
@@ -81,32 +131,69 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Finished requests whose blocks still wait on a connector (a send, an aborted load):
+        the engine keeps stepping, so the workers can report them done."""
+        return bool(self._delayed_free or self._abandoned_loads)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's blocks in token order (for connectors)."""
+        return self.kv_cache_manager.get_block_ids(request_id)
 
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        cfg = self.config
-        token_budget = cfg.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted: set[str] = set()
-        num_partial_prefills = 0
-        spec_tokens: dict[str, list[int]] = {}
-        now = time.time()
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, now=time.time())
+        if self._abandoned_loads:
+            self._free_expired_abandoned_loads(plan.now)
+        self._schedule_running(plan)
+        # Then waiting requests in arrival order, unless this step had to preempt.
+        if not plan.preempted:
+            self._schedule_waiting(plan)
 
-        # Running requests first, in admission order.
+        output = SchedulerOutput(
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=plan.cached_reqs,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - plan.token_budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=plan.preempted,
+            scheduled_spec_decode_tokens=plan.spec_tokens,
+        )
+        self.finished_req_ids = set()
+        if self.connector is not None:
+            for req_id in plan.num_scheduled_tokens:
+                self.kv_cache_manager.update_block_hashes(self.requests[req_id])
+            output.kv_connector_metadata = self.connector.build_connector_meta(output, self)
+        # The tokens are as good as computed once handed to the runner (the runner writes their
+        # KV before anyone reads it), which is also what the prefix cache assumed above. A chunk
+        # that reaches the end of the known tokens samples one more: a placeholder until then.
+        for req_id, num_new in plan.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_new
+            num_spec = len(plan.spec_tokens.get(req_id, ()))
+            if (request.num_computed_tokens
+                    == request.num_tokens + request.num_output_placeholders + num_spec):
+                request.num_output_placeholders += 1
+        return output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Running requests first, in admission order; preempts from the back for blocks."""
+        cfg = self.config
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
-            num_new = self._num_tokens_to_schedule(request, token_budget)
+            num_new = 0
+            if request.request_id not in self._loading:  # its load's step is still out
+                num_new = self._num_tokens_to_schedule(request, plan.token_budget)
             if num_new == 0:
                 req_index += 1
                 continue
             is_partial = request.num_computed_tokens + num_new < request.num_tokens
-            if is_partial and num_partial_prefills >= cfg.max_num_partial_prefills:
+            if is_partial and plan.num_partial_prefills >= cfg.max_num_partial_prefills:
                 req_index += 1
                 continue
             lookahead = self._num_lookahead(request.num_computed_tokens + num_new)
@@ -115,111 +202,142 @@ class Scheduler:
                 # Out of blocks: preempt the most recently admitted request (maybe this one).
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.add(victim.request_id)
+                plan.preempted.add(victim.request_id)
                 if victim is request:
                     break
             if new_blocks is None:
                 break
-            num_partial_prefills += is_partial
             if request.spec_token_ids:
                 # The drafts that fit are the tail of the scheduled tokens.
                 num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
                 if num_spec > 0:
-                    spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
-            cached_reqs.append(CachedRequestData(
+                    plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            plan.cached_reqs.append(CachedRequestData(
                 req_id=request.request_id,
                 resumed_from_preemption=False,
                 new_block_ids=[b.block_id for b in new_blocks],
                 num_computed_tokens=request.num_computed_tokens,
             ))
-            num_scheduled_tokens[request.request_id] = num_new
-            token_budget -= num_new
+            plan.add(request, num_new, is_partial)
             req_index += 1
 
-        # Then waiting requests in arrival order, unless this step had to preempt.
-        while (self.waiting and not preempted and token_budget > 0
-               and len(self.running) < cfg.max_num_seqs):
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests in arrival order while budget, sequences and blocks last.
+        Requests that cannot go yet for a connector's reason (KV still loading, the connector
+        not sure yet) are passed over and keep their place."""
+        passed_over: list[Request] = []
+        while (self.waiting and plan.token_budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if request.request_id not in self._finished_recving:
+                    passed_over.append(self.waiting.popleft())
+                    continue
+                self._end_async_load(request)
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it comes back before resuming
-            computed_blocks, num_computed = [], 0
-            if request.num_computed_tokens == 0:
-                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-            request_num_computed = request.num_computed_tokens + num_computed
+            admitted = self._admit(request, plan)
+            if admitted is None:
+                passed_over.append(self.waiting.popleft())
+            elif not admitted:
+                break
+        self.waiting.extendleft(reversed(passed_over))
+
+    def _admit(self, request: Request, plan: _StepPlan) -> bool | None:
+        """Schedule the waiting request at the head of the queue, or park it while its KV
+        loads: True (taken off the queue), False (no room: stop admitting), None (pass it
+        over this step)."""
+        cfg = self.config
+        computed_blocks, num_local = [], 0
+        num_external, load_async = 0, False
+        if (request.num_computed_tokens == 0
+                and request.request_id not in self.kv_cache_manager.req_to_blocks):
+            computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+            if self.connector is not None and not request.skip_prefix_cache:
+                self.kv_cache_manager.update_block_hashes(request)
+                num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    request, num_local)
+                if num_external is None:
+                    return None
+                # Never the last token: its logits must be computed here. A load in the step
+                # itself also stops at the last full block before it, so the step's own KV
+                # writes never share a block with a load still in flight.
+                limit = request.num_tokens - 1
+                if not load_async:
+                    block_size = self.kv_cache_manager.block_size
+                    limit = limit // block_size * block_size
+                num_external = max(0, min(num_external, limit - num_local))
+                load_async = load_async and num_external > 0
+        request_num_computed = request.num_computed_tokens + num_local + num_external
+        num_new = 0
+        if not load_async:
             num_new = request.num_tokens - request_num_computed
             if cfg.long_prefill_token_threshold > 0:
                 num_new = min(num_new, cfg.long_prefill_token_threshold)
-            if not cfg.enable_chunked_prefill and num_new > token_budget:
-                break
-            num_new = min(num_new, token_budget)
-            is_partial = request_num_computed + num_new < request.num_tokens
-            if is_partial and num_partial_prefills >= cfg.max_num_partial_prefills:
-                break
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new, computed_blocks,
-                num_lookahead_tokens=self._num_lookahead(request_num_computed + num_new))
-            if new_blocks is None:
-                break
-            self.waiting.popleft()
-            self.running.append(request)
-            request.num_computed_tokens = request_num_computed
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            if request.status == RequestStatus.PREEMPTED:
-                cached_reqs.append(CachedRequestData(
-                    req_id=request.request_id,
-                    resumed_from_preemption=True,
-                    new_block_ids=block_ids,
-                    num_computed_tokens=request_num_computed,
-                ))
-            else:
-                new_reqs.append(NewRequestData(
-                    req_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    sampling_params=request.sampling_params,
-                    block_ids=block_ids,
-                    num_computed_tokens=request_num_computed,
-                ))
-            request.status = RequestStatus.RUNNING
-            num_partial_prefills += is_partial
-            num_scheduled_tokens[request.request_id] = num_new
-            token_budget -= num_new
-
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted,
-            scheduled_spec_decode_tokens=spec_tokens,
-        )
-        self.finished_req_ids = set()
-        # The tokens are as good as computed once handed to the runner (the runner writes their
-        # KV before anyone reads it), which is also what the prefix cache assumed above. A chunk
-        # that reaches the end of the known tokens samples one more: a placeholder until then.
-        for req_id, num_new in num_scheduled_tokens.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += num_new
-            num_spec = len(spec_tokens.get(req_id, ()))
-            if (request.num_computed_tokens
-                    == request.num_tokens + request.num_output_placeholders + num_spec):
-                request.num_output_placeholders += 1
-        return output
+            if not cfg.enable_chunked_prefill and num_new > plan.token_budget:
+                return False
+            num_new = min(num_new, plan.token_budget)
+        is_partial = request_num_computed + num_new < request.num_tokens
+        if (not load_async and is_partial
+                and plan.num_partial_prefills >= cfg.max_num_partial_prefills):
+            return False
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new, computed_blocks,
+            num_lookahead_tokens=self._num_lookahead(request_num_computed + num_new),
+            num_external_computed_tokens=num_external,
+            delay_cache_blocks=num_external > 0)
+        if new_blocks is None:
+            return False
+        request.num_computed_tokens = request_num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_local + num_external
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        if num_external:
+            self.connector.update_state_after_alloc(request, block_ids, num_external)
+            self._loading[request.request_id] = request
+        if load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self._async_loads.add(request.request_id)
+            return None  # passed over until a worker reports the load done
+        self.waiting.popleft()
+        self.running.append(request)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = plan.now
+        if request.status == RequestStatus.PREEMPTED:
+            plan.cached_reqs.append(CachedRequestData(
+                req_id=request.request_id,
+                resumed_from_preemption=True,
+                new_block_ids=block_ids,
+                num_computed_tokens=request_num_computed,
+            ))
+        else:
+            plan.new_reqs.append(NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                block_ids=block_ids,
+                num_computed_tokens=request_num_computed,
+            ))
+        request.status = RequestStatus.RUNNING
+        plan.add(request, num_new, is_partial)
+        return True
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        failed_loads: set[str] = set()
+        if runner_output.kv_connector_output is not None:
+            failed_loads = self._update_from_connector_output(runner_output.kv_connector_output,
+                                                              outputs)
+        if self._loading:
+            self._end_sync_loads(scheduler_output, failed_loads)
         spec_token_ids = runner_output.spec_token_ids
         for i, (req_id, sampled) in enumerate(zip(runner_output.req_ids,
                                                   runner_output.sampled_token_ids)):
             request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue  # aborted while the step ran
+            if request is None or request.is_finished() or req_id in failed_loads:
+                continue  # aborted while the step ran, or recomputing after a failed load
             request.num_output_placeholders -= min(len(sampled), 1)  # one sampling position
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts:
@@ -246,6 +364,11 @@ class Scheduler:
             logprobs = runner_output.logprobs.get(req_id)
             if logprobs is not None:
                 logprobs = logprobs[: len(new_token_ids)]
+            kv_transfer_params = None
+            if request.is_finished():
+                # Preempted while its token was in flight, it waits in the queue.
+                (self.running if request in self.running else self.waiting).remove(request)
+                kv_transfer_params = self._free_request(request)
             outputs.append(EngineCoreOutput(
                 req_id=req_id,
                 new_token_ids=new_token_ids,
@@ -255,12 +378,111 @@ class Scheduler:
                 new_prompt_logprobs=prompt_logprobs,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 first_scheduled_time=request.first_scheduled_time,
+                kv_transfer_params=kv_transfer_params,
             ))
-            if request.is_finished():
-                # Preempted while its token was in flight, it waits in the queue.
-                (self.running if request in self.running else self.waiting).remove(request)
-                self._free_request(request)
         return outputs
+
+    # ---- KV connector --------------------------------------------------------------------
+
+    def _update_from_connector_output(self, kv_output: KVConnectorOutput,
+                                      outputs: list[EngineCoreOutput]) -> set[str]:
+        """Apply the workers' report; returns the requests whose synchronous load failed in
+        this step (their sampled tokens, computed over bad KV, are dropped)."""
+        failed: set[str] = set()
+        if kv_output.invalid_block_ids:
+            failed = self._handle_invalid_blocks(kv_output.invalid_block_ids, outputs)
+        for req_id in kv_output.finished_recving:
+            abandoned = self._abandoned_loads.pop(req_id, None)
+            if abandoned is not None:
+                self.kv_cache_manager.free(abandoned[0])
+            elif req_id in self._async_loads:
+                self._finished_recving.add(req_id)
+        for req_id in kv_output.finished_sending:
+            request = self._delayed_free.pop(req_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_output)
+        return failed
+
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int],
+                               outputs: list[EngineCoreOutput]) -> set[str]:
+        """Truncate every loading request at its first block that failed to load: it computes
+        from there again (policy "recompute") or ends with an error (policy "fail")."""
+        failed: set[str] = set()
+        block_size = self.kv_cache_manager.block_size
+        for req_id, request in list(self._loading.items()):
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)
+            bad = next((i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)
+            if bad is None:
+                continue
+            failed.add(req_id)
+            bad_blocks = sorted(b for b in block_ids if b in invalid_block_ids)
+            if self.kv_transfer_config.kv_load_failure_policy == "fail":
+                self._fail_request(request, f"KV load failed for blocks {bad_blocks} of "
+                                            f"request {req_id!r} (kv_load_failure_policy "
+                                            f"'fail')", outputs)
+                continue
+            logger.warning("KV load failed for blocks %s of request %r: recomputing from "
+                           "token %d", bad_blocks, req_id, bad * block_size)
+            request.num_computed_tokens = min(request.num_computed_tokens, bad * block_size)
+            request.num_cached_tokens = min(request.num_cached_tokens, bad * block_size)
+            if req_id not in self._async_loads:
+                # A synchronous load in this step: its sampled token is dropped (the runner
+                # did not sample it) and the step's tokens after the bad block recomputed.
+                request.num_output_placeholders = 0
+                self._cache_loaded_blocks(request)
+                del self._loading[req_id]
+        return failed
+
+    def _end_sync_loads(self, scheduler_output: SchedulerOutput, failed: set[str]) -> None:
+        """The step that loaded these requests' KV is back: their blocks are good now."""
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self._loading.get(req_id)
+            if request is None or req_id in failed:
+                continue
+            del self._loading[req_id]
+            if not request.is_finished():
+                self._cache_loaded_blocks(request)
+
+    def _end_async_load(self, request: Request) -> None:
+        """A finished asynchronous load: from WAITING_FOR_REMOTE_KVS back to WAITING (still at
+        the head of the queue), its good blocks cached."""
+        self._finished_recving.discard(request.request_id)
+        self._async_loads.discard(request.request_id)
+        del self._loading[request.request_id]
+        # The last token always computes (its logits are needed).
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self._cache_loaded_blocks(request)
+        request.status = RequestStatus.WAITING
+
+    def _cache_loaded_blocks(self, request: Request) -> None:
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+
+    def _fail_request(self, request: Request, message: str,
+                      outputs: list[EngineCoreOutput]) -> None:
+        logger.error("%s", message)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.stop_reason = message
+        kv_transfer_params = self._free_request(request)
+        outputs.append(EngineCoreOutput(
+            req_id=request.request_id, new_token_ids=[], finish_reason="error",
+            stop_reason=message, num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
+            kv_transfer_params=kv_transfer_params))
+
+    def _free_expired_abandoned_loads(self, now: float) -> None:
+        for req_id, (request, deadline) in list(self._abandoned_loads.items()):
+            if now >= deadline:
+                logger.warning("request %r was aborted while its KV loaded and the load never "
+                               "reported done: freeing its blocks after %.0f s", req_id,
+                               self.kv_transfer_config.kv_load_abort_timeout_s)
+                del self._abandoned_loads[req_id]
+                self.kv_cache_manager.free(request)
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -308,6 +530,9 @@ class Scheduler:
         return False
 
     def _preempt(self, request: Request) -> None:
+        # A synchronous load still in flight writes blocks nobody will read: the device runs
+        # it before any later step that may reuse them.
+        self._loading.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -316,7 +541,29 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        self.finished_req_ids.add(request.request_id)
-        del self.requests[request.request_id]
+    def _free_request(self, request: Request) -> dict | None:
+        """Forget a finished request and free its blocks, unless a connector still needs them
+        (a send in progress, a load still writing them); returns the connector's
+        kv_transfer_params for the client."""
+        request_id = request.request_id
+        self.finished_req_ids.add(request_id)
+        del self.requests[request_id]
+        if self.connector is None:
+            self.kv_cache_manager.free(request)
+            return None
+        delay_free, params = self.connector.request_finished(
+            request, self.kv_cache_manager.get_block_ids(request_id))
+        self._loading.pop(request_id, None)
+        if request_id in self._async_loads:
+            self._async_loads.discard(request_id)
+            if request_id not in self._finished_recving:
+                # Ended mid-load (aborted, failed): the load may still write the blocks.
+                deadline = time.time() + self.kv_transfer_config.kv_load_abort_timeout_s
+                self._abandoned_loads[request_id] = (request, deadline)
+                return params
+            self._finished_recving.discard(request_id)
+        if delay_free:
+            self._delayed_free[request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+        return params

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from sluice.config import CacheConfig, ModelConfig, SchedulerConfig, verify_positive
-from sluice.model.hf_config import HFModelConfig, load_hf_config
+from sluice.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    verify_positive,
+)
+from sluice.model.hf_config import load_hf_config
 from sluice.spec_decode.config import SpeculativeConfig
 
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -36,8 +44,16 @@ class EngineArgs:
     # {"method": "ngram" | "draft_model" | "eagle", "num_speculative_tokens": k, ...}, its JSON
     # string, or a SpeculativeConfig; None: no speculative decoding.
     speculative_config: dict | str | SpeculativeConfig | None = None
-    # Accepted for compatibility with vLLM scripts.
     tensor_parallel_size: int = 1
+    # "uni" (the model in the engine's process) | "mp" (a worker process per rank); None: "uni"
+    # at tensor_parallel_size 1, else "mp".
+    distributed_executor_backend: str | None = None
+    # {"kv_connector": ..., "kv_role": ..., "kv_connector_extra_config": {...}}, its JSON string,
+    # or a KVTransferConfig; None: no KV connector.
+    kv_transfer_config: dict | str | KVTransferConfig | None = None
+    # GiB of host memory for a CPU tier of the KV cache (shorthand for the OffloadingConnector).
+    kv_offloading_size: float | None = None
+    # Accepted for compatibility with vLLM scripts.
     trust_remote_code: bool = False
     disable_log_stats: bool = True
 
@@ -49,7 +65,7 @@ class EngineArgs:
             raise TypeError(f"unknown engine arguments {unknown}; allowed: {sorted(known)}")
         return cls(**kwargs)  # type: ignore[arg-type]
 
-    def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, HFModelConfig]:
+    def create_engine_config(self) -> EngineConfig:
         model = self.model
         if model is None:
             from sluice.model.tiny import default_model_dir
@@ -60,6 +76,11 @@ class EngineArgs:
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size must be 1 for now, got {self.tensor_parallel_size}")
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend or (
+                "uni" if self.tensor_parallel_size == 1 else "mp"))
+        kv_transfer_config = self._kv_transfer_config()
         for name in ("block_size", "max_num_seqs", "max_num_partial_prefills"):
             verify_positive(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
@@ -121,7 +142,23 @@ class EngineArgs:
             async_scheduling=speculative_config is None and self._async_scheduling(),
             speculative_config=speculative_config,
         )
-        return model_config, cache_config, scheduler_config, hf_config
+        return EngineConfig(model_config, cache_config, scheduler_config, hf_config,
+                            parallel_config, kv_transfer_config)
+
+    def _kv_transfer_config(self) -> KVTransferConfig | None:
+        config = KVTransferConfig.from_dict(self.kv_transfer_config)
+        size = self.kv_offloading_size
+        if size is None:
+            return config
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+            raise ValueError(f"kv_offloading_size must be a number of GiB > 0, got {size!r}")
+        if config is not None:
+            raise ValueError(
+                f"kv_offloading_size ({size}) is a shorthand for a kv_transfer_config with the "
+                f"OffloadingConnector; give one or the other, not both (kv_transfer_config "
+                f"names {config.kv_connector!r})")
+        return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"cpu_bytes_to_use": int(size * 2**30)})
 
     def _async_scheduling(self) -> bool:
         if self.async_scheduling is not None:

@@ -28,9 +28,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from sluice.config import ModelConfig, SchedulerConfig
+from sluice.channel import Encoder, WireError
+from sluice.config import EngineConfig
 from sluice.engine.arg_utils import EngineArgs
-from sluice.engine.core_proc import EngineDeadError, launch_engine_core
+from sluice.engine.core_proc import launch_engine_core
 from sluice.engine.processors import (
     InputProcessor,
     OutputProcessor,
@@ -49,16 +50,15 @@ from sluice.engine.stats import (
 from sluice.engine.wire import (
     UTILITY_NAMES,
     AbortRequests,
-    Encoder,
+    AddRequest,
     EngineCoreOutputs,
-    EngineCoreRequest,
     EngineDead,
     FinishRequests,
     ResponseDecoder,
     UtilityReply,
     UtilityRequest,
-    WireError,
 )
+from sluice.errors import EngineDeadError
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
 
@@ -70,16 +70,18 @@ logger = logging.getLogger("sluice")
 _LIVENESS_CHECK_S = 0.5
 
 
-def core_process_args(engine_args: EngineArgs, model_config: ModelConfig,
-                      scheduler_config: SchedulerConfig) -> dict[str, Any]:
+def core_process_args(engine_args: EngineArgs, config: EngineConfig) -> dict[str, Any]:
     """The engine arguments as the JSON-able dict the engine-core process rebuilds its configs
     from: the model folder as resolved here (the built-in tiny model is made once, by this
-    process) and the speculative config as the validated dict of its fields, however the user
-    gave it (dict, JSON string or SpeculativeConfig)."""
+    process), the speculative and KV-transfer configs as the validated dicts of their fields,
+    however the user gave them (dict, JSON string, config object, shorthand)."""
     core_args = dataclasses.asdict(engine_args)
-    spec = scheduler_config.speculative_config
-    core_args.update(model=model_config.model, tokenizer=model_config.tokenizer,
-                     speculative_config=None if spec is None else dataclasses.asdict(spec))
+    spec = config.scheduler_config.speculative_config
+    kv_transfer = config.kv_transfer_config
+    core_args.update(model=config.model_config.model, tokenizer=config.model_config.tokenizer,
+                     speculative_config=None if spec is None else dataclasses.asdict(spec),
+                     kv_transfer_config=None if kv_transfer is None else kv_transfer.to_dict(),
+                     kv_offloading_size=None)
     return core_args
 
 
@@ -96,13 +98,16 @@ class AsyncLLM:
         """Start the engine core and wait for it. `ready_timeout_s`: how long the core may
         take to load the model; `log_stats`: log a throughput line every
         `log_stats_interval_s` seconds while busy. ValueError for bad engine arguments."""
-        model_config, cache_config, scheduler_config, hf_config = engine_args.create_configs()
+        config = engine_args.create_engine_config()
+        model_config, scheduler_config = config.model_config, config.scheduler_config
+        hf_config, cache_config = config.hf_config, config.cache_config
+        self.config = config
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.hf_config = hf_config
 
-        core_args = core_process_args(engine_args, model_config, scheduler_config)
+        core_args = core_process_args(engine_args, config)
         self._core = launch_engine_core(core_args, logger.getEffectiveLevel())
         self._finalizer = weakref.finalize(self, self._core.release)
         self._process = self._core.process
@@ -183,17 +188,19 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last has `finished=True`. Bad input raises
         ValueError before anything reaches the engine core. Stopping the iteration (break,
-        cancellation, a closed HTTP connection) aborts the request in the core at once."""
+        cancellation, a closed HTTP connection) aborts the request in the core at once.
+        `kv_transfer_params`: for the engine's KV connector (vLLM's field)."""
         self._raise_if_dead()
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params.clone()  # input processing fills in the stop token ids
         arrival_time = time.time()
         prompt_text, children = self.input_processor.process(request_id, prompt, params,
-                                                             arrival_time)
+                                                             arrival_time, kv_transfer_params)
         self._ensure_output_handler()
         queue: asyncio.Queue[RequestOutput | _Dead] = asyncio.Queue()
         self._queues[request_id] = queue
@@ -204,7 +211,7 @@ class AsyncLLM:
         finished = False
         try:
             for child in children:
-                self._send(EngineCoreRequest.from_request(child))
+                self._send(AddRequest(request=child))
             while not finished:
                 output = await queue.get()
                 if isinstance(output, _Dead):
@@ -341,7 +348,7 @@ class AsyncLLM:
     def _process_outputs(self, message: EngineCoreOutputs) -> None:
         if message.scheduler_stats is not None:
             self.latest_scheduler_stats = message.scheduler_stats
-        core_outputs = [item.to_output() for item in message.outputs]
+        core_outputs = message.outputs
         iteration = IterationStats(timestamp=time.time())
         for out in core_outputs:
             parent = self.output_processor.child_to_parent.get(out.req_id)

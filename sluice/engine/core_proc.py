@@ -2,8 +2,8 @@
 
 Lifecycle: `launch_engine_core` (in the front end) binds two sockets, a PUSH for requests and a
 PULL for outputs (ipc:// in a temp dir, or loopback TCP on a free port), and starts
-`run_engine_core` in a child interpreter (`python -m sluice.engine.core_proc JSON`), so CUDA can
-initialize there and nothing is pickled.
+`run_engine_core` in a child interpreter (`python -m sluice.engine.core_proc JSON`, see
+sluice/process_utils.py), so CUDA can initialize there and nothing is pickled.
 The process connects, builds the EngineCore from the engine arguments (a plain dict), sends
 `Ready`, then loops: take every waiting message (blocking in a short poll only while it has no
 work), apply adds / aborts / finishes / utility calls, run one step, send its outputs with the
@@ -19,7 +19,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,18 +29,16 @@ from typing import Any
 import torch
 import zmq
 
-import sluice
-from sluice.core.outputs import SpecDecodingStats
+from sluice.channel import Encoder, WireError
+from sluice.core.outputs import EngineCoreOutput, SpecDecodingStats
 from sluice.core.request import RequestStatus
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.core import EngineCore
 from sluice.engine.stats import SchedulerStats
 from sluice.engine.wire import (
     AbortRequests,
-    Encoder,
-    EngineCoreOutputItem,
+    AddRequest,
     EngineCoreOutputs,
-    EngineCoreRequest,
     EngineDead,
     FinishRequests,
     Ready,
@@ -49,21 +46,19 @@ from sluice.engine.wire import (
     ResponseDecoder,
     UtilityReply,
     UtilityRequest,
-    WireError,
 )
+from sluice.errors import EngineDeadError
+from sluice.process_utils import ChildProcess, bind_local, parent_alive, spawn_module
 from sluice.worker.model_runner import resolve_device
 
 logger = logging.getLogger("sluice")
 
 # While idle, how often (ms) to look up from the input socket to check the parent is alive.
 _IDLE_POLL_MS = 500
+# With only KV transfers pending, how often (ms) to step so the workers can report them.
+_TRANSFER_POLL_MS = 2
 # How long (ms) a closing socket may keep trying to deliver the last frames (a dead notice).
 _CLOSE_LINGER_MS = 2000
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process is gone (crashed, killed, shut down, or it failed to start);
-    the text says why."""
 
 
 def _leave_a_cpu_to_the_front_end(device: str) -> None:
@@ -103,11 +98,11 @@ class EngineCoreProc:
 
     def __init__(self, engine_args: EngineArgs, input_socket: zmq.Socket,
                  output_socket: zmq.Socket, parent_pid: int) -> None:
-        model_config, cache_config, scheduler_config, hf_config = engine_args.create_configs()
-        _leave_a_cpu_to_the_front_end(model_config.device)
-        self.engine_core = EngineCore(model_config, cache_config, scheduler_config, hf_config)
-        self.scheduler_config = scheduler_config
-        self.cache_config = cache_config
+        config = engine_args.create_engine_config()
+        _leave_a_cpu_to_the_front_end(config.model_config.device)
+        self.engine_core = EngineCore(config)
+        self.scheduler_config = config.scheduler_config
+        self.cache_config = config.cache_config
         self.input_socket = input_socket
         self.output_socket = output_socket
         self.parent_pid = parent_pid
@@ -129,11 +124,16 @@ class EngineCoreProc:
         core = self.engine_core
         while self._parent_alive():
             has_work = core.has_unfinished_requests()
-            changed = self._process_input(block=not has_work)
+            # Only KV transfers pending (nothing to compute): step, but do not spin.
+            waiting_on_transfers = (has_work and core.in_flight is None
+                                    and not core.scheduler.has_unfinished_requests())
+            changed = self._process_input(
+                block=not has_work or waiting_on_transfers,
+                timeout_ms=_TRANSFER_POLL_MS if has_work else _IDLE_POLL_MS)
             if core.has_unfinished_requests():
                 outputs = core.step()
                 self._send(EngineCoreOutputs(
-                    outputs=[EngineCoreOutputItem.from_output(o) for o in outputs],
+                    outputs=outputs,
                     scheduler_stats=make_scheduler_stats(core),
                     timestamp=time.time(),
                 ))
@@ -143,10 +143,10 @@ class EngineCoreProc:
                                              scheduler_stats=make_scheduler_stats(core),
                                              timestamp=time.time()))
 
-    def _process_input(self, block: bool) -> bool:
-        """Apply every waiting message; while idle, first wait up to _IDLE_POLL_MS for one.
+    def _process_input(self, block: bool, timeout_ms: int = 0) -> bool:
+        """Apply every waiting message; with `block`, first wait up to `timeout_ms` for one.
         Returns whether requests were added or ended."""
-        if block and not self.poller.poll(_IDLE_POLL_MS):
+        if block and not self.poller.poll(timeout_ms):
             return False
         changed = False
         while True:
@@ -163,15 +163,16 @@ class EngineCoreProc:
 
     def _handle(self, message: object) -> bool:
         core = self.engine_core
-        if isinstance(message, EngineCoreRequest):
+        if isinstance(message, AddRequest):
+            request = message.request
             try:
-                core.add_request(message.to_request())
+                core.add_request(request)
             except ValueError as exc:
                 # The front end validates first; never let one bad request stop the engine.
-                logger.error("engine core rejected request %r: %s", message.request_id, exc)
+                logger.error("engine core rejected request %r: %s", request.request_id, exc)
                 self._send(EngineCoreOutputs(
-                    outputs=[EngineCoreOutputItem(req_id=message.request_id, new_token_ids=[],
-                                                  finish_reason="abort")],
+                    outputs=[EngineCoreOutput(req_id=request.request_id, new_token_ids=[],
+                                              finish_reason="abort")],
                     scheduler_stats=make_scheduler_stats(core), timestamp=time.time()))
                 return False
             return True
@@ -207,8 +208,7 @@ class EngineCoreProc:
         self.output_socket.send(self.encoder.encode(message), copy=False)
 
     def _parent_alive(self) -> bool:
-        # A child whose parent died is re-parented, so its parent pid changes.
-        return os.getppid() == self.parent_pid
+        return parent_alive(self.parent_pid)
 
 
 def run_engine_core(engine_args: dict[str, Any], input_address: str, output_address: str,
@@ -247,20 +247,6 @@ def run_engine_core(engine_args: dict[str, Any], input_address: str, output_addr
 
 # ---- the front end's side ------------------------------------------------------------------
 
-# Unix socket paths longer than this do not fit sockaddr_un; such a temp dir falls back to TCP.
-_MAX_IPC_PATH = 100
-
-
-def _bind(socket: zmq.Socket, ipc_path: str) -> str:
-    """Bind to an ipc:// path, or to a free loopback TCP port if the path is too long;
-    returns the address to connect to."""
-    if len(ipc_path) <= _MAX_IPC_PATH:
-        socket.bind(f"ipc://{ipc_path}")
-        return f"ipc://{ipc_path}"
-    socket.bind("tcp://127.0.0.1:*")
-    return socket.getsockopt_string(zmq.LAST_ENDPOINT)
-
-
 @dataclass(slots=True)
 class EngineCoreHandle:
     """The front end's hold on a started engine-core process and its two sockets."""
@@ -294,12 +280,7 @@ class EngineCoreHandle:
     def release(self) -> None:
         """Stop the process (SIGTERM, then SIGKILL) and free the sockets and the temp dir.
         Must not reference the AsyncLLM: it also runs as its weakref finalizer."""
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5.0)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(5.0)
+        self.process.stop()
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         self.context.term()
@@ -314,57 +295,21 @@ def launch_engine_core(core_args: dict[str, Any], log_level: int) -> EngineCoreH
     input_socket.setsockopt(zmq.SNDHWM, 0)
     output_socket = context.socket(zmq.PULL)
     output_socket.setsockopt(zmq.RCVHWM, 0)
-    input_address = _bind(input_socket, f"{ipc_dir}/input")
-    output_address = _bind(output_socket, f"{ipc_dir}/output")
-    # A fresh interpreter (so CUDA initializes there), given its arguments as JSON: no pickle,
-    # not even at start-up.
+    input_address = bind_local(input_socket, f"{ipc_dir}/input")
+    output_address = bind_local(output_socket, f"{ipc_dir}/output")
     startup = json.dumps({"engine_args": core_args, "input_address": input_address,
                           "output_address": output_address, "parent_pid": os.getpid(),
                           "log_level": log_level})
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(sluice.__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     try:
-        popen = subprocess.Popen([sys.executable, "-m", "sluice.engine.core_proc", startup],
-                                 env=env, stdin=subprocess.DEVNULL)
+        process = spawn_module("sluice.engine.core_proc", startup)
     except BaseException:
         input_socket.close(linger=0)
         output_socket.close(linger=0)
         context.term()
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise
-    return EngineCoreHandle(ChildProcess(popen), context, input_socket, output_socket,
+    return EngineCoreHandle(process, context, input_socket, output_socket,
                             input_address, output_address, ipc_dir)
-
-
-class ChildProcess:
-    """The few process operations the front end uses, over subprocess.Popen."""
-
-    def __init__(self, popen: subprocess.Popen) -> None:
-        self.popen = popen
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.popen.poll()
-
-    def is_alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def terminate(self) -> None:
-        self.popen.terminate()
-
-    def kill(self) -> None:
-        self.popen.kill()
-
-    def join(self, timeout: float | None = None) -> None:
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 if __name__ == "__main__":

@@ -23,7 +23,10 @@ from sluice.sampling_params import SamplingParams
 
 class LLMEngine:
     def __init__(self, engine_args: EngineArgs) -> None:
-        model_config, cache_config, scheduler_config, hf_config = engine_args.create_configs()
+        config = engine_args.create_engine_config()
+        model_config, scheduler_config = config.model_config, config.scheduler_config
+        hf_config, cache_config = config.hf_config, config.cache_config
+        self.config = config
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -34,18 +37,20 @@ class LLMEngine:
                                               scheduler_config.max_model_len,
                                               hf_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(model_config, cache_config, scheduler_config, hf_config)
+        self.engine_core = EngineCore(config)
         self._request_counter = itertools.count()
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> str:
         if request_id is None:
             request_id = str(next(self._request_counter))
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival = time.time() if arrival_time is None else arrival_time
-        text, children = self.input_processor.process(request_id, prompt, params, arrival)
+        text, children = self.input_processor.process(request_id, prompt, params, arrival,
+                                                      kv_transfer_params)
         self.output_processor.add_request(request_id, text, children, params, output_kind,
                                           arrival)
         for child in children:

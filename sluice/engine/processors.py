@@ -1,4 +1,4 @@
-"""Text in, Requests out (InputProcessor); EngineCoreOutputs in, RequestOutputs out
+"""Text in, EngineCoreRequests out (InputProcessor); EngineCoreOutputs in, RequestOutputs out
 (OutputProcessor: incremental detokenization, stop strings, logprobs, `n > 1` fan-in)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.core.outputs import EngineCoreOutput, PositionLogprobs
-from sluice.core.request import Request
+from sluice.core.request import EngineCoreRequest
 from sluice.engine.detokenizer import IncrementalDetokenizer, decode_token
 from sluice.model.hf_config import HFModelConfig
 from sluice.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -90,8 +90,10 @@ class InputProcessor:
                                  f"got {t!r}")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                arrival_time: float | None = None) -> tuple[str | None, list[Request]]:
-        """Validate and tokenize; returns the prompt text and one Request per sample (`n`)."""
+                arrival_time: float | None = None,
+                kv_transfer_params: dict[str, Any] | None = None,
+                ) -> tuple[str | None, list[EngineCoreRequest]]:
+        """Validate and tokenize; returns the prompt text and one request per sample (`n`)."""
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty (it tokenized to no tokens)")
@@ -113,13 +115,14 @@ class InputProcessor:
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + index
                 child_params = params.clone(n=1, seed=seed)
-            requests.append(Request(
+            requests.append(EngineCoreRequest(
                 request_id=child_request_id(request_id, index, params.n),
                 prompt_token_ids=token_ids,
                 sampling_params=child_params,
                 eos_token_ids=eos,
                 arrival_time=arrival,
                 max_tokens=max_tokens,
+                kv_transfer_params=kv_transfer_params,
             ))
         return text, requests
 
@@ -158,6 +161,7 @@ class _RequestState:
     num_prompt_logprobs: int | None
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -171,7 +175,8 @@ class OutputProcessor:
         self.child_to_parent: dict[str, tuple[str, int]] = {}
         self._token_text_cache: dict[int, str] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, children: list[Request],
+    def add_request(self, request_id: str, prompt: str | None,
+                    children: list[EngineCoreRequest],
                     params: SamplingParams, output_kind: RequestOutputKind,
                     arrival_time: float) -> None:
         samples = []
@@ -247,6 +252,8 @@ class OutputProcessor:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = out.first_scheduled_time
             state.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             if out.new_prompt_logprobs is not None:
                 state.prompt_logprobs.extend(
                     self._convert_logprobs(p) if p is not None else None
@@ -320,6 +327,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
+            kv_transfer_params=state.kv_transfer_params,
         )
 
     def _convert_logprobs(self, position: PositionLogprobs) -> dict[int, Logprob]:

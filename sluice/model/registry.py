@@ -7,8 +7,10 @@ models may import the loader without a cycle.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 # architecture name -> (module, class name)
 _MODELS: dict[str, tuple[str, str]] = {

@@ -42,6 +42,12 @@ class StepHandle:
         for j, state in enumerate(sample_states):
             state.pending_step, state.pending_index = self, j
 
+    def is_ready(self) -> bool:
+        """Whether result() would return without waiting for the device."""
+        if self._done or self._event is None:
+            return True
+        return self._event.query() and (self.previous is None or self.previous.is_ready())
+
     def result(self) -> ModelRunnerOutput:
         if self._done:
             return self.output

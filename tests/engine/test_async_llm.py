@@ -20,11 +20,13 @@ import pytest
 import zmq
 
 from sluice import LLM, SamplingParams
+from sluice.channel import Encoder
+from sluice.core.request import EngineCoreRequest
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import AsyncLLM, EngineDeadError
 from sluice.engine.processors import RequestOutputKind
 from sluice.engine.stats import IterationStats, SchedulerStats, StatsLogger
-from sluice.engine.wire import WIRE_VERSION, Encoder, EngineCoreRequest, SamplingParamsWire
+from sluice.engine.wire import WIRE_VERSION, AddRequest
 from sluice.outputs import RequestOutput
 
 ENGINE_KWARGS: dict[str, Any] = dict(dtype="float32", block_size=8, max_model_len=256, seed=0)
@@ -357,15 +359,17 @@ def test_duplicate_request_id_and_unknown_utility_are_refused(engine: AsyncLLM) 
 
 def test_bad_frames_are_dropped_and_both_loops_go_on(engine: AsyncLLM,
                                                      caplog: pytest.LogCaptureFixture) -> None:
-    params = SamplingParamsWire.from_params(greedy(4))
-    wrong_version = EngineCoreRequest(request_id="v", prompt_token_ids=[5], eos_token_ids=[],
-                                      sampling_params=params, arrival_time=0.0, max_tokens=4,
-                                      version=WIRE_VERSION + 1)
-    # Well-formed, but sampling parameters SamplingParams refuses: the core rejects only it.
-    refused = msgspec.structs.replace(wrong_version, version=WIRE_VERSION, request_id="refused",
-                                      sampling_params=msgspec.structs.replace(params, stop=[""]))
-    for frame in (b"\xc1 not msgpack", Encoder().encode(wrong_version), b"",
-                  Encoder().encode(refused)):
+    def add(request_id: str, **changes: object) -> AddRequest:
+        return AddRequest(request=EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=[5], sampling_params=greedy(4),
+            max_tokens=4), **changes)
+
+    wrong_version = add("v", version=WIRE_VERSION + 1)
+    # Well-formed, but sampling parameters SamplingParams refuses: decoding fails on them.
+    fields = msgspec.to_builtins(add("refused"))
+    fields["request"]["sampling_params"]["stop"] = [""]
+    refused = msgspec.msgpack.encode(fields)
+    for frame in (b"\xc1 not msgpack", Encoder().encode(wrong_version), b"", refused):
         engine._input_socket.send(frame)
     # And garbage into the front end's output socket, from a stranger on the same address.
     context = zmq.Context()
@@ -441,10 +445,9 @@ def test_an_error_in_the_core_loop_is_reported_and_the_core_exits(
         task = asyncio.create_task(consume())
         await first.wait()
         # A request the front end would have refused: the model cannot embed this token.
-        llm._send(EngineCoreRequest(
-            request_id="poison", prompt_token_ids=[vocab_size + 7], eos_token_ids=[],
-            sampling_params=SamplingParamsWire.from_params(greedy(4)), arrival_time=0.0,
-            max_tokens=4))
+        llm._send(AddRequest(request=EngineCoreRequest(
+            request_id="poison", prompt_token_ids=[vocab_size + 7], sampling_params=greedy(4),
+            max_tokens=4)))
         with pytest.raises(EngineDeadError, match="IndexError"):
             await task
 

@@ -113,7 +113,7 @@ def test_shared_prefix_is_cached_and_computes_fewer_tokens(qwen3_dir: str) -> No
     second = prefix + [21, 22]
 
     computed: list[int] = []
-    runner = llm.llm_engine.engine_core.model_runner
+    runner = llm.llm_engine.engine_core.executor.model_runner
     launch = runner.launch
 
     def counting_launch(scheduler_output):  # noqa: ANN001, ANN202

@@ -237,7 +237,7 @@ def test_random_workload_with_aborts_and_preemption_returns_every_block(
     # The runner forgets every ended request (by the next schedule at the latest): one more
     # request leaves at most its own state behind, and one block-table row per state.
     llm.generate([ids_prompt([3, 4, 5])], greedy(2))
-    runner = engine.engine_core.model_runner
+    runner = engine.engine_core.executor.model_runner
     assert len(runner.requests) <= 1
     rows = runner.block_tables
     assert rows.table.shape[0] - len(rows.free_rows) == len(runner.requests)
@@ -274,7 +274,7 @@ def test_shutdown_frees_the_kv_cache_and_model_at_once(qwen3_dir: str) -> None:
 
     llm = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256)
     llm.generate([ids_prompt([5, 6, 7])], greedy(2))
-    runner = llm.llm_engine.engine_core.model_runner
+    runner = llm.llm_engine.engine_core.executor.model_runner
     kv_cache = weakref.ref(runner.kv_caches[0])
     model = weakref.ref(runner.model)
     llm.shutdown()
@@ -298,5 +298,5 @@ def test_async_engine_forgets_a_request_aborted_while_the_schedule_is_empty(
     engine.abort_request("B")
     while engine.has_unfinished_requests():
         engine.step()
-    assert "B" not in engine.engine_core.model_runner.requests
+    assert "B" not in engine.engine_core.executor.model_runner.requests
     assert_integrity_and_all_free(llm)

@@ -8,26 +8,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sluice.channel import Encoder, WireError, WireVersionError
 from sluice.core.outputs import EngineCoreOutput
-from sluice.core.request import Request
+from sluice.core.request import EngineCoreRequest, Request
 from sluice.engine.stats import SchedulerStats
 from sluice.engine.wire import (
     WIRE_VERSION,
     AbortRequests,
-    Encoder,
-    EngineCoreOutputItem,
+    AddRequest,
     EngineCoreOutputs,
-    EngineCoreRequest,
     EngineDead,
     FinishRequests,
     Ready,
     RequestDecoder,
     ResponseDecoder,
-    SamplingParamsWire,
     UtilityReply,
     UtilityRequest,
-    WireError,
-    WireVersionError,
 )
 from sluice.sampling_params import SamplingParams
 
@@ -56,25 +52,35 @@ def round_trip_response(message: object) -> object:
 
 def test_sampling_params_survive_the_wire_field_for_field() -> None:
     params = every_field_params()
-    back = SamplingParamsWire.from_params(params).to_params()
-    assert back == params  # dataclass equality: every user field
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert back == params  # struct equality: every field
     assert back.all_stop_token_ids == {2, 7, 9, 151645}
     assert back.stop == ["END", "\n\n"]
 
 
+def test_bad_sampling_params_on_the_wire_fail_validation_naming_the_value() -> None:
+    frame = msgspec.msgpack.encode({"temperature": -1.0})
+    with pytest.raises(msgspec.ValidationError, match="temperature must be >= 0"):
+        msgspec.msgpack.decode(frame, type=SamplingParams)
+
+
 def test_engine_core_request_round_trip_rebuilds_the_request() -> None:
-    request = Request("0_req-1", [5, 6, 7], every_field_params(), eos_token_ids={2, 3},
-                      arrival_time=123.5, max_tokens=33)
-    message = round_trip_request(EngineCoreRequest.from_request(request))
-    assert isinstance(message, EngineCoreRequest)
+    sent = EngineCoreRequest(request_id="0_req-1", prompt_token_ids=[5, 6, 7],
+                             sampling_params=every_field_params(), eos_token_ids={2, 3},
+                             arrival_time=123.5, max_tokens=33,
+                             kv_transfer_params={"do_remote_decode": True})
+    message = round_trip_request(AddRequest(request=sent))
+    assert isinstance(message, AddRequest)
     assert message.version == WIRE_VERSION
-    rebuilt = message.to_request()
+    assert message.request == sent
+    rebuilt = Request.from_engine_core_request(message.request)
     assert rebuilt.request_id == "0_req-1"
     assert rebuilt.prompt_token_ids == [5, 6, 7]
-    assert rebuilt.sampling_params == request.sampling_params
-    assert rebuilt.sampling_params.all_stop_token_ids == request.sampling_params.all_stop_token_ids
+    assert rebuilt.sampling_params == sent.sampling_params
+    assert rebuilt.sampling_params.all_stop_token_ids == {2, 7, 9, 151645}
     assert rebuilt.eos_token_ids == {2, 3}
     assert rebuilt.arrival_time == 123.5 and rebuilt.max_tokens == 33
+    assert rebuilt.kv_transfer_params == {"do_remote_decode": True}
 
 
 @pytest.mark.parametrize("message", [
@@ -111,16 +117,17 @@ def test_engine_core_outputs_round_trip_logprobs_and_stats() -> None:
         EngineCoreOutput("c", [9], finish_reason="stop", stop_reason=9),
         EngineCoreOutput("d", [], finish_reason="stop", stop_reason="END"),
         EngineCoreOutput("e", [], finish_reason="abort"),
+        EngineCoreOutput("f", [], finish_reason="error", stop_reason="KV load failed",
+                         kv_transfer_params={"remote_block_ids": [1, 2]}),
     ]
-    message = EngineCoreOutputs(outputs=[EngineCoreOutputItem.from_output(o) for o in outputs],
-                                scheduler_stats=STATS, timestamp=99.0)
+    message = EngineCoreOutputs(outputs=outputs, scheduler_stats=STATS, timestamp=99.0)
     back = round_trip_response(message)
     assert isinstance(back, EngineCoreOutputs)
-    assert [item.to_output() for item in back.outputs] == outputs
+    assert back.outputs == outputs
     assert back.scheduler_stats == STATS
     assert back.scheduler_stats.prefix_cache_hit_rate == 0.4
     # Logprob dicts keep the engine's order (the chosen token need not rank first).
-    assert list(back.outputs[0].to_output().new_logprobs[1]) == [12, 40]
+    assert list(back.outputs[0].new_logprobs[1]) == [12, 40]
 
 
 position = st.dictionaries(st.integers(0, 200_000),
@@ -138,8 +145,8 @@ def test_any_engine_core_output_round_trips(req_id, tokens, logprobs, prompt_log
                                             finish, stop_reason) -> None:  # noqa: ANN001
     out = EngineCoreOutput(req_id, tokens, finish_reason=finish, stop_reason=stop_reason,
                            new_logprobs=logprobs, new_prompt_logprobs=prompt_logprobs)
-    message = EngineCoreOutputs(outputs=[EngineCoreOutputItem.from_output(out)])
-    assert round_trip_response(message).outputs[0].to_output() == out
+    message = EngineCoreOutputs(outputs=[out])
+    assert round_trip_response(message).outputs[0] == out
 
 
 def test_frames_are_plain_msgpack_maps_with_type_and_version() -> None:
@@ -185,9 +192,9 @@ def test_malformed_frames_raise_wire_error_saying_what_is_wrong(frame: bytes,
         RequestDecoder().decode(frame)
 
 
-def test_mismatched_logprob_lists_are_refused_at_decode() -> None:
+def test_malformed_logprobs_are_refused_at_decode() -> None:
     frame = _frame(type="outputs", version=WIRE_VERSION,
                    outputs=[{"req_id": "a", "new_token_ids": [1],
-                             "new_logprobs": [[[1, 2], [-0.5], [1, 2]]]}])
-    with pytest.raises(WireError, match="differ in length"):
+                             "new_logprobs": [{1: [-0.5]}]}])
+    with pytest.raises(WireError, match="malformed response frame"):
         ResponseDecoder().decode(frame)

@@ -16,12 +16,13 @@ import msgspec
 import pytest
 
 from sluice import LLM, SamplingParams
+from sluice.channel import Encoder
 from sluice.core.outputs import SpecDecodingStats
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import core_process_args
 from sluice.engine.core_proc import make_scheduler_stats
 from sluice.engine.stats import IterationStats, SchedulerStats, StatsLogger
-from sluice.engine.wire import Encoder, EngineCoreOutputs, ResponseDecoder, UtilityReply
+from sluice.engine.wire import EngineCoreOutputs, ResponseDecoder, UtilityReply
 from sluice.entrypoints.cli import build_parser, engine_args_from, main
 from sluice.spec_decode.config import SpeculativeConfig
 
@@ -101,23 +102,22 @@ def test_speculation_with_async_scheduling_exits_with_a_clear_error(
 def test_speculative_config_survives_the_json_trip_to_the_core_process(
         qwen3_dir: str, given: dict | str | SpeculativeConfig) -> None:
     engine_args = EngineArgs(model=qwen3_dir, speculative_config=given, **ENGINE_KWARGS)
-    model_config, _, scheduler_config, _ = engine_args.create_configs()
-    core_args = core_process_args(engine_args, model_config, scheduler_config)
+    config = engine_args.create_engine_config()
+    core_args = core_process_args(engine_args, config)
     # What launch_engine_core sends: JSON only (a SpeculativeConfig object would not encode).
     sent = json.loads(json.dumps(core_args))
     assert sent["speculative_config"] == dataclasses.asdict(NGRAM_CONFIG)
-    rebuilt = EngineArgs(**sent).create_configs()
-    assert rebuilt[2].speculative_config == NGRAM_CONFIG
-    assert rebuilt[2] == scheduler_config
-    assert rebuilt[0] == model_config
+    rebuilt = EngineArgs(**sent).create_engine_config()
+    assert rebuilt.scheduler_config.speculative_config == NGRAM_CONFIG
+    assert rebuilt == config
 
 
 def test_no_speculation_travels_as_null(qwen3_dir: str) -> None:
     engine_args = EngineArgs(model=qwen3_dir, **ENGINE_KWARGS)
-    model_config, _, scheduler_config, _ = engine_args.create_configs()
-    sent = json.loads(json.dumps(core_process_args(engine_args, model_config, scheduler_config)))
+    config = engine_args.create_engine_config()
+    sent = json.loads(json.dumps(core_process_args(engine_args, config)))
     assert sent["speculative_config"] is None
-    assert EngineArgs(**sent).create_configs()[2] == scheduler_config
+    assert EngineArgs(**sent).create_engine_config() == config
 
 
 # ---- SchedulerStats: the wire and the log line ---------------------------------------------

@@ -405,7 +405,7 @@ def test_seeded_requests_through_the_engine_with_the_kernel(qwen3_dir: str) -> N
         llm = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256, seed=0,
                   async_scheduling=async_scheduling)
         sampler = KeyRecordingSampler()
-        llm.llm_engine.engine_core.model_runner.sampler = sampler
+        llm.llm_engine.engine_core.executor.model_runner.sampler = sampler
         alone = llm.generate([target], params)[0].outputs[0].token_ids
         assert [seeds[0] for seeds in sampler.launch_seeds[:6]] == keys
         batched = llm.generate([others[0], target, others[1]], mixed_params)
@@ -413,7 +413,7 @@ def test_seeded_requests_through_the_engine_with_the_kernel(qwen3_dir: str) -> N
         results.append(alone)
     assert results[0] == results[1]
     torch_path = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256, seed=0)
-    torch_path.llm_engine.engine_core.model_runner.sampler.use_triton = False  # (CUDA too)
+    torch_path.llm_engine.engine_core.executor.model_runner.sampler.use_triton = False  # (CUDA too)
     assert torch_path.generate([target], params)[0].outputs[0].token_ids != results[0]
 
 

@@ -17,8 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sluice.engine.core_proc import EngineDeadError
 from sluice.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from sluice.errors import EngineDeadError
 
 logger = logging.getLogger("sluice")
 

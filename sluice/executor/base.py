@@ -1,0 +1,56 @@
+"""The executor: the engine core's one handle on its workers.
+
+`UniprocExecutor` runs one worker in the engine's own process (the default, and today's fast
+path); `MultiprocExecutor` runs one worker process per rank and sends every rank the same step
+message. Both give the engine core the same calls, so the scheduler never knows where the model
+runs: `determine_num_blocks` (the minimum over ranks), `initialize_kv_cache`, `kv_cache_spec`,
+`execute_model` (returns at once; `.result()` of what it returns waits for the step), `shutdown`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+from sluice.config import EngineConfig
+from sluice.core.kv_connector import KVCacheSpec
+from sluice.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class StepFuture(Protocol):
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.kv_cache_spec: KVCacheSpec | None = None
+
+    @staticmethod
+    def create(config: EngineConfig) -> Executor:
+        backend = config.parallel_config.distributed_executor_backend
+        if backend == "uni":
+            from sluice.executor.uniproc import UniprocExecutor
+
+            return UniprocExecutor(config)
+        if backend == "mp":
+            from sluice.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor(config)
+        raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}")
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit every rank (the minimum)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> KVCacheSpec:
+        """Allocate the caches on every rank; the same block ids mean the same blocks on all."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        """Start one step on every rank; results are taken in launch order."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and free their memory; idempotent."""

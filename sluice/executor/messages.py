@@ -1,0 +1,84 @@
+"""The frames between the multiprocess executor and its worker processes (sluice.channel's
+typed, versioned messages; the step messages inside are the engine's own structs).
+
+executor -> worker: Startup (once: the whole EngineConfig and the rank), DetermineNumBlocks,
+InitializeKVCache, ExecuteModel (every step, the same frame to every rank), Shutdown.
+worker -> executor: WorkerReady, NumBlocks, KVCacheReady, StepResult (every step, every rank,
+in step order), WorkerFailed (the last frame of a failing worker).
+"""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+from sluice.channel import Message, MessageDecoder
+from sluice.config import EngineConfig
+from sluice.core.kv_connector import KVCacheSpec
+from sluice.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+ConnectorMetadataT = TypeVar("ConnectorMetadataT")
+_PEERS = "the executor and its workers"
+
+
+class Startup(Message, tag="startup"):
+    config: EngineConfig
+    rank: int
+    world_size: int
+
+
+class DetermineNumBlocks(Message, tag="determine_num_blocks"):
+    pass
+
+
+class InitializeKVCache(Message, tag="initialize_kv_cache"):
+    num_blocks: int
+
+
+class ExecuteModel(Message, Generic[ConnectorMetadataT], tag="execute_model"):
+    step_id: int
+    scheduler_output: SchedulerOutput[ConnectorMetadataT]
+
+
+class Shutdown(Message, tag="shutdown"):
+    pass
+
+
+class WorkerReady(Message, tag="worker_ready"):
+    rank: int
+    pid: int
+
+
+class NumBlocks(Message, tag="num_blocks"):
+    rank: int
+    num_blocks: int
+
+
+class KVCacheReady(Message, tag="kv_cache_ready"):
+    rank: int
+    kv_cache_spec: KVCacheSpec
+
+
+class StepResult(Message, tag="step_result"):
+    rank: int
+    step_id: int
+    output: ModelRunnerOutput
+
+
+class WorkerFailed(Message, tag="worker_failed"):
+    rank: int
+    error: str  # "ExceptionType: message"
+    traceback: str = ""
+
+
+WorkerReply = WorkerReady | NumBlocks | KVCacheReady | StepResult | WorkerFailed
+
+
+def worker_request_decoder(metadata_type: type) -> MessageDecoder:
+    """What a worker receives; steps carry the configured connector's plan type."""
+    return MessageDecoder(Startup | DetermineNumBlocks | InitializeKVCache
+                          | ExecuteModel[metadata_type] | Shutdown,  # type: ignore[valid-type]
+                          "worker request", _PEERS)
+
+
+def worker_reply_decoder() -> MessageDecoder:
+    return MessageDecoder(WorkerReply, "worker reply", _PEERS)

@@ -1,0 +1,256 @@
+"""The executor of one worker process per rank.
+
+Lifecycle: bind one PUSH socket per rank (the executor's requests) and one PULL socket for every
+rank's replies (ipc:// in a temp dir), start `python -m sluice.executor.worker_proc JSON` per
+rank, send each its Startup (the EngineConfig, its rank), and wait until every rank is ready.
+Each step's SchedulerOutput is encoded once and sent to every rank; every rank answers with a
+StepResult in step order. Rank 0's sampled tokens are the step's tokens; the connector reports
+are merged across ranks (a request's send or load is finished only once every rank reported it).
+
+Faults: while waiting for replies the executor looks at its workers every 100 ms; a worker that
+exited, or said WorkerFailed, makes the wait raise EngineDeadError naming the rank and why, well
+within 5 s. Workers exit on their own when this process goes away. `shutdown` asks the workers
+to stop, then terminates and kills the stragglers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+
+import zmq
+
+from sluice.channel import Encoder
+from sluice.config import EngineConfig
+from sluice.core.kv_connector import KVCacheSpec
+from sluice.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from sluice.errors import EngineDeadError
+from sluice.executor.base import Executor
+from sluice.executor.messages import (
+    DetermineNumBlocks,
+    ExecuteModel,
+    InitializeKVCache,
+    KVCacheReady,
+    NumBlocks,
+    Shutdown,
+    Startup,
+    StepResult,
+    WorkerFailed,
+    WorkerReady,
+    worker_reply_decoder,
+)
+from sluice.process_utils import ChildProcess, bind_local, spawn_module
+
+logger = logging.getLogger("sluice")
+
+# How often (ms) a wait for replies looks at the worker processes.
+_LIVENESS_POLL_MS = 100
+_SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass
+class _Workers:
+    """The processes and sockets; also the finalizer's state, so it must not reference the
+    executor."""
+
+    context: zmq.Context
+    request_sockets: list[zmq.Socket]
+    reply_socket: zmq.Socket
+    processes: list[ChildProcess]
+    ipc_dir: str
+
+    def release(self) -> None:
+        for process in self.processes:
+            process.stop(_SHUTDOWN_GRACE_S)
+        for socket in self.request_sockets:
+            socket.close(linger=0)
+        self.reply_socket.close(linger=0)
+        self.context.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class _MultiprocStep:
+    def __init__(self, executor: MultiprocExecutor, step_id: int) -> None:
+        self._executor = executor
+        self._step_id = step_id
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._executor._wait_for_step(self._step_id)
+        return self._output
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, world_size: int | None = None,
+                 ready_timeout_s: float = 600.0) -> None:
+        """`world_size`: worker processes (default: the tensor-parallel size); more than the
+        model's ranks runs replicas, each computing the whole step (tests use it)."""
+        super().__init__(config)
+        self.world_size = world_size or config.parallel_config.world_size
+        self._encoder = Encoder()
+        self._decoder = worker_reply_decoder()
+        self._next_step_id = 0
+        self._results: dict[int, dict[int, ModelRunnerOutput]] = defaultdict(dict)
+        # req_id -> ranks that reported it so far (finished sending / receiving).
+        self._sending_reports: dict[str, int] = defaultdict(int)
+        self._recving_reports: dict[str, int] = defaultdict(int)
+        self._dead_error: str | None = None
+        self._workers = self._start_workers()
+        self._finalizer = weakref.finalize(self, self._workers.release)
+        try:
+            for rank in range(self.world_size):
+                self._send(rank, Startup(config=config, rank=rank, world_size=self.world_size))
+            self._gather(WorkerReady, ready_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_workers(self) -> _Workers:
+        ipc_dir = tempfile.mkdtemp(prefix="sluice-workers-")
+        context = zmq.Context()
+        reply_socket = context.socket(zmq.PULL)
+        reply_socket.setsockopt(zmq.RCVHWM, 0)
+        reply_address = bind_local(reply_socket, f"{ipc_dir}/replies")
+        workers = _Workers(context, [], reply_socket, [], ipc_dir)
+        try:
+            for rank in range(self.world_size):
+                socket = context.socket(zmq.PUSH)
+                socket.setsockopt(zmq.SNDHWM, 0)
+                workers.request_sockets.append(socket)
+                request_address = bind_local(socket, f"{ipc_dir}/rank{rank}")
+                startup = json.dumps({
+                    "request_address": request_address, "reply_address": reply_address,
+                    "rank": rank, "parent_pid": os.getpid(),
+                    "log_level": logging.getLogger("sluice").getEffectiveLevel()})
+                workers.processes.append(spawn_module("sluice.executor.worker_proc", startup))
+        except BaseException:
+            workers.release()
+            raise
+        return workers
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [process.pid for process in self._workers.processes]
+
+    def determine_num_blocks(self) -> int:
+        self._broadcast(DetermineNumBlocks())
+        replies = self._gather(NumBlocks)
+        return min(reply.num_blocks for reply in replies)
+
+    def initialize_kv_cache(self, num_blocks: int) -> KVCacheSpec:
+        self._broadcast(InitializeKVCache(num_blocks=num_blocks))
+        replies = self._gather(KVCacheReady)
+        self.kv_cache_spec = replies[0].kv_cache_spec
+        return self.kv_cache_spec
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> _MultiprocStep:
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        self._broadcast(ExecuteModel(step_id=step_id, scheduler_output=scheduler_output))
+        return _MultiprocStep(self, step_id)
+
+    def shutdown(self) -> None:
+        if not self._finalizer.alive:
+            return
+        if self._dead_error is None:
+            try:
+                self._broadcast(Shutdown())
+                deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+                for process in self._workers.processes:
+                    process.join(max(0.0, deadline - time.monotonic()))
+            except EngineDeadError:
+                pass
+        self._finalizer()
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _send(self, rank: int, message: object) -> None:
+        self._workers.request_sockets[rank].send(self._encoder.encode(message), copy=False)
+
+    def _broadcast(self, message: object) -> None:
+        self._raise_if_dead()
+        frame = self._encoder.encode(message)
+        for socket in self._workers.request_sockets:
+            socket.send(frame, copy=False)
+
+    def _gather(self, reply_type: type, timeout_s: float | None = None) -> list:
+        """One reply of `reply_type` from every rank, in rank order."""
+        replies: dict[int, object] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(replies) < self.world_size:
+            message = self._receive(deadline, f"waiting for {reply_type.__name__}")
+            if isinstance(message, reply_type):
+                replies[message.rank] = message
+            elif isinstance(message, StepResult):
+                self._results[message.step_id][message.rank] = message.output
+            else:
+                logger.warning("executor ignored an unexpected %s", type(message).__name__)
+        return [replies[rank] for rank in range(self.world_size)]
+
+    def _wait_for_step(self, step_id: int) -> ModelRunnerOutput:
+        results = self._results[step_id]
+        while len(results) < self.world_size:
+            message = self._receive(None, f"waiting for step {step_id}")
+            if isinstance(message, StepResult):
+                self._results[message.step_id][message.rank] = message.output
+            else:
+                logger.warning("executor ignored an unexpected %s", type(message).__name__)
+        del self._results[step_id]
+        return self._merge([results[rank] for rank in range(self.world_size)])
+
+    def _receive(self, deadline: float | None, doing: str) -> object:
+        socket = self._workers.reply_socket
+        while True:
+            self._raise_if_dead()
+            if socket.poll(_LIVENESS_POLL_MS):
+                message = self._decoder.decode(socket.recv())
+                if isinstance(message, WorkerFailed):
+                    self._dead(f"worker rank {message.rank} failed: {message.error}\n"
+                               f"{message.traceback}")
+                return message
+            for rank, process in enumerate(self._workers.processes):
+                if not process.is_alive():
+                    self._dead(f"worker rank {rank} (pid {process.pid}) exited with status "
+                               f"{process.exitcode} while the executor was {doing}")
+            if deadline is not None and time.monotonic() > deadline:
+                self._dead(f"the workers did not answer in time while the executor was {doing}")
+
+    def _dead(self, error: str) -> None:
+        self._dead_error = error
+        logger.error("%s", error)
+        raise EngineDeadError(error)
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(self._dead_error)
+
+    def _merge(self, outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+        """Rank 0's output, with the connector reports of every rank combined."""
+        output = outputs[0]
+        reports = [o.kv_connector_output for o in outputs if o.kv_connector_output is not None]
+        if len(outputs) == 1 or not reports:
+            return output
+        merged = KVConnectorOutput()
+        for report in reports:
+            merged.invalid_block_ids |= report.invalid_block_ids
+            for key, value in report.stats.items():
+                merged.stats[key] = merged.stats.get(key, 0.0) + value
+            for req_id in report.finished_sending:
+                self._sending_reports[req_id] += 1
+            for req_id in report.finished_recving:
+                self._recving_reports[req_id] += 1
+        for counts, done in ((self._sending_reports, merged.finished_sending),
+                             (self._recving_reports, merged.finished_recving)):
+            for req_id in [r for r, n in counts.items() if n == self.world_size]:
+                del counts[req_id]
+                done.add(req_id)
+        output.kv_connector_output = merged
+        return output

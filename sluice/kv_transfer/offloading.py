@@ -1,0 +1,363 @@
+"""A CPU tier under the paged KV cache (vLLM's `OffloadingConnector` name and config).
+
+Every full block an instance computes is also saved, layer by layer and without blocking the
+step, into a bounded store in host memory (pinned where CUDA is present); a request whose prefix
+misses the GPU prefix cache but is in the CPU tier loads those blocks instead of recomputing
+them. The prefix cache thus outgrows GPU memory.
+
+    kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"cpu_bytes_to_use": N}}
+    (or the shorthand kv_offloading_size=GiB / --kv-offloading-size GIB)
+
+Scheduler half: the index of the tier. Slots of one block each (every layer), keyed by the
+block's chained hash within this instance's namespace (model, dtype, block size, layout, rank),
+LRU-evicted; a slot is pinned while a step loads from it or saves into it, and becomes loadable
+only once the step that saved it has returned (its copies are complete by then, see below).
+Lookups walk the request's block hashes after the local hit and stop at the first miss.
+
+Worker half: the store, one tensor per layer mirroring the GPU layout ([2, num_slots,
+block_size, heads, dim]), so a run of consecutive slots <-> consecutive blocks is two plain
+copies (K and V). Loads of all layers are issued at the start of the step on a side stream,
+one event per layer; each attention layer waits only for its own. Saves of a layer go on
+another side stream after the layer's KV is stored; `wait_for_save` makes the compute stream
+wait for them, so no later step overwrites a block before it is copied out, and the step's
+sampled tokens (which the engine waits for) come after the copies. On the CPU everything is
+synchronous.
+
+The CPU tier never fails a load (host memory), so it reports no invalid blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from sluice.config import KVTransferConfig
+from sluice.core.kv_connector import KVCacheSpec, KVConnectorScheduler, SchedulerView
+from sluice.core.outputs import KVConnectorOutput, SchedulerOutput
+from sluice.worker.kv_connector import KVConnectorWorker
+
+if TYPE_CHECKING:
+    import torch
+
+    from sluice.attention.metadata import AttentionMetadata
+    from sluice.core.request import Request
+
+logger = logging.getLogger("sluice")
+
+_EXTRA_KEYS = ("cpu_bytes_to_use",)
+
+
+class OffloadingMetadata(msgspec.Struct):
+    """One step's copies: GPU block load_gpu_blocks[i] <- CPU slot load_cpu_slots[i], and
+    CPU slot save_cpu_slots[i] <- GPU block save_gpu_blocks[i]."""
+
+    load_gpu_blocks: list[int] = msgspec.field(default_factory=list)
+    load_cpu_slots: list[int] = msgspec.field(default_factory=list)
+    save_gpu_blocks: list[int] = msgspec.field(default_factory=list)
+    save_cpu_slots: list[int] = msgspec.field(default_factory=list)
+
+
+def num_cpu_slots(config: KVTransferConfig, spec: KVCacheSpec) -> int:
+    extra = config.kv_connector_extra_config
+    unknown = sorted(set(extra) - set(_EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"OffloadingConnector: unknown kv_connector_extra_config keys "
+                         f"{unknown}; allowed: {list(_EXTRA_KEYS)}")
+    size = extra.get("cpu_bytes_to_use")
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"OffloadingConnector: kv_connector_extra_config.cpu_bytes_to_use "
+                         f"must be an integer number of bytes > 0, got {size!r}")
+    slots = size // spec.bytes_per_block
+    if slots < 1:
+        raise ValueError(f"OffloadingConnector: cpu_bytes_to_use ({size}) is less than one "
+                         f"KV block ({spec.bytes_per_block} bytes over {spec.num_layers} "
+                         "layers)")
+    return slots
+
+
+def namespace(spec: KVCacheSpec) -> bytes:
+    """8 bytes naming what a block hash means here: the same tokens under another model,
+    dtype, block size, layout or rank are other bytes."""
+    text = (f"{spec.model}@{spec.dtype}@bs{spec.block_size}@{spec.layout}"
+            f"@tp{spec.tp_rank}/{spec.tp_size}")
+    return hashlib.sha256(text.encode()).digest()[:8]
+
+
+@dataclass(slots=True)
+class _Slot:
+    slot_id: int
+    ready: bool = False  # its save has completed
+    pins: int = 0  # steps in flight loading from or saving into it
+
+
+@dataclass(slots=True)
+class _StepRecord:
+    saved: list[bytes]  # keys whose slots this step fills
+    loaded: list[bytes]  # keys whose slots this step reads
+
+
+class OffloadingConnectorScheduler(KVConnectorScheduler):
+    metadata_type = OffloadingMetadata
+
+    def __init__(self, config: KVTransferConfig, kv_cache_spec: KVCacheSpec) -> None:
+        super().__init__(config, kv_cache_spec)
+        self.num_slots = num_cpu_slots(config, kv_cache_spec)
+        self._namespace = namespace(kv_cache_spec)
+        self._index: OrderedDict[bytes, _Slot] = OrderedDict()  # LRU first
+        self._free_slots = deque(range(self.num_slots))
+        # Loads planned by update_state_after_alloc, sent with the next plan: (gpu, key).
+        self._pending_loads: list[tuple[int, bytes]] = []
+        # Per live request: full blocks already considered for saving.
+        self._num_considered: dict[str, int] = {}
+        self._in_flight: deque[_StepRecord] = deque()
+        self._stats = {"lookups": 0, "hit_blocks": 0, "loaded_blocks": 0, "saved_blocks": 0,
+                       "evicted_blocks": 0}
+
+    def _key(self, request: Request, block_index: int) -> bytes:
+        return self._namespace + request.block_hashes[block_index].hash_value
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        block_size = self.kv_cache_spec.block_size
+        self._stats["lookups"] += 1
+        num_hits = 0
+        for i in range(num_computed_tokens // block_size, (request.num_tokens - 1) // block_size):
+            slot = self._index.get(self._key(request, i))
+            if slot is None or not slot.ready:
+                break
+            num_hits += 1
+        return num_hits * block_size, False
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        block_size = self.kv_cache_spec.block_size
+        first = request.num_computed_tokens // block_size - num_external_tokens // block_size
+        for i in range(first, first + num_external_tokens // block_size):
+            key = self._key(request, i)
+            self._index[key].pins += 1  # present and ready: just looked up
+            self._index.move_to_end(key)
+            self._pending_loads.append((block_ids[i], key))
+        self._stats["hit_blocks"] += num_external_tokens // block_size
+        # The loaded blocks are in the tier already: never considered for saving.
+        self._num_considered[request.request_id] = first + num_external_tokens // block_size
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput,
+                             scheduler: SchedulerView) -> OffloadingMetadata:
+        for req_id in scheduler_output.finished_req_ids:
+            self._num_considered.pop(req_id, None)
+        for req_id in scheduler_output.preempted_req_ids:
+            self._num_considered.pop(req_id, None)  # recomputed later into new blocks
+        meta = OffloadingMetadata()
+        record = _StepRecord(saved=[], loaded=[])
+        for gpu_block, key in self._pending_loads:
+            meta.load_gpu_blocks.append(gpu_block)
+            meta.load_cpu_slots.append(self._index[key].slot_id)
+            record.loaded.append(key)
+        self._pending_loads = []
+        self._stats["loaded_blocks"] += len(record.loaded)
+        block_size = self.kv_cache_spec.block_size
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            # Known tokens only (drafts are not the request's tokens yet).
+            num_full = min(request.num_computed_tokens + num_new, request.num_tokens) // block_size
+            first = self._num_considered.get(req_id, 0)
+            if num_full <= first:
+                continue
+            self._num_considered[req_id] = num_full
+            block_ids = scheduler.get_block_ids(req_id)
+            for i in range(first, num_full):
+                key = self._key(request, i)
+                if key in self._index:
+                    self._index.move_to_end(key)
+                    continue
+                slot = self._allocate_slot(key)
+                if slot is None:
+                    break  # every slot is pinned: save nothing more this step
+                meta.save_gpu_blocks.append(block_ids[i])
+                meta.save_cpu_slots.append(slot.slot_id)
+                record.saved.append(key)
+        self._stats["saved_blocks"] += len(record.saved)
+        self._in_flight.append(record)
+        return meta
+
+    def _allocate_slot(self, key: bytes) -> _Slot | None:
+        if self._free_slots:
+            slot = _Slot(self._free_slots.popleft())
+        else:
+            victim = next((k for k, s in self._index.items() if s.pins == 0 and s.ready), None)
+            if victim is None:
+                return None
+            slot = _Slot(self._index.pop(victim).slot_id)
+            self._stats["evicted_blocks"] += 1
+        slot.pins = 1
+        self._index[key] = slot
+        return slot
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        # One report per planned step, in step order (the engine steps the workers every
+        # step while a connector is configured).
+        record = self._in_flight.popleft()
+        for key in record.saved:
+            slot = self._index[key]
+            slot.ready = True
+            slot.pins -= 1
+        for key in record.loaded:
+            self._index[key].pins -= 1
+
+    def get_stats(self) -> dict[str, float]:
+        stats = dict(self._stats)
+        stats["used_slots"] = len(self._index)
+        stats["num_slots"] = self.num_slots
+        return stats
+
+    def check_integrity(self) -> None:
+        """Slots are either free or indexed, never both; pins only while steps are out."""
+        indexed = [slot.slot_id for slot in self._index.values()]
+        assert len(set(indexed)) == len(indexed), "a CPU slot is indexed twice"
+        assert not set(indexed) & set(self._free_slots), "a CPU slot is free and indexed"
+        assert len(indexed) + len(self._free_slots) == self.num_slots, "a CPU slot is lost"
+        if not self._in_flight:
+            pinned = [k for k, s in self._index.items() if s.pins]
+            assert not pinned, f"{len(pinned)} CPU slots pinned with no step in flight"
+
+
+class OffloadingConnectorWorker(KVConnectorWorker):
+    def __init__(self, config: KVTransferConfig, kv_cache_spec: KVCacheSpec) -> None:
+        super().__init__(config, kv_cache_spec)
+        self.num_slots = num_cpu_slots(config, kv_cache_spec)
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.cpu_caches: dict[str, torch.Tensor] = {}
+        self._load_events: dict[str, Any] = {}
+        self._load_runs: list[tuple[int, int, int]] = []
+        self._save_runs: list[tuple[int, int, int]] = []
+        self._cuda = False
+        self._stats: dict[str, float] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        import torch
+
+        self.kv_caches = dict(kv_caches)
+        first = next(iter(kv_caches.values()))
+        self._cuda = first.is_cuda
+        for name, kv in kv_caches.items():
+            # [2, num_slots, block_size, heads, dim]: the GPU layout, slots for blocks.
+            shape = (2, self.num_slots, *kv.shape[2:])
+            self.cpu_caches[name] = torch.empty(shape, dtype=kv.dtype, device="cpu",
+                                                pin_memory=self._cuda)
+        if self._cuda:
+            self._load_stream = torch.cuda.Stream(device=first.device)
+            self._save_stream = torch.cuda.Stream(device=first.device)
+        logger.info("CPU KV tier: %d blocks, %.2f GiB of %s host memory", self.num_slots,
+                    self.num_slots * self.kv_cache_spec.bytes_per_block / 2**30,
+                    "pinned" if self._cuda else "plain")
+
+    def has_loads(self) -> bool:
+        return bool(self._metadata is not None and self._metadata.load_gpu_blocks)
+
+    def start_load_kv(self) -> None:
+        meta: OffloadingMetadata | None = self._metadata
+        self._load_events = {}
+        self._save_runs = _runs(meta.save_gpu_blocks, meta.save_cpu_slots) if meta else []
+        if meta is None or not meta.load_gpu_blocks:
+            return
+        import torch
+
+        self._load_runs = _runs(meta.load_gpu_blocks, meta.load_cpu_slots)
+        self._add_stat("load_bytes", len(meta.load_gpu_blocks)
+                       * self.kv_cache_spec.bytes_per_block)
+        if not self._cuda:
+            for name, kv in self.kv_caches.items():
+                _copy_runs(kv, self.cpu_caches[name], self._load_runs, to_device=True)
+            return
+        # The blocks were allocated for this step; anything the compute stream queued before
+        # (an earlier step using them) must be done before they are overwritten.
+        self._load_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._load_stream):
+            for name, kv in self.kv_caches.items():
+                _copy_runs(kv, self.cpu_caches[name], self._load_runs, to_device=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._load_events[name] = event
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        event = self._load_events.pop(layer_name, None)
+        if event is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(event)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata | None) -> None:
+        if not self._save_runs:
+            return
+        if not self._cuda:
+            _copy_runs(kv_layer, self.cpu_caches[layer_name], self._save_runs, to_device=False)
+            return
+        import torch
+
+        self._save_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._save_stream):
+            _copy_runs(kv_layer, self.cpu_caches[layer_name], self._save_runs, to_device=False)
+
+    def wait_for_save(self) -> None:
+        if self._save_runs:
+            meta: OffloadingMetadata = self._metadata
+            self._add_stat("save_bytes", len(meta.save_gpu_blocks)
+                           * self.kv_cache_spec.bytes_per_block)
+            if self._cuda:
+                import torch
+
+                torch.cuda.current_stream().wait_stream(self._save_stream)
+        self._save_runs = []
+
+    def get_stats(self) -> dict[str, float]:
+        stats, self._stats = self._stats, {}
+        return stats
+
+    def _add_stat(self, name: str, value: float) -> None:
+        self._stats[name] = self._stats.get(name, 0.0) + value
+
+    def shutdown(self) -> None:
+        self.cpu_caches = {}
+        self.kv_caches = {}
+
+
+def _runs(gpu_blocks: list[int], cpu_slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first gpu block, first cpu slot, length) of each run where both go up by one:
+    [(5, 0), (6, 1), (7, 2), (12, 9)] -> [(5, 0, 3), (12, 9, 1)]."""
+    runs: list[tuple[int, int, int]] = []
+    for gpu, cpu in zip(gpu_blocks, cpu_slots):
+        if runs:
+            g0, c0, n = runs[-1]
+            if gpu == g0 + n and cpu == c0 + n:
+                runs[-1] = (g0, c0, n + 1)
+                continue
+        runs.append((gpu, cpu, 1))
+    return runs
+
+
+def _copy_runs(kv: torch.Tensor, cpu: torch.Tensor, runs: list[tuple[int, int, int]],
+               to_device: bool) -> None:
+    """kv, cpu: [2, blocks or slots, block_size, heads, dim]; each run is one copy per K / V
+    (contiguous on both sides)."""
+    for gpu_block, cpu_slot, length in runs:
+        for half in (0, 1):
+            device_part = kv[half, gpu_block:gpu_block + length]
+            host_part = cpu[half, cpu_slot:cpu_slot + length]
+            if to_device:
+                device_part.copy_(host_part, non_blocking=True)
+            else:
+                host_part.copy_(device_part, non_blocking=True)
+
+
+class OffloadingConnector:
+    """The CPU tier's two halves (see the module docstring)."""
+
+    Scheduler = OffloadingConnectorScheduler
+    Worker = OffloadingConnectorWorker

@@ -1,0 +1,77 @@
+"""One rank of the engine: its model runner and its half of the KV connector.
+
+The executor (sluice/executor/) drives workers through the same calls whether they live in the
+engine's process or each in their own: `determine_num_blocks` (what fits this rank), then
+`initialize_kv_cache` with the number every rank agreed on (the minimum), then
+`execute_model` once per step, in order; `kv_cache_spec` describes the cache to connectors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from sluice.config import EngineConfig
+from sluice.core.kv_connector import KVCacheSpec
+from sluice.core.outputs import SchedulerOutput
+from sluice.worker.kv_connector import KVConnectorWorker
+from sluice.worker.model_runner import ModelRunner
+from sluice.worker.step_handle import StepHandle
+
+# Builds this rank's connector half once its KV cache exists (the executor supplies it, so
+# the worker does not depend on the connector implementations).
+ConnectorFactory = Callable[[KVCacheSpec], KVConnectorWorker]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0,
+                 connector_factory: ConnectorFactory | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.model_runner = ModelRunner(config.model_config, config.cache_config,
+                                        config.scheduler_config, config.hf_config)
+        self.connector_factory = connector_factory
+        self.connector: KVConnectorWorker | None = None
+
+    def determine_num_blocks(self) -> int:
+        return self.model_runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> KVCacheSpec:
+        """Allocate `num_blocks` blocks per layer, capture graphs, and give the cache to the
+        connector; returns the cache's description."""
+        runner = self.model_runner
+        runner.initialize_kv_cache(num_blocks)
+        spec = self.kv_cache_spec()
+        if self.connector_factory is not None:
+            self.connector = self.connector_factory(spec)
+            self.connector.register_kv_caches(runner.kv_caches)
+            runner.kv_connector = self.connector
+        return spec
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        runner = self.model_runner
+        hf_config = self.config.hf_config
+        return KVCacheSpec(
+            model=self.config.model_config.model,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            block_size=self.config.cache_config.block_size,
+            num_kv_heads=hf_config.num_key_value_heads,
+            head_dim=hf_config.head_dim,
+            layer_names=tuple(runner.kv_caches),
+            tp_rank=self.rank,
+            tp_size=self.config.parallel_config.tensor_parallel_size,
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        return self.model_runner.launch(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+            self.connector = None
+        self.model_runner.shutdown()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model_runner.device
