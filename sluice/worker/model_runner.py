@@ -35,6 +35,7 @@ from sluice.core.outputs import (
 from sluice.model.attention import bind_kv_caches
 from sluice.model.hf_config import HFModelConfig
 from sluice.model.loader import load_model, resolve_dtype
+from sluice.sample.sampler import Sampler, compute_topk_logprobs
 from sluice.sampling_params import SamplingParams
 from sluice.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from sluice.worker.input_batch import (
@@ -44,7 +45,6 @@ from sluice.worker.input_batch import (
     StagedBuffer,
 )
 from sluice.worker.kv_cache import allocate_kv_caches, determine_num_blocks
-from sluice.worker.sampler import Sampler, compute_topk_logprobs
 from sluice.worker.sampling_inputs import (
     SamplingStaging,
     build_row_seeds,
