@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from sluice.attention import AttentionMetadata, get_attention_backend
+from sluice.attention.kv_layout import allocate_kv_caches
 from sluice.config import CacheConfig, ModelConfig, SchedulerConfig
 from sluice.core.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -32,7 +33,7 @@ from sluice.core.outputs import (
     PositionLogprobs,
     SchedulerOutput,
 )
-from sluice.model.attention import bind_kv_caches
+from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import HFModelConfig
 from sluice.model.loader import load_model, resolve_dtype
 from sluice.sample.sampler import Sampler, compute_topk_logprobs
@@ -44,7 +45,7 @@ from sluice.worker.input_batch import (
     StagedArena,
     StagedBuffer,
 )
-from sluice.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+from sluice.worker.kv_cache import determine_num_blocks
 from sluice.worker.sampling_inputs import (
     SamplingStaging,
     build_row_seeds,
@@ -182,7 +183,8 @@ class ModelRunner:
         self.mixed_graphs: DecodeGraphs | None = None
         self.mixed_graph_reqs = 0
         self.verify_graphs: DecodeGraphs | None = None  # decodes with 1 + k tokens each
-        self.kv_caches: list[torch.Tensor] = []
+        # {layer_name: [2, num_blocks, block_size, KVH, D]} in layer order (kv_layout)
+        self.kv_caches: dict[str, torch.Tensor] = {}
         self.num_blocks = 0
 
     def shutdown(self) -> None:
@@ -191,7 +193,7 @@ class ModelRunner:
         self._last_step = None
         self.spec = None
         self.requests.clear()
-        self.kv_caches = []
+        self.kv_caches = {}
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -207,8 +209,10 @@ class ModelRunner:
                                     extra_bytes_per_block=extra)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size,
-                                            self.dtype, self.device)
+        hf = self.hf_config
+        self.kv_caches = allocate_kv_caches(list(attention_layers(self.model)), num_blocks,
+                                            self.block_size, hf.num_key_value_heads,
+                                            hf.head_dim, self.dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches)
         self.num_blocks = num_blocks
         if self.spec is not None:
