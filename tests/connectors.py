@@ -7,7 +7,7 @@
 It is the CPU tier (sluice.kv_transfer.offloading) with faults and delays injected by its extra
 config, so every load still moves real KV and a scheduler mistake shows as wrong tokens:
 
-- "defer_lookups": N — answer None ("ask again next step") N times per request first;
+- "defer_lookups": {request_id: N} — answer None ("ask again next step") N times first;
 - "load_async": true — loads are asynchronous: the worker copies a request's blocks in a
   background thread "load_delay_s" seconds later, then reports it in finished_recving (the
   slots stay pinned until then);
@@ -73,7 +73,7 @@ class InjectingScheduler(OffloadingConnectorScheduler):
         super().__init__(_offloading_config(config), kv_cache_spec)
         self.config = config
         options = _options(config)
-        self.defer_lookups = options.get("defer_lookups", 0)
+        self.defer_lookups = options.get("defer_lookups", {})
         self.load_async = options.get("load_async", False)
         self.fail_blocks = set(options.get("fail_blocks", ()))
         self.delay_free = options.get("delay_free_s") is not None
@@ -88,7 +88,7 @@ class InjectingScheduler(OffloadingConnectorScheduler):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         seen = self._lookups.get(request.request_id, 0)
         self._lookups[request.request_id] = seen + 1
-        if seen < self.defer_lookups:
+        if seen < self.defer_lookups.get(request.request_id, 0):
             return None, False
         num_tokens, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return num_tokens, self.load_async

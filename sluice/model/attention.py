@@ -2,6 +2,11 @@
 
 The layer owns no policy: its KV cache is a tensor the model runner allocates and binds with
 `bind_kv_caches`, and which tokens go where comes in the `AttentionMetadata` of each forward.
+
+Each layer is known by its `layer_name`, its qualified module name in the model
+(`model.layers.0.self_attn.attn`): the loader names the layers once the model is built
+(`name_attention_layers`), and KV caches travel as `{layer_name: tensor}` in layer order, so
+whatever reads or moves them per layer (a KV connector) needs no positional convention.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        # The qualified module name in its model, set by name_attention_layers.
+        self.layer_name = ""
         # [2, num_blocks, block_size, num_kv_heads, head_dim] once bound; a plain attribute, not a
         # buffer, so it stays out of state_dict and `model.to()`.
         self.kv_cache: torch.Tensor = torch.empty(0)
@@ -45,8 +52,15 @@ class Attention(nn.Module):
         kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, H * D]
         """kv_stored: k and v are already in `kv_cache` at `attn_metadata.slot_mapping` (a fused
-        kernel wrote them with the rotary embedding), so the backend skips its store."""
+        kernel wrote them with the rotary embedding), so the backend skips its store.
+
+        A KV connector's per-layer hooks (eager steps only) run around the attention: this
+        layer's loads are waited for before it reads the cache, and its KV of this step is
+        handed on once stored (the blocks they touch are not this step's new tokens' slots)."""
         num_tokens = q.shape[0]
+        hooks = attn_metadata.kv_hooks
+        if hooks is not None:
+            hooks.wait_for_layer_load(self.layer_name)
         out = self.backend.forward(
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
@@ -56,15 +70,35 @@ class Attention(nn.Module):
             self.scale,
             kv_stored,
         )
+        if hooks is not None:
+            hooks.save_kv_layer(self.layer_name, self.kv_cache, attn_metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
 
-def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
-    """Give the i-th Attention layer of `model` (in layer order) the i-th cache tensor."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    if len(layers) != len(kv_caches):
+def attention_layers(model: nn.Module) -> dict[str, Attention]:
+    """The Attention layers of `model` by qualified module name, in layer order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
+
+
+def name_attention_layers(model: nn.Module) -> list[str]:
+    """Set every Attention layer's `layer_name` to its qualified name in `model`; the names, in
+    layer order. Called once, when the model is built."""
+    layers = attention_layers(model)
+    for name, layer in layers.items():
+        layer.layer_name = name
+    return list(layers)
+
+
+def bind_kv_caches(model: nn.Module, kv_caches: dict[str, torch.Tensor]) -> None:
+    """Give each Attention layer of `model` the cache keyed by its qualified name (its
+    `layer_name` once named)."""
+    layers = attention_layers(model)
+    missing = [name for name in layers if name not in kv_caches]
+    extra = [name for name in kv_caches if name not in layers]
+    if missing or extra:
         raise ValueError(
-            f"got {len(kv_caches)} KV cache tensors for a model with {len(layers)} attention layers"
-        )
-    for layer, kv_cache in zip(layers, kv_caches):
-        layer.kv_cache = kv_cache
+            f"KV caches do not match the model's attention layers: missing {missing}, "
+            f"extra {extra}")
+    for name, layer in layers.items():
+        assert layer.layer_name in ("", name), f"{layer.layer_name} was named in another model"
+        layer.kv_cache = kv_caches[name]

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from sluice.attention.backend import AttentionBackend
+from sluice.model.attention import name_attention_layers
 from sluice.model.hf_config import HFModelConfig
 from sluice.model.layers import default_weight_loader
 from sluice.model.registry import get_model_class
@@ -52,6 +53,7 @@ def load_model(
             model = model_class(hf_config, attn_backend)
     finally:
         torch.set_default_dtype(previous_dtype)
+    name_attention_layers(model)
     with torch.no_grad():
         model.load_weights(iterate_weights(files, dtype))
     return model.eval().requires_grad_(False)

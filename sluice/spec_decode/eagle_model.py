@@ -10,7 +10,7 @@ follows it, and the position is the hidden state's. The runner turns `out` into 
 target's `compute_logits` (the target's LM head; the head has no norm and no LM head of its own)
 and feeds `out` back as `target_hidden` for the next draft token. The decoder layer is the
 target's kind (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norms); its attention has its own KV
-cache, bound with `bind_kv_caches(head, [kv_cache])`.
+cache, bound with `bind_kv_caches(head, {"layers.0.self_attn.attn": kv_cache})`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import nn
 
 from sluice.attention.backend import AttentionBackend
 from sluice.attention.metadata import AttentionMetadata
+from sluice.model.attention import name_attention_layers
 from sluice.model.hf_config import HFModelConfig, parse_hf_config
 from sluice.model.layers import Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from sluice.model.loader import iterate_weights, load_packed_weights, safetensors_files
@@ -164,6 +165,7 @@ def load_eagle_head(
             head = EagleHead(config, build_attention, "fc.bias" in names, shared)
     finally:
         torch.set_default_dtype(previous_dtype)
+    name_attention_layers(head)
     with torch.no_grad():
         head.load_weights(iterate_weights(files, dtype))
     return head.eval().requires_grad_(False)

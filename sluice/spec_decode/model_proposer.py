@@ -25,12 +25,12 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
+from sluice.attention.kv_layout import allocate_kv_caches, bytes_per_block
 from sluice.attention.metadata import AttentionMetadata
-from sluice.model.attention import bind_kv_caches
+from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import HFModelConfig, load_hf_config
 from sluice.model.loader import load_model
 from sluice.spec_decode.config import SpeculativeConfig
-from sluice.worker.kv_cache import allocate_kv_caches, bytes_per_block
 
 
 class ModelProposer(ABC):
@@ -53,14 +53,19 @@ class ModelProposer(ABC):
         self.max_model_len = max_model_len
         self.model: torch.nn.Module
         self.kv_hf_config: HFModelConfig  # the shapes of the proposer's KV cache
-        self.kv_caches: list[torch.Tensor] = []
+        # {layer_name: [2, num_blocks, block_size, KVH, D]}, addressed by the target's block ids
+        self.kv_caches: dict[str, torch.Tensor] = {}
 
     def kv_bytes_per_block(self) -> int:
-        return bytes_per_block(self.kv_hf_config, self.block_size, self.dtype)
+        config = self.kv_hf_config
+        return bytes_per_block(config.num_hidden_layers, self.block_size,
+                               config.num_key_value_heads, config.head_dim, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.kv_hf_config, num_blocks, self.block_size,
-                                            self.dtype, self.device)
+        config = self.kv_hf_config
+        self.kv_caches = allocate_kv_caches(list(attention_layers(self.model)), num_blocks,
+                                            self.block_size, config.num_key_value_heads,
+                                            config.head_dim, self.dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches)
 
     # ---- subclass hooks ------------------------------------------------------------------

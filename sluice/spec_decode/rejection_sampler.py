@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.worker.sampler import apply_min_p, apply_top_k_top_p
-from sluice.worker.sampling_metadata import SamplingMetadata
+from sluice.sample.metadata import SamplingMetadata
+from sluice.sample.sampler import apply_min_p, apply_top_k_top_p
 
 # Greedy is temperature below this (as SamplingParams.greedy).
 _SAMPLING_EPS = 1e-5

@@ -1,24 +1,20 @@
-"""Sizing and allocating the paged KV cache.
+"""Sizing the paged KV cache: how many blocks this engine's memory budget holds.
 
-Layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`; block 0 is the null block
-(reserved by the block pool for padding).
+The layout and its allocation are the attention side's (sluice.attention.kv_layout); this is the
+policy: a GPU's share left after the weights less a reserve for activations, or the CPU budget,
+capped at what every sequence at full length could use.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sluice.attention.kv_layout import bytes_per_block
 from sluice.config import CacheConfig, SchedulerConfig
 from sluice.model.hf_config import HFModelConfig
 
 # Kept free on a GPU for activations, logits and the allocator's fragmentation.
 _GPU_ACTIVATION_RESERVE_BYTES = 2 << 30
-
-
-def bytes_per_block(hf_config: HFModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * block_size * hf_config.num_key_value_heads * hf_config.head_dim * elem
-    return per_layer * hf_config.num_hidden_layers
 
 
 def determine_num_blocks(
@@ -35,8 +31,9 @@ def determine_num_blocks(
     same block in other caches addressed by the same block ids (a draft model's)."""
     if cache_config.num_gpu_blocks_override is not None:
         return cache_config.num_gpu_blocks_override
-    block_bytes = (bytes_per_block(hf_config, cache_config.block_size, dtype)
-                   + extra_bytes_per_block)
+    block_bytes = extra_bytes_per_block + bytes_per_block(
+        hf_config.num_hidden_layers, cache_config.block_size, hf_config.num_key_value_heads,
+        hf_config.head_dim, dtype)
     if device.type == "cuda":
         budget = gpu_bytes_available - _GPU_ACTIVATION_RESERVE_BYTES
     else:
@@ -53,11 +50,3 @@ def determine_num_blocks(
             "needed: raise gpu_memory_utilization / the CPU KV budget, or lower block_size")
     return int(num_blocks)
 
-
-def allocate_kv_caches(
-    hf_config: HFModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-    device: torch.device,
-) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, hf_config.num_key_value_heads, hf_config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device)
-            for _ in range(hf_config.num_hidden_layers)]

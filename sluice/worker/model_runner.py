@@ -25,16 +25,19 @@ import numpy as np
 import torch
 
 from sluice.attention import AttentionMetadata, get_attention_backend
+from sluice.attention.kv_layout import allocate_kv_caches
 from sluice.config import CacheConfig, ModelConfig, SchedulerConfig
 from sluice.core.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    KVConnectorOutput,
     ModelRunnerOutput,
     PositionLogprobs,
     SchedulerOutput,
 )
-from sluice.model.attention import bind_kv_caches
+from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import HFModelConfig
 from sluice.model.loader import load_model, resolve_dtype
+from sluice.sample.sampler import Sampler, compute_topk_logprobs
 from sluice.sampling_params import SamplingParams
 from sluice.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from sluice.worker.input_batch import (
@@ -43,8 +46,8 @@ from sluice.worker.input_batch import (
     StagedArena,
     StagedBuffer,
 )
-from sluice.worker.kv_cache import allocate_kv_caches, determine_num_blocks
-from sluice.worker.sampler import Sampler, compute_topk_logprobs
+from sluice.worker.kv_cache import determine_num_blocks
+from sluice.worker.kv_connector import KVConnectorWorker
 from sluice.worker.sampling_inputs import (
     SamplingStaging,
     build_row_seeds,
@@ -182,8 +185,11 @@ class ModelRunner:
         self.mixed_graphs: DecodeGraphs | None = None
         self.mixed_graph_reqs = 0
         self.verify_graphs: DecodeGraphs | None = None  # decodes with 1 + k tokens each
-        self.kv_caches: list[torch.Tensor] = []
+        # {layer_name: [2, num_blocks, block_size, KVH, D]} in layer order (kv_layout)
+        self.kv_caches: dict[str, torch.Tensor] = {}
         self.num_blocks = 0
+        # This rank's half of the KV connector, if one is configured (set by the Worker).
+        self.kv_connector: KVConnectorWorker | None = None
 
     def shutdown(self) -> None:
         """Drop every device tensor this runner holds (see EngineCore.shutdown)."""
@@ -191,7 +197,7 @@ class ModelRunner:
         self._last_step = None
         self.spec = None
         self.requests.clear()
-        self.kv_caches = []
+        self.kv_caches = {}
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -207,8 +213,10 @@ class ModelRunner:
                                     extra_bytes_per_block=extra)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size,
-                                            self.dtype, self.device)
+        hf = self.hf_config
+        self.kv_caches = allocate_kv_caches(list(attention_layers(self.model)), num_blocks,
+                                            self.block_size, hf.num_key_value_heads,
+                                            hf.head_dim, self.dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches)
         self.num_blocks = num_blocks
         if self.spec is not None:
@@ -379,13 +387,24 @@ class ModelRunner:
         flight are read on the device."""
         self._update_states(scheduler_output)
         previous = self._last_step
+        connector = self.kv_connector
+        layerwise = False
+        if connector is not None:
+            connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+            connector.start_load_kv()
+            # Loads are waited for layer by layer: the hooks must run, so no CUDA graph.
+            layerwise = connector.has_loads()
         if scheduler_output.is_empty:
-            return StepHandle(EMPTY_MODEL_RUNNER_OUTPUT, previous)
+            if connector is None:
+                return StepHandle(EMPTY_MODEL_RUNNER_OUTPUT, previous)
+            output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            self._end_connector_step(scheduler_output, output, None, saved=True)
+            return StepHandle(output, previous)
         if previous is not None and any(
                 s.pending_step is not None and _needs_token_history(s.sampling_params)
                 for s in (self.requests[r] for r in scheduler_output.num_scheduled_tokens)):
             previous.result()  # penalties and min_tokens count tokens on the host
-        step = self._prepare_inputs(scheduler_output)
+        step = self._prepare_inputs(scheduler_output, allow_graph=not layerwise)
         if step.graph is not None:
             graphs, size = step.graph
             hidden = graphs.replay(size)
@@ -396,6 +415,8 @@ class ModelRunner:
                 max_seq_len=int((step.num_computed + step.num_scheduled).max()),
                 block_tables=step.block_tables,
                 decode_order=self.buf_decode_order.device[:num_reqs] if step.ordered else None)
+            if layerwise:
+                metadata.kv_hooks = connector
             hidden = self.model(self.buf_input_ids.device[:step.num_tokens],
                                 self.buf_positions.device[:step.num_tokens], metadata)
 
@@ -404,10 +425,17 @@ class ModelRunner:
         output = ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in states])
         handle = StepHandle(output, previous)
         self._last_step = handle
-        self._compute_prompt_logprobs(step, hidden, output)
         # A request samples once its chunk reaches the end of its tokens (known or in flight).
         sample_rows = [i for i, s in enumerate(states)
                        if seq_lens[i] == len(s.token_ids) + (s.pending_step is not None)]
+        if connector is not None:
+            failed = self._end_connector_step(scheduler_output, output, step, saved=layerwise)
+            if failed:
+                # Their KV is partly garbage: nothing computed over it is handed out; the
+                # scheduler recomputes from the first bad block (or fails the request). (Loads
+                # never serve requests that want prompt logprobs: those skip every cache.)
+                sample_rows = [i for i in sample_rows if i not in failed]
+        self._compute_prompt_logprobs(step, hidden, output)
         if self.spec is not None:
             # Rows with drafts are verified by the rejection sampler, and so are the others
             # (as rows of no drafts: one read-back for the step) unless one needs what only
@@ -423,6 +451,32 @@ class ModelRunner:
             return handle
         self._sample(step, hidden, sample_rows, handle)
         return handle
+
+    def _end_connector_step(self, scheduler_output: SchedulerOutput,
+                            output: ModelRunnerOutput, step: StepInputs | None,
+                            saved: bool) -> set[int]:
+        """The connector's end of a step: saves (every layer at once after a graph replay or
+        an eager step without hooks), completions, load errors, into the step's output.
+        Returns the rows of `step` whose blocks failed to load."""
+        connector = self.kv_connector
+        if not saved:
+            for layer_name, kv_cache in self.kv_caches.items():
+                connector.save_kv_layer(layer_name, kv_cache, None)
+        connector.wait_for_save()
+        # Completions before errors: a connector records a load's errors before its end.
+        finished_sending, finished_recving = connector.get_finished(
+            scheduler_output.finished_req_ids)
+        invalid = connector.get_block_ids_with_load_errors()
+        output.kv_connector_output = KVConnectorOutput(
+            finished_sending=set(finished_sending), finished_recving=set(finished_recving),
+            invalid_block_ids=set(invalid), stats=connector.get_stats())
+        connector.clear_connector_metadata()
+        if not invalid or step is None:
+            return set()
+        table = self.block_tables.table
+        num_blocks = self.block_tables.num_blocks
+        return {i for i, state in enumerate(step.states)
+                if invalid.intersection(table[state.row, :num_blocks[state.row]].tolist())}
 
     def _sample(self, step: StepInputs, hidden: torch.Tensor, sample_rows: list[int],
                 handle: StepHandle) -> None:
@@ -484,7 +538,7 @@ class ModelRunner:
                 self.block_tables.append(state.row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, so: SchedulerOutput, allow_graph: bool = True) -> StepInputs:
         req_ids = [r.req_id for r in so.scheduled_new_reqs]
         req_ids += [r.req_id for r in so.scheduled_cached_reqs]
         states = [self.requests[r] for r in req_ids]
@@ -501,7 +555,10 @@ class ModelRunner:
         # Tokens each request occupies in the flattened step: its scheduled ones, or 1 + k for
         # every request of a verification step that replays a CUDA graph.
         layout = num_scheduled
-        verify_size = self._verify_graph_size(states, num_computed, num_scheduled, num_drafts)
+        verify_size = None
+        if allow_graph:
+            verify_size = self._verify_graph_size(states, num_computed, num_scheduled,
+                                                  num_drafts)
         if verify_size is not None:
             layout = np.full(num_reqs, self.spec.query_len, dtype=np.int64)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -568,6 +625,8 @@ class ModelRunner:
             self.buf_seq_lens.np[num_reqs:verify_size] = q
             self.buf_query_start_loc.np[num_reqs + 1:verify_size + 1] = q * np.arange(
                 num_reqs + 1, verify_size + 1)
+        elif not allow_graph:
+            pass
         elif self.graphs is not None and num_tokens == num_reqs:
             size = self.graphs.padded_size(num_reqs)
             if size is not None:
@@ -583,7 +642,7 @@ class ModelRunner:
             if size is not None:
                 graph = (self.prefill_graphs, size)
                 padded_tokens = size  # tokens past query_start_loc[1] are padding
-        if (graph is None and verify_size is None and self.mixed_graphs is not None
+        if (graph is None and verify_size is None and allow_graph and self.mixed_graphs is not None
                 and num_tokens > num_reqs and num_reqs <= self.mixed_graph_reqs):
             size = self.mixed_graphs.padded_size(num_tokens)
             if size is not None:

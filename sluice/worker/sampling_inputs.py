@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sluice.sample.metadata import SamplingMetadata
 from sluice.sampling_params import SamplingParams
 from sluice.worker.input_batch import CachedRequestState
-from sluice.worker.sampling_metadata import SamplingMetadata
 
 _UINT64_MASK = (1 << 64) - 1
 

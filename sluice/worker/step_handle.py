@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from sluice.core.outputs import ModelRunnerOutput, PositionLogprobs
+from sluice.sample.sampler import SamplerOutput
 from sluice.worker.input_batch import CachedRequestState
-from sluice.worker.sampler import SamplerOutput
 
 
 class StepHandle:

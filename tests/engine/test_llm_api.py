@@ -275,7 +275,7 @@ def test_shutdown_frees_the_kv_cache_and_model_at_once(qwen3_dir: str) -> None:
     llm = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256)
     llm.generate([ids_prompt([5, 6, 7])], greedy(2))
     runner = llm.llm_engine.engine_core.executor.model_runner
-    kv_cache = weakref.ref(runner.kv_caches[0])
+    kv_cache = weakref.ref(runner.kv_caches["model.layers.0.self_attn.attn"])
     model = weakref.ref(runner.model)
     llm.shutdown()
     gc.collect()

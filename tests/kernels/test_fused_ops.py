@@ -25,7 +25,7 @@ from sluice.attention.torch_ref import TorchRefBackend
 from sluice.attention.triton.store_kv import store_kv
 from sluice.attention.triton_backend import TritonBackend
 from sluice.model import layers, triton_gemm, triton_ops
-from sluice.model.attention import bind_kv_caches
+from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import HFModelConfig, parse_hf_config
 from sluice.model.registry import get_model_class
 from sluice.worker.compile import install_fused_ops
@@ -356,7 +356,7 @@ def prefill_then_decode(
     fresh paged cache, then one decode step each reading it back; and the layers' caches after
     both steps."""
     shape = (2, 2 * BLOCKS_PER_REQUEST, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
-    kv_caches = [torch.zeros(shape, device=DEVICE) for _ in range(config.num_hidden_layers)]
+    kv_caches = {name: torch.zeros(shape, device=DEVICE) for name in attention_layers(model)}
     bind_kv_caches(model, kv_caches)
     generator = torch.Generator().manual_seed(8)
     input_ids = torch.randint(0, config.vocab_size, (15,), generator=generator).to(DEVICE)
@@ -366,7 +366,7 @@ def prefill_then_decode(
     with torch.no_grad():
         prefill = model(prefill_ids, prefill_positions, step_metadata([5, 8], [5, 8], 2))
         decode = model(input_ids[13:], decode_positions, step_metadata([1, 1], [6, 9]))
-    return [prefill[:13], decode], kv_caches
+    return [prefill[:13], decode], list(kv_caches.values())
 
 
 def assert_same_steps(

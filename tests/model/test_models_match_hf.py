@@ -15,9 +15,10 @@ import torch
 import transformers
 from torch import nn
 
+from sluice.attention.kv_layout import allocate_kv_caches
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.torch_ref import TorchRefBackend
-from sluice.model.attention import bind_kv_caches
+from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import HFModelConfig, load_hf_config
 from sluice.model.loader import load_model
 
@@ -103,8 +104,9 @@ class PagedRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [torch.zeros(shape) for _ in range(config.num_hidden_layers)]
+        self.kv_caches = allocate_kv_caches(list(attention_layers(model)), num_blocks,
+                                            block_size, config.num_key_value_heads,
+                                            config.head_dim, torch.float32, torch.device("cpu"))
         bind_kv_caches(model, self.kv_caches)
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2))
         self.free_blocks = self.free_blocks.tolist()
@@ -232,8 +234,23 @@ def test_tied_embeddings_share_one_tensor(variant):
     assert tied == config.tie_word_embeddings
 
 
-def test_bind_kv_caches_needs_one_tensor_per_layer(variant):
+def test_loaded_layers_are_named_and_bound_by_name(variant):
     _, model, config, _, _ = variant
-    caches = [torch.zeros(2, 1, 4, config.num_key_value_heads, config.head_dim)] * 3
-    with pytest.raises(ValueError, match="got 3 KV cache tensors .* 2 attention layers"):
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(config.num_hidden_layers)]
+    assert [layer.layer_name for layer in attention_layers(model).values()] == names
+    # Keys in reverse order: each layer still gets the tensor of its own name.
+    caches = {name: torch.zeros(2, 1, 4, config.num_key_value_heads, config.head_dim)
+              for name in reversed(names)}
+    bind_kv_caches(model, caches)
+    for name, layer in attention_layers(model).items():
+        assert layer.kv_cache is caches[name]
+
+
+def test_bind_kv_caches_names_missing_and_extra_layers(variant):
+    _, model, config, _, _ = variant
+    shape = (2, 1, 4, config.num_key_value_heads, config.head_dim)
+    caches = {"model.layers.0.self_attn.attn": torch.zeros(shape),
+              "model.layers.9.self_attn.attn": torch.zeros(shape)}
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.self_attn.attn'\], "
+                                         r"extra \['model.layers.9.self_attn.attn'\]"):
         bind_kv_caches(model, caches)

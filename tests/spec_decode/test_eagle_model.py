@@ -95,7 +95,7 @@ def run_paged(head: EagleHead, input_ids: torch.Tensor, hidden: torch.Tensor,
               chunks: list[tuple[int, int]]) -> torch.Tensor:
     """The head over `chunks` ([start, end) steps) on a fresh cache with scattered blocks."""
     cache_shape = (2, 8, BLOCK_SIZE, head.config.num_key_value_heads, head.config.head_dim)
-    bind_kv_caches(head, [torch.zeros(cache_shape)])
+    bind_kv_caches(head, {"layers.0.self_attn.attn": torch.zeros(cache_shape)})
     block_table = [5, 2, 7, 0]
     outputs = []
     with torch.no_grad():

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sluice.sample.metadata import SamplingMetadata
+from sluice.sample.sampler import Sampler
 from sluice.spec_decode.rejection_sampler import (
     RejectionSampler,
     RejectionSamplerOutput,
     target_probabilities,
 )
-from sluice.worker.sampler import Sampler
-from sluice.worker.sampling_metadata import SamplingMetadata
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NUM_DRAWS = 100_000

@@ -24,15 +24,15 @@ import triton
 import triton.language as tl
 
 from sluice import LLM, SamplingParams
+from sluice.sample.metadata import SamplingMetadata
+from sluice.sample.sampler import Sampler, SamplerOutput
+from sluice.sample.triton_sampling import MAX_VOCAB, _neg_log2_uniform, sample_tokens
 from sluice.worker.input_batch import CachedRequestState
-from sluice.worker.sampler import Sampler, SamplerOutput
 from sluice.worker.sampling_inputs import (
     SamplingStaging,
     build_row_seeds,
     build_sampling_metadata,
 )
-from sluice.worker.sampling_metadata import SamplingMetadata
-from sluice.worker.triton_sampling import MAX_VOCAB, _neg_log2_uniform, sample_tokens
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEG_INF = float("-inf")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.worker.sampler import (
+from sluice.sample.metadata import SamplingMetadata
+from sluice.sample.sampler import (
     Sampler,
     apply_penalties,
     apply_top_k_top_p,
     compute_topk_logprobs,
 )
-from sluice.worker.sampling_metadata import SamplingMetadata
 
 
 def make_metadata(

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sluice.worker.sampling_metadata import SamplingMetadata
+from sluice.sample.metadata import SamplingMetadata
 
 # Greedy is temperature below this (as SamplingParams.greedy).
 _SAMPLING_EPS = 1e-5
@@ -108,7 +108,7 @@ class Sampler(nn.Module):
         serves every batch size)."""
         if not self.kernel_allowed(logits):
             return
-        from sluice.worker.triton_sampling import sample_tokens
+        from sluice.sample.triton_sampling import sample_tokens
 
         temperature = torch.tensor([0.0, 1.0], device=logits.device)  # a greedy, a random row
         seeds = torch.tensor([1, 2], dtype=torch.int64, device=logits.device)
@@ -117,7 +117,7 @@ class Sampler(nn.Module):
     def _sample_fused(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         # Imported here: CPU-only installs need no Triton, and tests choose its interpreter
         # before the kernels are defined.
-        from sluice.worker.triton_sampling import sample_tokens
+        from sluice.sample.triton_sampling import sample_tokens
 
         return sample_tokens(logits, metadata.temperature, metadata.seeds)
 

@@ -1,4 +1,5 @@
-"""The batch of sampling settings the model runner hands to the sampler each step.
+"""The batch of sampling settings handed to the sampler (and the rejection sampler) each step;
+the model runner builds it (sluice.worker.sampling_inputs).
 
 Row i of every tensor belongs to the i-th request of the batch. Optional tensors are None when
 no row uses the feature, so the sampler skips that work entirely.
