@@ -116,8 +116,8 @@ def main() -> None:
                 result[f"{arch}_{name}_accepted_of_drafted"] = (
                     f"{stats.num_accepted_tokens}/{stats.num_draft_tokens}")
             if name in ("default", "chunks_of_64"):
-                runner = llm.llm_engine.engine_core.executor.model_runner
-                replays = runner.mixed_graphs.num_replays if runner.mixed_graphs else 0
+                graphs = llm.llm_engine.engine_core.executor.model_runner.graph_runner
+                replays = graphs.mixed_graphs.num_replays if graphs.mixed_graphs else 0
                 result[f"{arch}_{name}_replayed_mixed_step_graphs"] = replays > 0
             if name == "default":
                 # Steps of more tokens than this ran with the layers' norms folded (prompt

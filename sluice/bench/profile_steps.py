@@ -89,13 +89,13 @@ def main(ns: argparse.Namespace) -> int:
     # Device timeline: an event once a launch has copied its inputs (the model's work is queued
     # next) and one after its sampling.
     timeline: list[tuple[Any, Any, int, int]] = []  # (start, end, tokens, requests)
-    runner = core.executor.model_runner
-    original_launch, original_prepare = runner.launch, runner._prepare_inputs
+    builder = runner.input_builder
+    original_launch, original_prepare = runner.launch, builder.prepare
     if device.type == "cuda":
         begun: list[Any] = []
 
-        def timed_prepare(scheduler_output: Any) -> Any:
-            step = original_prepare(scheduler_output)
+        def timed_prepare(*args: Any) -> Any:
+            step = original_prepare(*args)
             begun.append(torch.cuda.Event(enable_timing=True))
             begun[-1].record()
             return step
@@ -110,7 +110,7 @@ def main(ns: argparse.Namespace) -> int:
                                  len(scheduler_output.num_scheduled_tokens)))
             return handle
 
-        runner.launch, runner._prepare_inputs = timed_launch, timed_prepare
+        runner.launch, builder.prepare = timed_launch, timed_prepare
 
     compiles = _watch_jit_compiles() if device.type == "cuda" else None
     windows: list[dict[str, Any]] = []
@@ -141,7 +141,7 @@ def main(ns: argparse.Namespace) -> int:
         wall = time.perf_counter() - start
     finally:
         StepHandle.result = original_result  # type: ignore[method-assign]
-        runner.launch, runner._prepare_inputs = original_launch, original_prepare
+        runner.launch, builder.prepare = original_launch, original_prepare
         if compiles is not None:
             compiles.stop()
 

@@ -29,7 +29,8 @@ from sluice.worker.sampling_inputs import build_sampling_metadata
 if TYPE_CHECKING:
     from sluice.core.outputs import ModelRunnerOutput
     from sluice.sampling_params import SamplingParams
-    from sluice.worker.model_runner import ModelRunner, StepInputs
+    from sluice.worker.model_runner import ModelRunner
+    from sluice.worker.step_inputs import StepInputs
 
 
 def can_speculate(params: SamplingParams) -> bool:

@@ -2,7 +2,7 @@
 
 With async scheduling the engine schedules and launches step N+1 before it asks for step N's
 result, so the host work of both overlaps the GPU. Until then a sampled token lives only on the
-device; the next step reads it from there (see ModelRunner._prepare_inputs). Results are taken
+device; the next step reads it from there (see InputBuilder.prepare). Results are taken
 in launch order: a handle first settles the one before it, so tokens are appended in order.
 """
 

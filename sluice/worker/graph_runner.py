@@ -1,0 +1,274 @@
+"""The runner's CUDA graphs: which sets are captured, and which graph (set, size) a step replays.
+
+Lifecycle: once the KV cache is bound, `warm_up` runs eager steps on padding inputs so that their
+Triton and cuBLAS kernels load now rather than in the first requests' steps; then, unless the
+engine is eager, `capture` records four sets (sluice.worker.cuda_graphs.DecodeGraphs), all on the
+InputBuilder's persistent device buffers and sharing one memory pool (one graph runs at a time):
+
+- decode batches, by number of requests (padded to the next captured size);
+- verification steps of speculative decoding, every request 1 + k tokens, by number of requests;
+- one prompt (maybe over a cached prefix), by padded token count;
+- any other step (several prompts, prompts beside decodes), by padded token count, its requests
+  padded to a fixed number.
+
+Per step the InputBuilder asks `verify_size` (which fixes the step's token layout) and then
+`pad_for_graph`, which picks the graph and writes the padding rows and tokens that graph was
+captured with: a padding request has no context (or, in a verification graph, q tokens over
+none) and reads the null block; a padding token stores nothing (slot -1). Without graphs (CPU,
+enforce_eager) every step runs eagerly. The sets are dropped at shutdown (`clear`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from sluice.attention import AttentionMetadata
+from sluice.config import SchedulerConfig
+from sluice.sample.sampler import Sampler
+from sluice.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from sluice.worker.input_batch import CachedRequestState
+from sluice.worker.step_inputs import InputBuilder
+
+logger = logging.getLogger("sluice")
+
+_MAX_GRAPH_BATCH = 512
+_PREFILL_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_MAX_PREFILL_GRAPH_TOKENS = _PREFILL_GRAPH_TOKENS[-1]
+
+# (input_ids [T], positions [T], metadata) of one captured size
+GraphInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
+
+
+class GraphRunner:
+    def __init__(self, inputs: InputBuilder, scheduler_config: SchedulerConfig,
+                 query_len: int | None) -> None:
+        """query_len: tokens per request of a verification step (1 + k), None without
+        speculative decoding."""
+        self.inputs = inputs
+        self.scheduler_config = scheduler_config
+        self.query_len = query_len
+        self.graphs: DecodeGraphs | None = None  # decode batches, by number of requests
+        self.prefill_graphs: DecodeGraphs | None = None  # one prompt, by number of tokens
+        # Any other step (several prompts, prompts beside decodes), by number of tokens, its
+        # requests padded to mixed_graph_reqs.
+        self.mixed_graphs: DecodeGraphs | None = None
+        self.mixed_graph_reqs = 0
+        self.verify_graphs: DecodeGraphs | None = None  # decodes with 1 + k tokens each
+
+    def clear(self) -> None:
+        """Drop every graph and its memory pool (see ModelRunner.shutdown)."""
+        self.graphs = self.prefill_graphs = self.mixed_graphs = self.verify_graphs = None
+
+    # ---- per step ------------------------------------------------------------------------
+
+    def verify_size(self, states: list[CachedRequestState], num_computed: np.ndarray,
+                    num_scheduled: np.ndarray, num_drafts: np.ndarray) -> int | None:
+        """The verification graph to replay: every request a decode with drafts to verify
+        (each padded to 1 + k tokens, still within max_model_len), and a size captured."""
+        if self.verify_graphs is None or not num_drafts.any():
+            return None
+        q = self.query_len
+        known = np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
+        if ((num_computed + 1 != known).any() or (num_scheduled != 1 + num_drafts).any()
+                or (num_computed + q > self.scheduler_config.max_model_len).any()):
+            return None
+        return self.verify_graphs.padded_size(len(states))
+
+    def pad_for_graph(self, num_reqs: int, num_tokens: int, num_layout_tokens: int,
+                      verify_size: int | None,
+                      has_pending: bool) -> tuple[tuple[DecodeGraphs, int] | None, int]:
+        """The graph that runs a step of `num_reqs` requests and `num_tokens` tokens
+        (`num_layout_tokens` as laid out in the buffers) and the step's padded token count;
+        the padding requests and tokens written to the host buffers. has_pending: an input token
+        of the step is still in flight (a lone such request replays no prefill graph)."""
+        buffers = self.inputs
+        graph = None
+        padded_reqs, padded_tokens = num_reqs, num_layout_tokens
+        if verify_size is not None:
+            q = self.query_len
+            graph = (self.verify_graphs, verify_size)
+            padded_reqs, padded_tokens = verify_size, verify_size * q
+            # Padding requests: q tokens of nothing over no stored context.
+            buffers.buf_seq_lens.np[num_reqs:verify_size] = q
+            buffers.buf_query_start_loc.np[num_reqs + 1:verify_size + 1] = q * np.arange(
+                num_reqs + 1, verify_size + 1)
+        elif self.graphs is not None and num_tokens == num_reqs:
+            size = self.graphs.padded_size(num_reqs)
+            if size is not None:
+                graph = (self.graphs, size)
+                padded_reqs = padded_tokens = size
+                # Padding rows: no token to store, no context, the null block; ordered last.
+                buffers.buf_seq_lens.np[num_reqs:size] = 0
+                buffers.buf_query_start_loc.np[num_reqs + 1:size + 1] = np.arange(
+                    num_reqs + 1, size + 1)
+                buffers.buf_decode_order.np[num_reqs:size] = np.arange(num_reqs, size)
+        elif self.prefill_graphs is not None and num_reqs == 1 and not has_pending:
+            size = self.prefill_graphs.padded_size(num_tokens)
+            if size is not None:
+                graph = (self.prefill_graphs, size)
+                padded_tokens = size  # tokens past query_start_loc[1] are padding
+        if (graph is None and verify_size is None and self.mixed_graphs is not None
+                and num_tokens > num_reqs and num_reqs <= self.mixed_graph_reqs):
+            size = self.mixed_graphs.padded_size(num_tokens)
+            if size is not None:
+                graph = (self.mixed_graphs, size)
+                padded_reqs, padded_tokens = self.mixed_graph_reqs, size
+                # Padding requests: no queries (they start where the real tokens end), no
+                # context; the tokens after the real ones belong to none and come out as zeros.
+                buffers.buf_seq_lens.np[num_reqs:padded_reqs] = 0
+                buffers.buf_query_start_loc.np[num_reqs + 1:padded_reqs + 1] = num_tokens
+        if graph is not None:
+            buffers.buf_input_ids.np[num_layout_tokens:padded_tokens] = 0
+            buffers.buf_positions.np[num_layout_tokens:padded_tokens] = 0
+            buffers.buf_slot_mapping.np[num_layout_tokens:padded_tokens] = -1
+        return graph, padded_tokens
+
+    # ---- before the first request ----------------------------------------------------------
+
+    @torch.inference_mode()
+    def warm_up(self, model: nn.Module, sampler: Sampler) -> None:
+        """Compile the kernels of eager steps now rather than in the first requests' (a Triton
+        variant compiled mid-run stalls its step by up to a second): a step of two prompts, and
+        a mixed step of two decodes and a prompt, on padding inputs (nothing stored, the null
+        block read); then the sampler's variants."""
+        # A full token budget: GEMM kernels of that size load, and the allocator grows, now.
+        prompt = min(self.scheduler_config.max_num_batched_tokens // 2,
+                     self.scheduler_config.max_model_len)
+        hidden = self._warm_up_step(model, [prompt, prompt], [prompt, prompt])
+        if self.scheduler_config.max_num_seqs >= 3 and prompt > 2:
+            self._warm_up_step(model, [2, 2, prompt - 2], [1, 1, prompt - 2])
+        sampler.warm_up(model.compute_logits(hidden[:2], upcast=False))
+        # The LM head runs eagerly on the rows that sample (1 to max_num_seqs), and cuBLAS picks
+        # its kernel by row count. CUDA loads a kernel lazily on its first launch, and that load
+        # waits for the device to go idle: mid-run the host stalled in the LM head for a whole
+        # step (H200: 18 to 23 ms in each of the first 18 prompt steps of the nano-vllm
+        # workload, 5 to 11 ms at 15 decode batch sizes), and the device then idled while the
+        # next step was prepared. Launch every row count once now.
+        rows = self.scheduler_config.max_num_seqs
+        states = hidden[:rows] if hidden.shape[0] >= rows else hidden.new_zeros(
+            rows, hidden.shape[1])
+        for num_rows in range(1, rows + 1):
+            model.compute_logits(states[:num_rows], upcast=False)
+        torch.cuda.synchronize()
+
+    def _warm_up_step(self, model: nn.Module, seq_lens: list[int],
+                      query_lens: list[int]) -> torch.Tensor:
+        b = self.inputs
+        num_reqs, num_tokens = len(seq_lens), sum(query_lens)
+        b.buf_input_ids.np[:num_tokens] = 0
+        b.buf_positions.np[:num_tokens] = np.concatenate(
+            [np.arange(s - q, s) for s, q in zip(seq_lens, query_lens)])
+        b.buf_slot_mapping.np[:num_tokens] = -1
+        b.buf_query_start_loc.np[0] = 0
+        b.buf_query_start_loc.np[1:num_reqs + 1] = np.cumsum(query_lens)
+        b.buf_seq_lens.np[:num_reqs] = seq_lens
+        width = -(-max(seq_lens) // b.block_size)
+        b.buf_block_tables.np[:num_reqs * width] = 0
+        for buf, n in ((b.buf_input_ids, num_tokens), (b.buf_positions, num_tokens),
+                       (b.buf_slot_mapping, num_tokens),
+                       (b.buf_query_start_loc, num_reqs + 1), (b.buf_seq_lens, num_reqs)):
+            buf.to_device(n)
+        block_tables = b.buf_block_tables.to_device(num_reqs * width).view(num_reqs, width)
+        metadata = b.metadata(num_reqs, num_tokens, max_query_len=max(query_lens),
+                              max_seq_len=max(seq_lens), block_tables=block_tables)
+        return model(b.buf_input_ids.device[:num_tokens], b.buf_positions.device[:num_tokens],
+                     metadata)
+
+    @torch.inference_mode()
+    def capture(self, model: nn.Module) -> None:
+        b = self.inputs
+        max_model_len = self.scheduler_config.max_model_len
+        max_size = min(self.scheduler_config.max_num_seqs, _MAX_GRAPH_BATCH)
+        self.graphs = DecodeGraphs(capture_sizes(max_size))
+        # Capture on all-padding inputs: no KV is stored, nothing is read.
+        b.buf_input_ids.np[:] = 0
+        b.buf_positions.np[:] = 0
+        b.buf_slot_mapping.np[:] = -1
+        b.buf_seq_lens.np[:] = 0
+        b.buf_query_start_loc.np[:] = np.arange(b.buf_query_start_loc.np.shape[0])
+        b.buf_decode_order.np[:] = np.arange(b.buf_decode_order.np.shape[0])
+        for buf in (b.buf_input_ids, b.buf_positions, b.buf_slot_mapping,
+                    b.buf_seq_lens, b.buf_query_start_loc, b.buf_decode_order):
+            buf.to_device(buf.np.shape[0])
+
+        def make_inputs(size: int) -> GraphInputs:
+            metadata = b.metadata(size, size, max_query_len=1, max_seq_len=max_model_len,
+                                  block_tables=b.graph_block_tables[:size],
+                                  decode_order=b.buf_decode_order.device[:size])
+            return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
+
+        self.graphs.capture(model, make_inputs)
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.graphs.sizes)
+        if self.query_len is not None:
+            self._capture_verify_graphs(model, max_size)
+
+        # One prompt (maybe over a cached prefix) padded to a token bucket: the prefill of a
+        # lone request is otherwise dominated by launching ~30 kernels a layer from Python.
+        max_tokens = min(self.scheduler_config.max_num_batched_tokens, max_model_len,
+                         _MAX_PREFILL_GRAPH_TOKENS)
+        sizes = [t for t in _PREFILL_GRAPH_TOKENS if t <= max_tokens]
+        if not sizes:
+            return
+        self.prefill_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
+
+        def make_prefill_inputs(size: int) -> GraphInputs:
+            b.buf_query_start_loc.np[:2] = [0, size]
+            b.buf_seq_lens.np[:1] = size
+            b.buf_query_start_loc.to_device(2)
+            b.buf_seq_lens.to_device(1)
+            metadata = b.metadata(1, size, max_query_len=size, max_seq_len=max_model_len,
+                                  block_tables=b.graph_block_tables[:1])
+            return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
+
+        self.prefill_graphs.capture(model, make_prefill_inputs)
+        logger.info("captured CUDA graphs for one-prompt prefills of %s tokens", sizes)
+
+        # Every other step: several prompts, or prompts beside decodes (what a full token budget
+        # of an offline run or a server under load schedules). Its requests are padded to
+        # max_size: padding requests have no queries and no context. Eagerly such a step was
+        # bound by launching ~50 kernels a layer from Python.
+        self.mixed_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
+        self.mixed_graph_reqs = max_size
+
+        def make_mixed_inputs(size: int) -> GraphInputs:
+            b.buf_query_start_loc.np[:max_size + 1] = 0  # every token is padding
+            b.buf_seq_lens.np[:max_size] = 0
+            b.buf_query_start_loc.to_device(max_size + 1)
+            b.buf_seq_lens.to_device(max_size)
+            # max_query_len > a decode tile's queries: the attention runs its decode rows and its
+            # prompt rows in two launches, as an eager mixed step does.
+            metadata = b.metadata(max_size, size, max_query_len=size, max_seq_len=max_model_len,
+                                  block_tables=b.graph_block_tables[:max_size])
+            return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
+
+        self.mixed_graphs.capture(model, make_mixed_inputs)
+        logger.info("captured CUDA graphs for steps of several requests, %s tokens", sizes)
+
+    def _capture_verify_graphs(self, model: nn.Module, max_size: int) -> None:
+        """Verification steps of decodes with drafts: every request laid out as 1 + k tokens
+        (fewer drafts are padded: no KV stored, outputs ignored)."""
+        b = self.inputs
+        q = self.query_len
+        max_tokens = b.buf_input_ids.np.shape[0]
+        sizes = [s for s in capture_sizes(max_size) if s * q <= max_tokens]
+        if not sizes:
+            return
+        self.verify_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
+
+        def make_inputs(size: int) -> GraphInputs:
+            b.buf_query_start_loc.np[:size + 1] = np.arange(size + 1) * q
+            b.buf_seq_lens.np[:size] = q
+            b.buf_query_start_loc.to_device(size + 1)
+            b.buf_seq_lens.to_device(size)
+            metadata = b.metadata(size, size * q, max_query_len=q,
+                                  max_seq_len=self.scheduler_config.max_model_len,
+                                  block_tables=b.graph_block_tables[:size])
+            return b.buf_input_ids.device[:size * q], b.buf_positions.device[:size * q], metadata
+
+        self.verify_graphs.capture(model, make_inputs)
+        logger.info("captured CUDA graphs for verification of %d tokens per request, batch "
+                    "sizes %s", q, sizes)

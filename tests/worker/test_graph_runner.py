@@ -1,0 +1,64 @@
+"""The GraphRunner's choice of graph and its padding keep greedy outputs, tested on a CPU by
+emulating CUDA graphs: 'capture' keeps each size's (input_ids, positions, metadata), views of the
+InputBuilder's persistent buffers as a captured graph reads them, and 'replay' runs the model on
+them. Padding requests and tokens then go through the model as they would in a graph (torch_ref
+attention), so a wrong padding row, layout or graph size changes tokens or fails."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from sluice import LLM, SamplingParams
+from sluice.worker import graph_runner
+from sluice.worker.cuda_graphs import DecodeGraphs
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+class EmulatedGraphs(DecodeGraphs):
+    def capture(self, forward: Callable, make_inputs: Callable) -> None:
+        self.forward = forward
+        self.inputs = {size: make_inputs(size) for size in reversed(self.sizes)}
+
+    def replay(self, size: int) -> torch.Tensor:
+        self.num_replays += 1
+        return self.forward(*self.inputs[size])
+
+
+def greedy_ids(llm: LLM, prompts: list[dict]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_num_batched_tokens": 64, "async_scheduling": True},
+    {"max_num_batched_tokens": 64, "speculative_config": NGRAM},
+], ids=["async_chunks_of_64", "ngram"])
+def test_emulated_graph_replays_give_eager_greedy_ids(qwen3_dir: str, kwargs: dict,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    common = dict(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256,
+                  max_num_seqs=8, **kwargs)
+    prompts = [{"prompt_token_ids": list(range(40 + n, 40 + 2 * n))} for n in (5, 40, 70, 17)]
+    prompts.append({"prompt_token_ids": [7, 8, 9, 10] * 10})  # n-gram drafts get accepted
+    reference = greedy_ids(LLM(**common), prompts)
+
+    monkeypatch.setattr(graph_runner, "DecodeGraphs", EmulatedGraphs)
+    llm = LLM(**common)
+    runner = llm.llm_engine.engine_core.executor.model_runner
+    builder, graphs = runner.input_builder, runner.graph_runner
+    builder.graph_block_tables = torch.zeros_like(
+        builder.buf_block_tables.cpu.view(common["max_num_seqs"], -1))
+    graphs.capture(runner.model)
+    assert greedy_ids(llm, prompts) == reference
+    # A lone prompt, then again over its cached prefix: the prefill graphs.
+    for prompt, expected in zip(prompts[:2], reference[:2]):
+        for _ in range(2):
+            assert greedy_ids(llm, [prompt]) == [expected]
+    sets = [graphs.graphs, graphs.prefill_graphs, graphs.mixed_graphs]
+    if "speculative_config" in kwargs:
+        sets.append(graphs.verify_graphs)
+    assert all(s is not None and s.num_replays > 0 for s in sets)
