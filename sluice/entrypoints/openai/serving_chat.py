@@ -61,7 +61,7 @@ from sluice.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogpr
 from sluice.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # Prompt tokens decoded to see whether the prompt leaves the model inside a <think>.
-_PROMPT_TAIL_TOKENS = 4
+_PROMPT_TAIL_TOKENS = 16  # "<think>" may be several tokens of a vocabulary without it
 
 
 def _entry(logprob: Logprob) -> ChatLogProb:
@@ -104,6 +104,7 @@ class _Reply:
     num_calls: int = 0
     content: str = ""
     reasoning: str = ""
+    reasoned: bool = False  # the reply had reasoning (shown or not)
     calls: list[ToolCall] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -132,6 +133,7 @@ class _Reply:
             content, calls = parsed_calls.content, parsed_calls.calls
             if not self.parsing.parallel_tool_calls:
                 calls = calls[:max(0, 1 - self.num_calls)]
+        self.reasoned = self.reasoned or bool(reasoning)
         if not self.parsing.include_reasoning:
             reasoning = ""
         delta = DeltaMessage(
@@ -152,7 +154,7 @@ class _Reply:
     def message(self) -> ChatResponseMessage:
         parsed = self.reasoning_parser is not None or self.tool_parser is not None
         content: str | None = self.content
-        if parsed and not content and (self.calls or self.reasoning):
+        if parsed and not content and (self.calls or self.reasoned):
             content = None
         return ChatResponseMessage(content=content, reasoning_content=self.reasoning or None,
                                    tool_calls=self.calls)
