@@ -233,7 +233,10 @@ class OpenAIServingCompletion:
                       model: str, shape: _Shape, prompt_texts: list[str],
                       num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
-        text_lengths: dict[int, int] = {}  # choice index -> characters sent so far
+        started: set[int] = set()
+        # choice index -> text offset of its next logprob token (by token texts, as _full has
+        # them: a token ending in part of a character is sent later, its text offset not)
+        token_offsets: dict[int, int] = {}
         finished: set[int] = set()
         num_cached: dict[int, int] = {}
         num_generated = 0
@@ -247,13 +250,16 @@ class OpenAIServingCompletion:
                     # A choice starts once its prompt is done (its prompt logprobs complete).
                     if not sample.text and not sample.token_ids and sample.finish_reason is None:
                         continue
-                    first = index not in text_lengths
+                    first = index not in started
                     choice = self._choice(index, output, sample, shape,
                                           prompt_texts[prompt_index], first,
-                                          text_lengths.get(index, 0))
+                                          token_offsets.get(index, 0))
                     if not first and shape.prompt_only and choice.finish_reason is None:
                         continue
-                    text_lengths[index] = text_lengths.get(index, 0) + len(choice.text)
+                    started.add(index)
+                    if choice.logprobs is not None and choice.logprobs.tokens:
+                        token_offsets[index] = (choice.logprobs.text_offset[-1]
+                                                + len(choice.logprobs.tokens[-1]))
                     num_generated += self._num_generated(sample, shape)
                     if choice.finish_reason is not None:
                         finished.add(index)
