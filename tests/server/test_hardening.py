@@ -315,4 +315,5 @@ def test_sigterm_with_a_stalled_body_exits_after_the_shutdown_timeout(
     log = server.log()
     assert "SIGTERM: draining 2 request(s) in flight" in log
     assert "shutdown timeout (2 s): aborting 2 request(s) still in flight" in log
+    assert "drained: shutting down" in log and "did not end when aborted" not in log
     assert "server stopped" in log and "Traceback" not in log
