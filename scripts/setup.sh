@@ -12,7 +12,7 @@ PY="$VENV/bin/python"
 stamp="$VENV/.sluice-setup-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   mkdir -p "$(dirname "$VENV")"
-  lock="$(dirname "$VENV")/.$(basename "$VENV").setup.lock"
+  lock="${VENV%/}.setup.lock"
   exec 9>"$lock"
   if command -v flock >/dev/null; then
     flock 9
