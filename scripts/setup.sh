@@ -1,25 +1,41 @@
 #!/usr/bin/env bash
 # Creates (once) the virtual environment that scripts/sluice.sh and scripts/test.sh use.
 # Sourced, not run: sets PY to the environment's python.
+# Two commands started together on a fresh clone (the README's serve and test) would build
+# the same environment at once; a lock file beside it makes the second wait for the first,
+# which then finds it ready.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SLUICE_VENV:-$ROOT/.venv}"
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-fi
 PY="$VENV/bin/python"
 # Re-install when the dependencies change.
 stamp="$VENV/.sluice-setup-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
-  echo "sluice: setting up $VENV (once)" >&2
-  if ! "$PY" -c "import torch" 2>/dev/null; then
-    # The CPU build: a bare 'pip install torch' would pull gigabytes of CUDA packages.
-    "$PY" -m pip install -q "torch==2.13.0" \
-      || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu \
-      || "$PY" -m pip install -q torch
+  mkdir -p "$(dirname "$VENV")"
+  lock="${VENV%/}.setup.lock"
+  exec 9>"$lock"
+  if command -v flock >/dev/null; then
+    flock 9
+  else  # no util-linux (macOS): a directory is created atomically
+    while ! mkdir "$lock.d" 2>/dev/null; do sleep 1; done
+    trap 'rmdir "$lock.d" 2>/dev/null || true' EXIT
   fi
-  "$PY" -m pip install -q -e "$ROOT[test]"
-  rm -f "$VENV"/.sluice-setup-*
-  touch "$stamp"
+  if [ ! -f "$stamp" ]; then  # not done meanwhile by the holder of the lock
+    echo "sluice: setting up $VENV (once)" >&2
+    if [ ! -x "$VENV/bin/python" ]; then
+      python3 -m venv "$VENV"
+    fi
+    if ! "$PY" -c "import torch" 2>/dev/null; then
+      # The CPU build: a bare 'pip install torch' would pull gigabytes of CUDA packages.
+      "$PY" -m pip install -q "torch==2.13.0" \
+        || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu \
+        || "$PY" -m pip install -q torch
+    fi
+    "$PY" -m pip install -q -e "$ROOT[test]"
+    rm -f "$VENV"/.sluice-setup-*
+    touch "$stamp"
+  fi
+  if [ -d "$lock.d" ]; then rmdir "$lock.d"; trap - EXIT; fi
+  exec 9>&-  # closing the file releases the flock (not kept by exec'd commands)
 fi
 export PY

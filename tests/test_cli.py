@@ -52,3 +52,82 @@ def test_bad_arguments_exit_with_a_clear_error(tmp_path: Path) -> None:
     assert "gpt9" in out.stderr
     out = run_sluice("generate", "--model", str(tmp_path / "missing"), "--top-p", "7")
     assert out.returncode == 2 and "top_p" in out.stderr
+
+
+def test_version() -> None:
+    import sluice
+
+    out = run_sluice("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"sluice {sluice.__version__}"
+
+
+def test_device_cuda_on_a_cpu_only_pytorch_is_a_clear_error(tmp_path: Path) -> None:
+    import pytest
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("this PyTorch is built for CUDA")
+    for command in ("serve", "generate"):
+        out = run_sluice(command, "--model", str(tmp_path), "--device", "cuda")
+        assert out.returncode == 2, out.stderr
+        assert "needs a CUDA build of PyTorch" in out.stderr and "CPU-only" in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def write_hf_cache(hf_home: Path, repo_id: str, model_dir: str) -> Path:
+    """A Hugging Face cache holding a snapshot of `repo_id` (huggingface_hub's layout:
+    hub/models--org--name/{refs/main, snapshots/<commit>/...})."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(model_dir, snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_hub_ids_resolve_through_the_hf_cache_offline(tmp_path: Path, qwen3_dir: str) -> None:
+    snapshot = write_hf_cache(tmp_path / "hf", "sluice-test/tiny-qwen3", qwen3_dir)
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    args = ("--prompt", "Hello", "--max-tokens", "5", "--ignore-eos", "--json", "--dtype",
+            "float32", "--device", "cpu")
+    by_id = run_sluice("generate", "--model", "sluice-test/tiny-qwen3", *args, env=env)
+    assert by_id.returncode == 0, by_id.stderr
+    by_folder = run_sluice("generate", "--model", str(snapshot), *args, env=env)
+    assert by_id.stdout == by_folder.stdout
+    assert len(json.loads(by_id.stdout)["token_ids"]) == 5
+    missing = run_sluice("generate", "--model", "sluice-test/not-cached", *args, env=env)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "sluice-test/not-cached" in missing.stderr and "HF_HUB_OFFLINE" in missing.stderr
+
+
+def test_serve_takes_the_model_as_its_first_argument(tmp_path: Path, qwen3_dir: str) -> None:
+    """`sluice serve ORG/NAME` as `vllm serve`: served under the name the user gave."""
+    import httpx
+    import openai
+
+    from tests.server.conftest import ServerProcess
+
+    write_hf_cache(tmp_path / "hf", "sluice-test/tiny-qwen3", qwen3_dir)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice", "serve", "sluice-test/tiny-qwen3", "--port", "0",
+             "--dtype", "float32", "--device", "cpu", "--max-model-len", "256"],
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    server = ServerProcess(proc, log_path)
+    try:
+        server.wait_ready()
+        c = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["sluice-test/tiny-qwen3"]
+        assert c.models.retrieve("sluice-test/tiny-qwen3").id == "sluice-test/tiny-qwen3"
+        reply = c.completions.create(model="sluice-test/tiny-qwen3", prompt="Hi", max_tokens=2)
+        assert reply.usage.completion_tokens <= 2
+        assert httpx.get(f"{server.base_url}/health").status_code == 200
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+    twice = run_sluice("serve", "a/b", "--model", "c/d")
+    assert twice.returncode == 2 and "the model is given twice" in twice.stderr

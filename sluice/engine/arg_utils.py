@@ -15,6 +15,7 @@ from sluice.config import (
     verify_positive,
 )
 from sluice.model.hf_config import load_hf_config
+from sluice.model.hub import resolve_model_path
 from sluice.spec_decode.config import SpeculativeConfig
 
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -71,6 +72,7 @@ class EngineArgs:
             from sluice.model.tiny import default_model_dir
 
             model = default_model_dir()
+        model = resolve_model_path(model)  # a hub id: its snapshot in the HF cache
         hf_config = load_hf_config(model)
 
         if self.tensor_parallel_size != 1:
@@ -117,7 +119,7 @@ class EngineArgs:
 
         model_config = ModelConfig(
             model=model,
-            tokenizer=self.tokenizer or model,
+            tokenizer=resolve_model_path(self.tokenizer) if self.tokenizer else model,
             dtype=self.dtype,
             seed=self.seed,
             max_model_len=max_model_len,

@@ -26,7 +26,8 @@ def speculative_config_arg(text: str) -> dict[str, Any] | None:
 
 # flag name -> (EngineArgs field, type); booleans get --flag / --no-flag.
 _ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
-    ("model", str, "Hugging Face model folder (default: the built-in tiny model)"),
+    ("model", str, "Hugging Face model folder or hub id, e.g. Qwen/Qwen3-0.6B (default: "
+                   "the built-in tiny model)"),
     ("tokenizer", str, "tokenizer folder (default: the model folder)"),
     ("dtype", str, "auto | float32 | bfloat16 | float16"),
     ("seed", int, "random seed"),
@@ -72,6 +73,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from sluice import LLM, SamplingParams
 
+    check_device(ns.device)
     prompts = ns.prompt or ["The quick brown fox"]
     params = SamplingParams(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
                             max_tokens=ns.max_tokens, seed=ns.sampling_seed,
@@ -100,15 +102,46 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def check_device(device: str) -> None:
+    """A clear error for a CUDA device this PyTorch cannot use (instead of a traceback from
+    deep in the model runner)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if torch.version.cuda is None:
+        raise ValueError(
+            f"--device {device} needs a CUDA build of PyTorch, but this one ({torch.__version__}) "
+            "is CPU-only. Install a CUDA build into this environment, e.g. "
+            "'.venv/bin/python -m pip install torch --index-url "
+            "https://download.pytorch.org/whl/cu128' (see the README), or use --device cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: PyTorch {torch.__version__} is built for CUDA "
+                         f"{torch.version.cuda} but sees no GPU (check the driver and "
+                         "CUDA_VISIBLE_DEVICES), or use --device cpu")
+
+
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from sluice.entrypoints.openai.api_server import ServerArgs, run_server
 
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model "
+                             f"{ns.model!r}")
+        ns.model = ns.model_tag
+    check_device(ns.device)
     server_args = ServerArgs(
         host=ns.host, port=ns.port, api_key=ns.api_key,
         served_model_name=tuple(ns.served_model_name or ()),
         disable_log_stats=ns.disable_log_stats, enable_log_requests=ns.enable_log_requests,
-        max_log_len=ns.max_log_len, uvicorn_log_level=ns.uvicorn_log_level)
-    return run_server(server_args, engine_args_from(ns))
+        max_log_len=ns.max_log_len, uvicorn_log_level=ns.uvicorn_log_level,
+        max_request_body_bytes=ns.max_request_body_bytes,
+        shutdown_timeout_s=ns.shutdown_timeout,
+        trust_request_chat_template=ns.trust_request_chat_template,
+        chat_template_timeout_s=ns.chat_template_timeout,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
+    return run_server(server_args, engine_args_from(ns), model_name=ns.model)
 
 
 def _cmd_make_model(ns: argparse.Namespace) -> int:
@@ -121,7 +154,10 @@ def _cmd_make_model(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import sluice
+
     parser = argparse.ArgumentParser(prog="sluice", description="LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"sluice {sluice.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline")
@@ -139,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="model folder or Hugging Face hub id (as --model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0: a free port (logged)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -148,6 +186,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-log-requests", action="store_true")
     serve.add_argument("--max-log-len", type=int, default=None)
     serve.add_argument("--uvicorn-log-level", default="info")
+    serve.add_argument("--max-request-body-bytes", type=int, default=32 << 20,
+                       help="larger request bodies get a 413, unread (default: 32 MiB)")
+    serve.add_argument("--shutdown-timeout", type=float, default=25.0,
+                       help="seconds SIGTERM waits for requests in flight before aborting "
+                            "them (default: 25)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="run chat templates sent in requests (chat_template, "
+                            "chat_template_kwargs.chat_template); refused otherwise")
+    serve.add_argument("--chat-template-timeout", type=float, default=10.0,
+                       help="seconds a chat template may render (default: 10)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="parse tool calls out of replies to requests with tools "
+                            "(tool_choice auto); needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                       help="the models' tool-call format (hermes: Qwen, Hermes)")
+    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                       help="split <think>...</think> into reasoning_content")
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 

@@ -147,6 +147,8 @@ def test_stream_wire_format_role_chunk_usage_and_done(server: ServerProcess,
     assert [c["choices"][0]["finish_reason"] for c in content] == \
         [None] * (len(content) - 1) + ["length"]
     assert all(c["usage"] is None for c in chunks[:-1])
+    details = chunks[-1]["usage"].pop("prompt_tokens_details")
+    assert details["cached_tokens"] < len(expected.prompt_token_ids)  # the last is recomputed
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
         "prompt_tokens": len(expected.prompt_token_ids), "completion_tokens": 6,
         "total_tokens": len(expected.prompt_token_ids) + 6}

@@ -1,17 +1,27 @@
-"""POST /v1/chat/completions: the messages rendered with the tokenizer's chat template (with the
-generation prompt), then one engine request with `n` samples.
+"""POST /v1/chat/completions: the messages rendered with the chat template (with the generation
+prompt, the request's `tools` and template variables), then one engine request with `n`
+samples.
 
 `max_completion_tokens` wins over `max_tokens`; with neither, a reply may fill the context.
 `logprobs: true` returns the chosen token's logprob, plus `top_logprobs` alternatives.
 Streamed: first one role chunk per choice (`{"role": "assistant", "content": ""}`), then
-content deltas, the last of a choice with its finish_reason, the usage chunk if asked for, and
+deltas, the last of a choice with its finish_reason, the usage chunk if asked for, and
 `data: [DONE]`.
+
+A reply's text goes through the server's parsers, in this order: the reasoning parser
+(`--reasoning-parser`) takes its thinking into `reasoning_content`; the tool-call parser
+(`--tool-call-parser`, when the request has tools and `tool_choice` is `auto`, the default with
+tools) takes its calls into `tool_calls` (finish_reason `tool_calls` where it would be `stop`).
+Streamed, they are `delta.reasoning_content` and `delta.tool_calls`. `tool_choice: "none"`
+still shows the tools to the template but parses no calls; `required` and a named function need
+constrained decoding, not built yet, and are refused.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -28,9 +38,14 @@ from sluice.entrypoints.openai.protocol import (
     ChatLogProb,
     ChatLogProbsContent,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
-    UsageInfo,
+    DeltaToolCall,
+    ToolCall,
+    usage,
 )
+from sluice.entrypoints.openai.reasoning import REASONING_PARSERS, Qwen3ReasoningParser
+from sluice.entrypoints.openai.serving_completion import vllm_prompt_logprobs
 from sluice.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
@@ -41,8 +56,12 @@ from sluice.entrypoints.openai.serving_engine import (
     sse,
     sse_error,
 )
+from sluice.entrypoints.openai.tool_parsers import TOOL_PARSERS, HermesToolParser
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from sluice.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# Prompt tokens decoded to see whether the prompt leaves the model inside a <think>.
+_PROMPT_TAIL_TOKENS = 16  # "<think>" may be several tokens of a vocabulary without it
 
 
 def _entry(logprob: Logprob) -> ChatLogProb:
@@ -64,9 +83,112 @@ def chat_logprobs(token_ids: list[int], positions: SampleLogprobs,
     return ChatCompletionLogProbs(content=content)
 
 
+@dataclass(frozen=True, slots=True)
+class _Parsing:
+    """Which parsers a request's replies go through."""
+
+    reasoning: type[Qwen3ReasoningParser] | None
+    prompt_opens_reasoning: bool
+    include_reasoning: bool
+    tools: type[HermesToolParser] | None
+    parallel_tool_calls: bool
+
+
+@dataclass(slots=True)
+class _Reply:
+    """One choice's parsers and what they have produced so far."""
+
+    parsing: _Parsing
+    reasoning_parser: Qwen3ReasoningParser | None = None
+    tool_parser: HermesToolParser | None = None
+    num_calls: int = 0
+    content: str = ""
+    reasoning: str = ""
+    reasoned: bool = False  # the reply had reasoning (shown or not)
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.parsing.reasoning is not None:
+            self.reasoning_parser = self.parsing.reasoning(self.parsing.prompt_opens_reasoning)
+        if self.parsing.tools is not None:
+            self.tool_parser = self.parsing.tools()
+
+    def feed(self, text: str, last: bool) -> DeltaMessage:
+        """The delta of the next `text` (`last`: the reply ends with it)."""
+        reasoning, content = "", text
+        if self.reasoning_parser is not None:
+            parsed = self.reasoning_parser.feed(text)
+            if last:
+                tail = self.reasoning_parser.finish()
+                parsed.reasoning += tail.reasoning
+                parsed.content += tail.content
+            reasoning, content = parsed.reasoning, parsed.content
+        calls: list[ToolCall] = []
+        if self.tool_parser is not None:
+            parsed_calls = self.tool_parser.feed(content)
+            if last:
+                tail_calls = self.tool_parser.finish()
+                parsed_calls.content += tail_calls.content
+                parsed_calls.calls += tail_calls.calls
+            content, calls = parsed_calls.content, parsed_calls.calls
+            if not self.parsing.parallel_tool_calls:
+                calls = calls[:max(0, 1 - self.num_calls)]
+        self.reasoned = self.reasoned or bool(reasoning)
+        if not self.parsing.include_reasoning:
+            reasoning = ""
+        delta = DeltaMessage(
+            content=content or None, reasoning_content=reasoning or None,
+            tool_calls=[DeltaToolCall(index=self.num_calls + i, id=call.id, type=call.type,
+                                      function=DeltaFunctionCall(name=call.function.name,
+                                                                 arguments=call.function.arguments))
+                        for i, call in enumerate(calls)] or None)
+        self.num_calls += len(calls)
+        self.content += content
+        self.reasoning += reasoning
+        self.calls += calls
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+    def message(self) -> ChatResponseMessage:
+        parsed = self.reasoning_parser is not None or self.tool_parser is not None
+        content: str | None = self.content
+        if parsed and not content and (self.calls or self.reasoned):
+            content = None
+        return ChatResponseMessage(content=content, reasoning_content=self.reasoning or None,
+                                   tool_calls=self.calls)
+
+
 class OpenAIServingChat:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
+        options = serving.options
+        self.reasoning_parser = (None if options.reasoning_parser is None
+                                 else REASONING_PARSERS[options.reasoning_parser])
+        self.tool_parser = (None if options.tool_call_parser is None
+                            else TOOL_PARSERS[options.tool_call_parser])
+
+    def _tool_parser(self, request: ChatCompletionRequest) -> type[HermesToolParser] | None:
+        """The parser of this request's tool calls (None: none parsed); 400 for a tool_choice
+        this server cannot honour."""
+        choice = request.tool_choice
+        if not request.tools:
+            if choice not in (None, "none"):
+                raise OpenAIError("tool_choice needs tools", 400, "tool_choice")
+            return None
+        if choice == "none":
+            return None
+        if choice == "required" or not isinstance(choice, str) and choice is not None:
+            shown = "required" if choice == "required" else "a named function"
+            raise OpenAIError(f"tool_choice {shown} is not supported yet (it needs constrained "
+                              "decoding); use 'auto' or 'none'", 400, "tool_choice")
+        options = self.serving.options
+        if not options.enable_auto_tool_choice or self.tool_parser is None:
+            raise OpenAIError('"auto" tool choice (the default with tools) requires the server '
+                              "to run with --enable-auto-tool-choice and --tool-call-parser",
+                              400, "tool_choice")
+        return self.tool_parser
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         serving = self.serving
@@ -82,12 +204,26 @@ class OpenAIServingChat:
                                   f"got {request.top_logprobs}", 400, "top_logprobs")
         if request.logprobs:
             num_logprobs = request.top_logprobs or 0
+        if request.stream and request.prompt_logprobs is not None:
+            raise OpenAIError("prompt_logprobs is not supported with stream in chat "
+                              "completions", 400, "prompt_logprobs")
         max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                       else request.max_tokens)
-        params = serving.sampling_params(request, max_tokens, num_logprobs)
-        token_ids = serving.tokenize_chat(request.messages, request.add_generation_prompt,
-                                          request.chat_template_kwargs)
+        params = serving.sampling_params(request, max_tokens, num_logprobs,
+                                         request.prompt_logprobs)
+        tool_parser = self._tool_parser(request)
+        tools = (None if not request.tools
+                 else [tool.model_dump(exclude_none=True) for tool in request.tools])
+        token_ids = await serving.tokenize_chat(request, tools)
         serving.check_context(len(token_ids), max_tokens)
+        opens_reasoning = False
+        if self.reasoning_parser is not None:
+            tail = serving.engine.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:])
+            opens_reasoning = self.reasoning_parser.prompt_opens_reasoning(tail)
+        parsing = _Parsing(reasoning=self.reasoning_parser,
+                           prompt_opens_reasoning=opens_reasoning,
+                           include_reasoning=request.include_reasoning, tools=tool_parser,
+                           parallel_tool_calls=request.parallel_tool_calls)
 
         request_id = random_id("chatcmpl")
         serving.log_request(request_id, None, token_ids, params)
@@ -97,10 +233,12 @@ class OpenAIServingChat:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(stream, request_id, model, params, len(token_ids), include_usage),
+                self._stream(stream, request_id, model, params, parsing, len(token_ids),
+                             include_usage),
                 media_type="text/event-stream")
         response = await run_until_disconnected(
-            raw_request, self._full(stream, request_id, model, params, len(token_ids)))
+            raw_request, self._full(stream, request_id, model, params, parsing, len(token_ids),
+                                    request.prompt_logprobs))
         if response is None:
             return Response(status_code=499)  # nobody is listening
         return Response(response.model_dump_json(), media_type="application/json")
@@ -113,55 +251,69 @@ class OpenAIServingChat:
         return chat_logprobs(sample.token_ids, sample.logprobs, params.logprobs)
 
     async def _full(self, stream: AsyncIterator[RequestOutput], request_id: str, model: str,
-                    params: SamplingParams, num_prompt_tokens: int) -> ChatCompletionResponse:
+                    params: SamplingParams, parsing: _Parsing, num_prompt_tokens: int,
+                    num_prompt_logprobs: int | None) -> ChatCompletionResponse:
         final = None
         async for _, output in merge_streams([stream]):
             final = output
         assert final is not None and final.finished
-        choices = [ChatCompletionResponseChoice(
-            index=sample.index, message=ChatResponseMessage(content=sample.text),
-            logprobs=self._logprobs(sample, params), finish_reason=sample.finish_reason,
-            stop_reason=sample.stop_reason) for sample in final.outputs]
+        choices = []
+        for sample in final.outputs:
+            reply = _Reply(parsing)
+            reply.feed(sample.text, last=True)
+            choices.append(ChatCompletionResponseChoice(
+                index=sample.index, message=reply.message(),
+                logprobs=self._logprobs(sample, params),
+                finish_reason=reply.finish_reason(sample.finish_reason),
+                stop_reason=sample.stop_reason))
         num_generated = sum(len(sample.token_ids) for sample in final.outputs)
+        prompt_logprobs = None
+        if num_prompt_logprobs is not None and final.prompt_logprobs is not None:
+            prompt_logprobs = vllm_prompt_logprobs(final.prompt_token_ids, final.prompt_logprobs,
+                                                   num_prompt_logprobs)
         return ChatCompletionResponse(
             id=request_id, model=model, choices=choices,
-            usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
-                            total_tokens=num_prompt_tokens + num_generated))
+            usage=usage(num_prompt_tokens, num_generated, final.num_cached_tokens),
+            prompt_logprobs=prompt_logprobs)
 
     async def _stream(self, stream: AsyncIterator[RequestOutput], request_id: str, model: str,
-                      params: SamplingParams, num_prompt_tokens: int,
+                      params: SamplingParams, parsing: _Parsing, num_prompt_tokens: int,
                       include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[ChatCompletionStreamChoice],
-                  usage: UsageInfo | None = None) -> str:
+                  usage_info: object = None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
-                                                    choices=choices, usage=usage))
+                                                    choices=choices, usage=usage_info))
 
+        replies = [_Reply(parsing) for _ in range(params.n)]
         finished: set[int] = set()
         num_generated = 0
+        num_cached = 0
         try:
             for index in range(params.n):
                 yield chunk([ChatCompletionStreamChoice(
                     index=index, delta=DeltaMessage(role="assistant", content=""))])
             async for _, output in merge_streams([stream]):
+                num_cached = output.num_cached_tokens
                 for sample in output.outputs:
                     if sample.index in finished:
                         continue
                     if not sample.text and not sample.token_ids and sample.finish_reason is None:
                         continue
                     num_generated += len(sample.token_ids)
-                    if sample.finish_reason is not None:
+                    last = sample.finish_reason is not None
+                    if last:
                         finished.add(sample.index)
-                    delta = DeltaMessage(content=sample.text) if sample.text else DeltaMessage()
+                    reply = replies[sample.index]
+                    delta = reply.feed(sample.text, last)
                     yield chunk([ChatCompletionStreamChoice(
                         index=sample.index, delta=delta,
                         logprobs=self._logprobs(sample, params),
-                        finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)])
+                        finish_reason=reply.finish_reason(sample.finish_reason),
+                        stop_reason=sample.stop_reason)])
             if include_usage:
-                yield chunk([], UsageInfo(prompt_tokens=num_prompt_tokens,
-                                          completion_tokens=num_generated,
-                                          total_tokens=num_prompt_tokens + num_generated))
+                yield chunk([], usage(num_prompt_tokens, num_generated, num_cached))
         except Exception as exc:
             yield sse_error(exc)
         yield SSE_DONE

@@ -14,14 +14,22 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 
 from sluice.engine.async_llm import AsyncLLM, EngineDeadError
+from sluice.entrypoints.openai.chat_template import (
+    TemplateKwargsError,
+    TemplateTimeout,
+    check_template_kwargs,
+    render_chat_ids,
+)
 from sluice.entrypoints.openai.errors import OpenAIError, error_body
-from sluice.entrypoints.openai.protocol import ChatMessage, SamplingFields
+from sluice.entrypoints.openai.protocol import ChatInputs, SamplingFields, unsupported_field
+from sluice.entrypoints.openai.text_inputs import TextInputs, lone_surrogate
 from sluice.sampling_params import SamplingParams
 
 logger = logging.getLogger("sluice")
@@ -60,17 +68,32 @@ def clamp_logprob(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
+@dataclass(frozen=True, slots=True)
+class ServingOptions:
+    """What the serving code takes from the server's flags (see ServerArgs)."""
+
+    log_requests: bool = False
+    max_log_len: int | None = None
+    trust_request_chat_template: bool = False
+    chat_template_timeout_s: float = 10.0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+
 class OpenAIServing:
     """The engine and the served model names, and the checks every generating route runs."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str], *,
-                 log_requests: bool = False, max_log_len: int | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
+                 options: ServingOptions | None = None) -> None:
         assert served_model_names
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.max_model_len = engine.max_model_len
-        self.log_requests = log_requests
-        self.max_log_len = max_log_len
+        self.options = options or ServingOptions()
+        self.log_requests = self.options.log_requests
+        self.max_log_len = self.options.max_log_len
+        self.text_inputs = TextInputs(engine.tokenizer, engine.max_model_len)
 
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -86,43 +109,86 @@ class OpenAIServing:
         if error is not None:
             raise OpenAIError(f"the engine is dead: {error}", 503)
 
-    def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True
-                        ) -> tuple[str, list[int]]:
-        """(text, token ids) of one prompt; a token-id prompt is decoded for its text."""
-        tokenizer = self.engine.tokenizer
+    async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True,
+                              param: str = "prompt", check_size: bool = True
+                              ) -> tuple[str, list[int]]:
+        """(text, token ids) of one prompt, tokenized (or, given ids, decoded) off the event
+        loop. With `check_size`, a text prompt that certainly cannot fit the context is
+        refused by its size before any tokenizing; `param` names the prompt in errors
+        ("prompt[2]")."""
+        inputs = self.text_inputs
+        if isinstance(prompt, str):
+            bad = lone_surrogate(prompt, param)
+            if bad:
+                raise OpenAIError(bad, 400, "prompt")
+            if not prompt:
+                raise OpenAIError(f"{param} must be a non-empty string, got ''", 400, "prompt")
+            num_bytes = inputs.too_long(prompt) if check_size else None
+            if num_bytes is not None:
+                raise OpenAIError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, your prompt is {num_bytes} bytes long, more than "
+                    f"{self.max_model_len} tokens of this tokenizer can hold "
+                    f"({inputs.max_prompt_bytes} bytes). Please reduce the length of the "
+                    "prompt.", 400, "prompt")
+            token_ids = await inputs.run(self.engine.tokenizer.encode, prompt,
+                                         add_special_tokens=add_special_tokens)
+            if not token_ids:
+                raise OpenAIError(f"{param} tokenized to no tokens", 400, "prompt")
+            return prompt, token_ids
         try:
-            if isinstance(prompt, str):
-                if not add_special_tokens:
-                    if not prompt:
-                        raise ValueError("prompt must be a non-empty string, got ''")
-                    return prompt, tokenizer.encode(prompt, add_special_tokens=False)
-                text, token_ids = self.engine.input_processor.tokenize(prompt)
-                return text or prompt, token_ids
             _, token_ids = self.engine.input_processor.tokenize(list(prompt))
         except ValueError as exc:
             raise OpenAIError(str(exc), 400, "prompt") from None
-        return tokenizer.decode(token_ids), token_ids
+        return await inputs.run(self.engine.tokenizer.decode, token_ids), token_ids
 
-    def tokenize_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                      chat_template_kwargs: dict[str, Any] | None) -> list[int]:
+    async def tokenize_chat(self, request: ChatInputs, tools: list[dict[str, Any]] | None
+                            ) -> list[int]:
+        """The messages rendered with the chat template and tokenized, off the event loop and
+        within the template time bound; a template sent in the request needs the server's
+        trust (see chat_template.py)."""
+        messages = request.messages
         if not messages:
             raise OpenAIError("messages must not be empty", 400, "messages")
+        kwargs = dict(request.chat_template_kwargs or {})
+        template = request.chat_template
+        if "chat_template" in kwargs:
+            param = "chat_template_kwargs"
+            template = kwargs.pop("chat_template")
+        else:
+            param = "chat_template"
+        if template is not None and not self.options.trust_request_chat_template:
+            raise OpenAIError(
+                f"{param}: chat templates sent in a request are refused: the server was not "
+                "started with --trust-request-chat-template", 400, param)
+        if template is not None and not isinstance(template, str):
+            raise OpenAIError(f"{param}: the chat template must be a string", 400, param)
         try:
-            conversation: list[dict[str, Any]] = []
-            for message in messages:
-                entry: dict[str, Any] = {"role": message.role, "content": message.text()}
-                if message.name is not None:
-                    entry["name"] = message.name
-                conversation.append(entry)
-            token_ids = self.engine.tokenizer.apply_chat_template(
-                conversation, tokenize=True, add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}))
+            check_template_kwargs(kwargs)
+            conversation = [message.to_template() for message in messages]
+        except ValueError as exc:
+            raise OpenAIError(str(exc), 400, "chat_template_kwargs"
+                              if isinstance(exc, TemplateKwargsError) else "messages") from None
+        for value, name in ((conversation, "messages"), (tools, "tools"),
+                            (request.documents, "documents"), (kwargs, "chat_template_kwargs"),
+                            (template, param)):
+            bad = lone_surrogate(value, name)
+            if bad:
+                raise OpenAIError(bad, 400, name)
+        timeout_s = self.options.chat_template_timeout_s
+        try:
+            token_ids = await self.text_inputs.run(
+                render_chat_ids, self.engine.tokenizer, conversation, tools=tools,
+                documents=request.documents, chat_template=template,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                template_kwargs=kwargs, timeout_s=timeout_s)
+        except TemplateTimeout:
+            raise OpenAIError(f"the chat template took longer than {timeout_s:g} s to render",
+                              400, param if template is not None else "messages") from None
         except Exception as exc:  # the template runs the user's messages: any failure is theirs
             raise OpenAIError(f"messages: the chat template failed: {exc}", 400,
                               "messages") from None
-        if hasattr(token_ids, "keys"):  # transformers 5 returns a BatchEncoding
-            token_ids = token_ids["input_ids"]
-        token_ids = list(token_ids)
         if not token_ids:
             raise OpenAIError("messages rendered to an empty prompt", 400, "messages")
         return token_ids
@@ -145,16 +211,20 @@ class OpenAIServing:
                 "messages or completion.", 400, "max_tokens")
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
-        """The request's SamplingParams; ValueErrors become 400s naming the field."""
+                        logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
+        """The request's SamplingParams; ValueErrors become 400s naming the field, and so do
+        fields sluice does not implement (see protocol.py)."""
+        refused = unsupported_field(request)
+        if refused is not None:
+            name, message = refused
+            raise OpenAIError(message, 400, name)
         if request.n > MAX_N:
             raise OpenAIError(f"n must be an integer in [1, {MAX_N}], got {request.n}", 400, "n")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError(f"best_of must equal n ({request.n}) or be left out: only "
                               f"parallel sampling is supported, got {request.best_of}", 400,
                               "best_of")
-        if request.logit_bias:
-            raise OpenAIError("logit_bias is not supported", 400, "logit_bias")
         try:
             return SamplingParams(
                 n=request.n,
@@ -173,6 +243,7 @@ class OpenAIServing:
                 max_tokens=max_tokens,
                 min_tokens=request.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
             )
@@ -242,15 +313,19 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Run a non-streaming handler's work; if the client goes away first, cancel it (which
-    aborts its requests in the engine) and return None."""
+    aborts its requests in the engine), wait for it to wind down, and return None."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except BaseException:  # the handler itself was cancelled
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
+        task.cancel()
+        raise
+    watcher.cancel()
+    if not task.done():
+        task.cancel()
+        # cancel() only asks: the task is done once its cleanup (the abort) has run.
+        await asyncio.wait((task,))
         return None
     return task.result()
