@@ -2,7 +2,8 @@
 models, under every GPU optimisation (Triton attention, CUDA graphs, compiled ops, async
 scheduling) and with them switched off one at a time, with and without prefix caching and
 with small prefill chunks (64-token steps replay the CUDA graphs of mixed steps); and with
-speculative decoding (n-gram, a draft model, an EAGLE head; verification CUDA graphs and eager).
+speculative decoding (n-gram, a draft model, an EAGLE head; verification CUDA graphs and eager);
+with the model in a worker process; with the CPU KV tier, saved and then loaded.
 Exits non-zero on any mismatch.
 
     PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR]
@@ -41,6 +42,12 @@ CONFIGS = {
     # the host, as under a server's load, so a pinned buffer the host rewrites for the next
     # step before the device has copied it shows (the logits indices were such a buffer).
     "chunks_of_64_device_lagging": {"max_num_batched_tokens": 64},
+    # The model in a worker process (the multiprocess executor).
+    "mp_executor": {"distributed_executor_backend": "mp"},
+    # The CPU KV tier: saves after graph replays and eager steps, then (the GPU prefix cache
+    # emptied) layer-by-layer loads on a side stream in eager steps.
+    "cpu_kv_tier": {"kv_offloading_size": 0.05},
+    "cpu_kv_tier_chunks_of_64": {"kv_offloading_size": 0.05, "max_num_batched_tokens": 64},
 }
 # ~1 ms of an H200's clock
 LAG_CYCLES = 2_000_000
@@ -115,6 +122,13 @@ def main() -> None:
             if stats is not None:
                 result[f"{arch}_{name}_accepted_of_drafted"] = (
                     f"{stats.num_accepted_tokens}/{stats.num_draft_tokens}")
+            if name.startswith("cpu_kv_tier"):
+                # Again, from the CPU tier: every full block of every prompt loads.
+                assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+                result[f"{arch}_{name}_loaded_equals_cpu"] = greedy_ids(llm, prompts) == reference
+                stats = llm.llm_engine.scheduler.connector.get_stats()
+                result[f"{arch}_{name}_loaded_blocks"] = stats["loaded_blocks"]
+                result[f"{arch}_{name}_loaded_some"] = stats["loaded_blocks"] > 0
             if name in ("default", "chunks_of_64"):
                 graphs = llm.llm_engine.engine_core.executor.model_runner.graph_runner
                 replays = graphs.mixed_graphs.num_replays if graphs.mixed_graphs else 0

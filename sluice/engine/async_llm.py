@@ -142,6 +142,7 @@ class AsyncLLM:
         self.num_blocks = ready.num_blocks
         self.max_model_len = ready.max_model_len
         self.engine_core_pid = ready.pid
+        self.worker_pids = ready.worker_pids
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:

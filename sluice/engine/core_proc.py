@@ -117,6 +117,7 @@ class EngineCoreProc:
             block_size=self.cache_config.block_size,
             max_model_len=self.scheduler_config.max_model_len,
             pid=os.getpid(),
+            worker_pids=getattr(self.engine_core.executor, "worker_pids", []),
         ))
 
     def run_busy_loop(self) -> None:

@@ -60,6 +60,7 @@ class Ready(Message, tag="ready"):
     block_size: int
     max_model_len: int
     pid: int
+    worker_pids: list[int] = []  # the executor's worker processes (none in-process)
 
 
 class EngineCoreOutputs(Message, tag="outputs"):

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, fields
 from typing import Any
 
+from sluice.config import KVTransferConfig
 from sluice.engine.arg_utils import EngineArgs
 from sluice.spec_decode.config import SpeculativeConfig
 
@@ -22,6 +23,16 @@ def speculative_config_arg(text: str) -> dict[str, Any] | None:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return None if config is None else asdict(config)
+
+
+def kv_transfer_config_arg(text: str) -> dict[str, Any] | None:
+    """--kv-transfer-config JSON, validated while parsing, as the dict of the config's fields
+    (None for `null`)."""
+    try:
+        config = KVTransferConfig.from_dict(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return None if config is None else config.to_dict()
 
 
 # flag name -> (EngineArgs field, type); booleans get --flag / --no-flag.
@@ -48,6 +59,14 @@ _ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
     ("speculative-config", speculative_config_arg,
      'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
      "(methods: ngram | draft_model | eagle)"),
+    ("tensor-parallel-size", int, "ranks the model is split over (1 for now)"),
+    ("distributed-executor-backend", str, "uni (the model in the engine's process) | mp (a "
+                                          "worker process per rank); default: uni at TP 1"),
+    ("kv-transfer-config", kv_transfer_config_arg,
+     'a KV connector as JSON, vLLM\'s shape: \'{"kv_connector": "OffloadingConnector", '
+     '"kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000}}\''),
+    ("kv-offloading-size", float, "GiB of host memory for a CPU tier of the KV cache (the "
+                                  "OffloadingConnector)"),
 ]
 
 
@@ -217,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     # Each benchmark module adds its own subcommand: module.add_parser(bench_sub).
-    from sluice.bench import latency, profile_steps, spec_decode, throughput
+    from sluice.bench import kv_tier, latency, profile_steps, spec_decode, throughput
     from sluice.bench import serve as bench_serve
 
     bench_serve.add_parser(bench_sub)
@@ -225,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     latency.add_parser(bench_sub)
     profile_steps.add_parser(bench_sub)
     spec_decode.add_parser(bench_sub)
+    kv_tier.add_parser(bench_sub)
     return parser
 
 

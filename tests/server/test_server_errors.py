@@ -253,3 +253,47 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(
     assert server.proc.wait(30) == 0
     log = server.log()
     assert "SIGTERM: draining 1 request(s) in flight" in log and "server stopped" in log
+
+
+def test_killing_a_worker_behind_the_server_gives_503_and_leaves_no_process(
+        make_server: Callable[..., ServerProcess]) -> None:
+    server = make_server("--distributed-executor-backend", "mp", "--served-model-name", "m")
+    info = server.engine_info()
+    (worker_pid,) = info["worker_pids"]
+    core_pid = info["engine_core_pid"]
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    result: dict[str, object] = {}
+
+    def stream() -> None:
+        try:
+            for _ in client.completions.create(model="m", prompt="victim", max_tokens=1000,
+                                               stream=True, extra_body={"ignore_eos": True}):
+                result.setdefault("first", time.monotonic())
+        except openai.APIError as exc:
+            result["error"] = exc
+        result["ended"] = time.monotonic()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while "first" not in result:
+        assert time.monotonic() < deadline and reader.is_alive()
+        time.sleep(0.01)
+    os.kill(worker_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    reader.join(10)
+    assert "worker rank 0" in str(result.get("error")), result
+    assert result["ended"] - killed_at < 5.0
+    health = httpx.get(f"{server.base_url}/health")
+    assert health.status_code == 503 and "worker rank 0" in health.text
+    assert server.stop() == 0
+    assert not _alive(core_pid) and not _alive(worker_pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (not reaped yet) is not running either
+        return f.read().split()[2] != "Z"
