@@ -36,8 +36,6 @@ from sluice.kv_transfer.offloading import (
     OffloadingConnectorScheduler,
     OffloadingConnectorWorker,
     OffloadingMetadata,
-    _copy_runs,
-    _runs,
 )
 
 _KEYS = ("cpu_bytes_to_use", "defer_lookups", "load_async", "load_delay_s", "fail_blocks",
@@ -166,9 +164,9 @@ class InjectingWorker(OffloadingConnectorWorker):
                     fail: set[int]) -> None:
         time.sleep(self.load_delay_s)
         good = [(g, c) for g, c in zip(gpu_blocks, cpu_slots) if g not in fail]
-        runs = _runs([g for g, _ in good], [c for _, c in good])
-        for name, kv in self.kv_caches.items():
-            _copy_runs(kv, self.cpu_caches[name], runs, to_device=True)
+        if good:  # (on the CPU: copied when this returns)
+            self.mover.load(self.kv_caches, self.cpu_caches, [g for g, _ in good],
+                            [c for _, c in good])
         self._spoil([g for g in gpu_blocks if g in fail])
         with self._lock:
             self._recved.add(req_id)

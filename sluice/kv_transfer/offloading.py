@@ -15,14 +15,14 @@ LRU-evicted; a slot is pinned while a step loads from it or saves into it, and b
 only once the step that saved it has returned (its copies are complete by then, see below).
 Lookups walk the request's block hashes after the local hit and stop at the first miss.
 
-Worker half: the store, one tensor per layer mirroring the GPU layout ([2, num_slots,
-block_size, heads, dim]), so a run of consecutive slots <-> consecutive blocks is two plain
-copies (K and V). Loads of all layers are issued at the start of the step on a side stream,
-one event per layer; each attention layer waits only for its own. Saves of a layer go on
-another side stream after the layer's KV is stored; `wait_for_save` makes the compute stream
-wait for them, so no later step overwrites a block before it is copied out, and the step's
-sampled tokens (which the engine waits for) come after the copies. On the CPU everything is
-synchronous.
+Worker half: the store, one tensor per layer ([num_slots, 2, block_size, heads, dim]: a slot's
+K and V in one chunk), moved by a BlockMover (a copy per run of consecutive slots through a
+device staging buffer, and one scatter / gather kernel per layer, wherever the GPU blocks are).
+Loads of all layers are issued at the start of the step on a side stream, one event per layer;
+each attention layer waits only for its own. Saves of a layer go on another side stream after
+the layer's KV is stored; `wait_for_save` makes the compute stream wait for them, so no later
+step overwrites a block before it is copied out, and the step's sampled tokens (which the
+engine waits for) come after the copies. On the CPU everything is synchronous.
 
 The CPU tier never fails a load (host memory), so it reports no invalid blocks.
 """
@@ -233,10 +233,9 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self.num_slots = num_cpu_slots(config, kv_cache_spec)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.cpu_caches: dict[str, torch.Tensor] = {}
+        self.mover: BlockMover | None = None
         self._load_events: dict[str, Any] = {}
-        self._load_runs: list[tuple[int, int, int]] = []
-        self._save_runs: list[tuple[int, int, int]] = []
-        self._cuda = False
+        self._save: tuple[Any, list[tuple[int, int]]] | None = None
         self._stats: dict[str, float] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -244,18 +243,15 @@ class OffloadingConnectorWorker(KVConnectorWorker):
 
         self.kv_caches = dict(kv_caches)
         first = next(iter(kv_caches.values()))
-        self._cuda = first.is_cuda
         for name, kv in kv_caches.items():
-            # [2, num_slots, block_size, heads, dim]: the GPU layout, slots for blocks.
-            shape = (2, self.num_slots, *kv.shape[2:])
+            # [num_slots, 2, block_size, heads, dim]: one slot's K and V are one chunk.
+            shape = (self.num_slots, 2, *kv.shape[2:])
             self.cpu_caches[name] = torch.empty(shape, dtype=kv.dtype, device="cpu",
-                                                pin_memory=self._cuda)
-        if self._cuda:
-            self._load_stream = torch.cuda.Stream(device=first.device)
-            self._save_stream = torch.cuda.Stream(device=first.device)
+                                                pin_memory=first.is_cuda)
+        self.mover = BlockMover(first.device)
         logger.info("CPU KV tier: %d blocks, %.2f GiB of %s host memory", self.num_slots,
                     self.num_slots * self.kv_cache_spec.bytes_per_block / 2**30,
-                    "pinned" if self._cuda else "plain")
+                    "pinned" if first.is_cuda else "plain")
 
     def has_loads(self) -> bool:
         return bool(self._metadata is not None and self._metadata.load_gpu_blocks)
@@ -263,58 +259,37 @@ class OffloadingConnectorWorker(KVConnectorWorker):
     def start_load_kv(self) -> None:
         meta: OffloadingMetadata | None = self._metadata
         self._load_events = {}
-        self._save_runs = _runs(meta.save_gpu_blocks, meta.save_cpu_slots) if meta else []
-        if meta is None or not meta.load_gpu_blocks:
+        self._save = None
+        if meta is None:
             return
-        import torch
-
-        self._load_runs = _runs(meta.load_gpu_blocks, meta.load_cpu_slots)
-        self._add_stat("load_bytes", len(meta.load_gpu_blocks)
-                       * self.kv_cache_spec.bytes_per_block)
-        if not self._cuda:
-            for name, kv in self.kv_caches.items():
-                _copy_runs(kv, self.cpu_caches[name], self._load_runs, to_device=True)
-            return
-        # The blocks were allocated for this step; anything the compute stream queued before
-        # (an earlier step using them) must be done before they are overwritten.
-        self._load_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._load_stream):
-            for name, kv in self.kv_caches.items():
-                _copy_runs(kv, self.cpu_caches[name], self._load_runs, to_device=True)
-                event = torch.cuda.Event()
-                event.record()
-                self._load_events[name] = event
+        mover = self.mover
+        if meta.save_gpu_blocks:
+            self._save = (mover.block_ids(meta.save_gpu_blocks),
+                          slot_runs(meta.save_cpu_slots))
+        if meta.load_gpu_blocks:
+            self._add_stat("load_bytes", len(meta.load_gpu_blocks)
+                           * self.kv_cache_spec.bytes_per_block)
+            self._load_events = mover.load(self.kv_caches, self.cpu_caches,
+                                           meta.load_gpu_blocks, meta.load_cpu_slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         event = self._load_events.pop(layer_name, None)
         if event is not None:
-            import torch
-
-            torch.cuda.current_stream().wait_event(event)
+            self.mover.wait(event)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata | None) -> None:
-        if not self._save_runs:
-            return
-        if not self._cuda:
-            _copy_runs(kv_layer, self.cpu_caches[layer_name], self._save_runs, to_device=False)
-            return
-        import torch
-
-        self._save_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._save_stream):
-            _copy_runs(kv_layer, self.cpu_caches[layer_name], self._save_runs, to_device=False)
+        if self._save is not None:
+            gpu_ids, runs = self._save
+            self.mover.save_layer(kv_layer, self.cpu_caches[layer_name], gpu_ids, runs)
 
     def wait_for_save(self) -> None:
-        if self._save_runs:
+        if self._save is not None:
             meta: OffloadingMetadata = self._metadata
             self._add_stat("save_bytes", len(meta.save_gpu_blocks)
                            * self.kv_cache_spec.bytes_per_block)
-            if self._cuda:
-                import torch
-
-                torch.cuda.current_stream().wait_stream(self._save_stream)
-        self._save_runs = []
+            self.mover.wait_for_saves()
+        self._save = None
 
     def get_stats(self) -> dict[str, float]:
         stats, self._stats = self._stats, {}
@@ -326,34 +301,123 @@ class OffloadingConnectorWorker(KVConnectorWorker):
     def shutdown(self) -> None:
         self.cpu_caches = {}
         self.kv_caches = {}
+        self.mover = None
 
 
-def _runs(gpu_blocks: list[int], cpu_slots: list[int]) -> list[tuple[int, int, int]]:
-    """(first gpu block, first cpu slot, length) of each run where both go up by one:
-    [(5, 0), (6, 1), (7, 2), (12, 9)] -> [(5, 0, 3), (12, 9, 1)]."""
-    runs: list[tuple[int, int, int]] = []
-    for gpu, cpu in zip(gpu_blocks, cpu_slots):
-        if runs:
-            g0, c0, n = runs[-1]
-            if gpu == g0 + n and cpu == c0 + n:
-                runs[-1] = (g0, c0, n + 1)
-                continue
-        runs.append((gpu, cpu, 1))
+def slot_runs(cpu_slots: list[int]) -> list[tuple[int, int]]:
+    """(first slot, length) of each run of consecutive slots: [3, 4, 5, 9] -> [(3, 3), (9, 1)]."""
+    runs: list[tuple[int, int]] = []
+    for slot in cpu_slots:
+        if runs and slot == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
     return runs
 
 
-def _copy_runs(kv: torch.Tensor, cpu: torch.Tensor, runs: list[tuple[int, int, int]],
-               to_device: bool) -> None:
-    """kv, cpu: [2, blocks or slots, block_size, heads, dim]; each run is one copy per K / V
-    (contiguous on both sides)."""
-    for gpu_block, cpu_slot, length in runs:
-        for half in (0, 1):
-            device_part = kv[half, gpu_block:gpu_block + length]
-            host_part = cpu[half, cpu_slot:cpu_slot + length]
-            if to_device:
-                device_part.copy_(host_part, non_blocking=True)
-            else:
-                host_part.copy_(device_part, non_blocking=True)
+class BlockMover:
+    """Moves blocks between a paged cache layer ([2, num_blocks, block_size, heads, dim]) and a
+    host store layer ([num_slots, 2, block_size, heads, dim]).
+
+    On CUDA a layer's move is one copy per run of consecutive host slots, through a device
+    staging buffer laid out like the host store, and one kernel that scatters the staging into
+    (or gathers it from) the cache's blocks wherever they are: a few launches per layer however
+    scattered the blocks are (a copy per block was thousands of launches for a long prompt).
+    Loads run on one side stream and saves on another, each in stream order, so each needs one
+    staging buffer; the compute stream waits for a layer's load event before its attention, and
+    for the saves before anything that could overwrite a saved block. On the CPU it is two
+    index operations per layer.
+    """
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.load_stream = torch.cuda.Stream(device=device)
+            self.save_stream = torch.cuda.Stream(device=device)
+        self._staging: dict[str, Any] = {}
+
+    def block_ids(self, gpu_blocks: list[int]) -> Any:
+        """The block ids as an int64 tensor on the device (copied without blocking)."""
+        import torch
+
+        ids = torch.tensor(gpu_blocks, dtype=torch.int64, pin_memory=self.cuda)
+        return ids.to(self.device, non_blocking=True) if self.cuda else ids
+
+    def _staging_for(self, name: str, num_blocks: int, like: Any) -> Any:
+        """[num_blocks, 2, block_size, heads, dim] on the device, grown as needed."""
+        import torch
+
+        staging = self._staging.get(name)
+        shape = (num_blocks, 2, *like.shape[2:])
+        if staging is None or staging.shape[0] < num_blocks or staging.dtype != like.dtype:
+            staging = torch.empty(shape, dtype=like.dtype, device=self.device)
+            self._staging[name] = staging
+        return staging[:num_blocks]
+
+    def load(self, kv_caches: dict[str, Any], cpu_caches: dict[str, Any],
+             gpu_blocks: list[int], cpu_slots: list[int]) -> dict[str, Any]:
+        """Issue every layer's load; returns {layer_name: event} (empty on the CPU, where the
+        loads are done on return)."""
+        import torch
+
+        if not self.cuda:
+            slots = torch.tensor(cpu_slots, dtype=torch.int64)
+            ids = torch.tensor(gpu_blocks, dtype=torch.int64)
+            for name, kv in kv_caches.items():
+                kv.transpose(0, 1).index_copy_(0, ids, cpu_caches[name].index_select(0, slots))
+            return {}
+        events = {}
+        runs = slot_runs(cpu_slots)
+        # The blocks were allocated for this step: whatever the compute stream queued before
+        # (an earlier step that used them) must be done before they are overwritten.
+        self.load_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.load_stream):
+            ids = self.block_ids(gpu_blocks)
+            for name, kv in kv_caches.items():
+                staging = self._staging_for("load", len(gpu_blocks), kv)
+                offset = 0
+                for slot, length in runs:
+                    staging[offset:offset + length].copy_(cpu_caches[name][slot:slot + length],
+                                                          non_blocking=True)
+                    offset += length
+                kv.transpose(0, 1).index_copy_(0, ids, staging)
+                event = torch.cuda.Event()
+                event.record()
+                events[name] = event
+        return events
+
+    def wait(self, event: Any) -> None:
+        import torch
+
+        torch.cuda.current_stream().wait_event(event)
+
+    def save_layer(self, kv: Any, cpu: Any, gpu_ids: Any, runs: list[tuple[int, int]]) -> None:
+        """Copy blocks `gpu_ids` of `kv` into the host slots of `runs` (in that order)."""
+        import torch
+
+        if not self.cuda:
+            slots = torch.tensor([s + i for s, n in runs for i in range(n)], dtype=torch.int64)
+            cpu.index_copy_(0, slots, kv.transpose(0, 1).index_select(0, gpu_ids))
+            return
+        # After the layer's KV of this step is stored on the compute stream.
+        self.save_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.save_stream):
+            staging = self._staging_for("save", gpu_ids.shape[0], kv)
+            torch.index_select(kv.transpose(0, 1), 0, gpu_ids, out=staging)
+            offset = 0
+            for slot, length in runs:
+                cpu[slot:slot + length].copy_(staging[offset:offset + length],
+                                              non_blocking=True)
+                offset += length
+
+    def wait_for_saves(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.current_stream().wait_stream(self.save_stream)
 
 
 class OffloadingConnector:
