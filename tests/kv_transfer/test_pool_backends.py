@@ -166,6 +166,10 @@ def test_arguments_are_validated(staged: Staged, prefix: str) -> None:
         backend.batch_put([f"{prefix}a"], [0], [0])
     with pytest.raises(ValueError, match="non-empty strings, got ''"):
         backend.batch_exists([""])
+    with pytest.raises(ValueError, match="offsets must be integers, got 1.5"):
+        backend.batch_put([f"{prefix}a"], [1.5], [SIZE])
+    # numpy integers are integers
+    assert backend.batch_put([f"{prefix}np"], np.array([0]), np.array([SIZE])) == [True]
     with pytest.raises(RuntimeError, match="already registered"):
         backend.register_buffer(staged.buffer.data_ptr(), capacity)
 

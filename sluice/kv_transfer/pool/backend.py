@@ -36,6 +36,7 @@ a late get landing in a slot refilled for a put would be sealed and stored as th
 from __future__ import annotations
 
 import ctypes
+import operator
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -70,9 +71,11 @@ class PoolBackend(ABC):
     """
 
     backend_name: ClassVar[str]
-    # Keys per native call: larger batches are split (Mooncake's TCP transport fails above 1,024
-    # queued transfers per peer; Redis pipelines of about 100 commands are the fastest).
+    # Keys per native call moving values: larger batches are split (Mooncake's TCP transport
+    # fails above 1,024 queued transfers per peer; Redis pipelines of about 100 values are the
+    # fastest). Lookups move no values and take larger chunks: one round trip for a long prompt.
     max_keys_per_call: ClassVar[int]
+    max_keys_per_lookup: ClassVar[int]
 
     def __init__(self, address: str, timeout_s: float) -> None:
         if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
@@ -156,9 +159,10 @@ class PoolBackend(ABC):
         self._check_ready()
         deadline = time.monotonic() + self.timeout_s
         out: list[bool] = []
-        for start in range(0, len(keys), self.max_keys_per_call):
+        step = self.max_keys_per_lookup
+        for start in range(0, len(keys), step):
             self._check_deadline(deadline)
-            out += self._exists(keys[start:start + self.max_keys_per_call], deadline)
+            out += self._exists(keys[start:start + step], deadline)
         return out
 
     def batch_put(self, keys: Sequence[str], offsets: Sequence[int],
@@ -234,7 +238,7 @@ class PoolBackend(ABC):
         if self._buffer is None:
             raise RuntimeError(f"{self._describe()}: register_buffer() before moving values")
         keys = _check_keys(keys)
-        offsets, sizes = list(offsets), list(sizes)
+        offsets, sizes = _check_ints("offsets", offsets), _check_ints("sizes", sizes)
         if not len(keys) == len(offsets) == len(sizes):
             raise ValueError(f"keys, offsets and sizes differ in length: "
                              f"{len(keys)}, {len(offsets)}, {len(sizes)}")
@@ -242,13 +246,22 @@ class PoolBackend(ABC):
         value_sizes = []
         for offset, size in zip(offsets, sizes):
             value_size = framing.value_size(size)
-            if not isinstance(offset, int) or offset < 0 or offset + value_size > capacity:
+            if offset < 0 or offset + value_size > capacity:
                 raise ValueError(
                     f"slot at offset {offset!r} of {value_size} bytes (payload {size} + trailer "
                     f"{framing.TRAILER_SIZE}) is outside the {capacity}-byte staging buffer")
             value_sizes.append(value_size)
         self._check_ready()
         return keys, offsets, sizes, value_sizes
+
+
+def _check_ints(name: str, values: Sequence[int]) -> list[int]:
+    """Plain ints (numpy integers and other `__index__` types accepted)."""
+    try:
+        return [operator.index(value) for value in values]
+    except TypeError:
+        bad = next(value for value in values if not hasattr(value, "__index__"))
+        raise ValueError(f"{name} must be integers, got {bad!r}") from None
 
 
 def _check_keys(keys: Sequence[str]) -> list[str]:

@@ -71,6 +71,7 @@ class LocalStore:
 class LocalBackend(PoolBackend):
     backend_name = "local"
     max_keys_per_call = 1 << 16  # no per-call limit; chunks only bound the time between checks
+    max_keys_per_lookup = 1 << 16
 
     def __init__(self, *, capacity_bytes: int = 1 << 30, store: LocalStore | None = None,
                  timeout_s: float = 5.0) -> None:

@@ -41,8 +41,9 @@ was back.
 
 Settings the library reads from the environment at `setup`, set here unless already set:
 `MC_RPC_TIMEOUT_MS` and `MC_RPC_CONNECT_TIMEOUT_MS` to twice `timeout_s` (30 s by default), and
-`MC_STORE_CLIENT_SETUP_RETRIES` = 1 (by default a client whose master is down retries for 90 s). The environment is process-wide,
-so the first backend's timeout applies to later ones in the same process.
+`MC_STORE_CLIENT_SETUP_RETRIES` = 1 (by default a client whose master is down retries for
+90 s). The environment is process-wide, so the first backend's timeout applies to later ones in
+the same process.
 
 Sockets: the master binds what it is told (`sluice.testing.servers` keeps it on 127.0.0.1), but
 this wheel's client binds its transfer and handshake ports on all interfaces (hard-coded in the
@@ -84,6 +85,7 @@ class MooncakeBackend(PoolBackend):
     # (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER); a batch beyond it stalls 60 s and breaks the lane.
     # Half of it leaves room for a second thread of this process writing to the same peer.
     max_keys_per_call = 512
+    max_keys_per_lookup = 4096  # one RPC to the master, no transfer
 
     def __init__(self, host: str = "127.0.0.1", port: int = 50051, *, timeout_s: float = 5.0,
                  global_segment_size: int = 1 << 30, local_buffer_size: int = 16 << 20,

@@ -34,6 +34,7 @@ except ImportError:  # the `pool` extra is not installed
 class RedisBackend(PoolBackend):
     backend_name = "redis"
     max_keys_per_call = 100
+    max_keys_per_lookup = 1000  # EXISTS per key, one pipeline
 
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, *, db: int = 0,
                  timeout_s: float = 5.0, password: str | None = None) -> None:
