@@ -8,6 +8,33 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SLUICE_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
+
+# System packages the global-pool tests run for real: redis-server, and the verbs libraries that
+# the Mooncake wheel links against even on a machine without RDMA. Installed only when missing;
+# without root (or apt) the tests that need them skip and say what is missing.
+sluice_missing_debs() {
+  command -v redis-server >/dev/null 2>&1 || echo redis-server
+  local libs
+  libs="$( (ldconfig -p || /sbin/ldconfig -p) 2>/dev/null || true)"
+  case "$libs" in
+    *libibverbs.so.1*) ;;
+    *) echo libibverbs1 ibverbs-providers ;;
+  esac
+}
+missing_debs="$(sluice_missing_debs | tr '\n' ' ')"
+if [ -n "${missing_debs// /}" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "sluice: installing Debian packages: $missing_debs" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    # The package lists may be missing or stale on a fresh machine.
+    apt-get install -y -qq $missing_debs >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $missing_debs >/dev/null; } \
+      || echo "sluice: could not install $missing_debs; the pool tests that need them skip" >&2
+  else
+    echo "sluice: not root (or no apt-get): not installing $missing_debs;" \
+      "the pool tests that need them skip" >&2
+  fi
+fi
 # Re-install when the dependencies change.
 stamp="$VENV/.sluice-setup-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then

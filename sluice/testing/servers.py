@@ -1,0 +1,316 @@
+"""Real pool servers for tests and benchmarks: `redis-server`, `mooncake_master`, and a process
+that owns a Mooncake Store segment, each on loopback ports picked free (or given).
+
+    with start_redis() as server:            # waits until it answers PING
+        backend = create_backend(server.url)
+        server.kill()                        # SIGKILL, reaped
+        server.restart()                     # same port, waits until it answers again
+    # leaving the block stops it (SIGTERM, then SIGKILL) and removes its folder
+
+Every process is started with `setpriv --pdeathsig KILL` where util-linux has it, so a test run
+that dies without its teardown (a crash in a native library) still takes its servers with it.
+The death signal follows the thread that started the process: start servers from the main
+thread (pytest fixtures do). Logs go to a temporary folder; a server that does not come up
+raises `ServerError` with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+class ServerError(RuntimeError):
+    """A server did not start or answer in time."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick)."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def redis_server_path() -> str | None:
+    return shutil.which("redis-server") or next(
+        (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.access(p, os.X_OK)),
+        None)
+
+
+def mooncake_master_path() -> str | None:
+    """The `mooncake_master` of the installed Mooncake wheel (or on PATH)."""
+    try:
+        import mooncake
+    except ImportError:
+        return shutil.which("mooncake_master")
+    bundled = Path(mooncake.__file__).parent / "mooncake_master"
+    return str(bundled) if os.access(bundled, os.X_OK) else shutil.which("mooncake_master")
+
+
+def redis_missing() -> str | None:
+    """Why the Redis backend cannot be tested here, or None."""
+    if redis_server_path() is None:
+        return "redis-server not installed (Debian: apt-get install redis-server)"
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return "redis-py not installed (pip install 'redis[hiredis]')"
+    return None
+
+
+def mooncake_missing() -> str | None:
+    """Why the Mooncake backend cannot be tested here, or None."""
+    try:
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except ImportError as exc:
+        return (f"Mooncake Store client not importable ({exc}); pip install "
+                "mooncake-transfer-engine-non-cuda and apt-get install libibverbs1 "
+                "ibverbs-providers")
+    if mooncake_master_path() is None:
+        return "mooncake_master not found (it ships in the mooncake-transfer-engine wheels)"
+    return None
+
+
+def _port_open(port: int, timeout_s: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class ServerProcess:
+    """One server process: its ports, its log, kill / restart / stop."""
+
+    def __init__(self, name: str, argv: Callable[[], list[str]], port: int,
+                 ready: Callable[[], bool], workdir: Path, startup_timeout_s: float) -> None:
+        self.name = name
+        self.port = port
+        self.workdir = workdir
+        self.log_path = workdir / f"{name}.log"
+        self._argv = argv
+        self._ready = ready
+        self._startup_timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        if self.alive():
+            raise ServerError(f"{self.name} on {self.address} is already running")
+        argv = self._argv()
+        setpriv = shutil.which("setpriv")
+        if setpriv:
+            argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT, cwd=self.workdir)
+        deadline = time.monotonic() + self._startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServerError(f"{self.name} exited with {self._proc.returncode} at start "
+                                  f"on {self.address}; log:\n{self.log_tail()}")
+            if self._ready():
+                return
+            time.sleep(0.02)
+        self.kill()
+        raise ServerError(f"{self.name} did not answer on {self.address} within "
+                          f"{self._startup_timeout_s:g} s; log:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, as far as clients can tell) and reap."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        if self._proc is not None:
+            self._proc.wait()
+
+    def restart(self) -> None:
+        """Start again on the same port (after `kill` or `stop`)."""
+        self.kill()
+        self.start()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM, SIGKILL after `grace_s`, reap."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self.kill()
+
+    def close(self) -> None:
+        """Stop and remove the working folder."""
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def log_tail(self, num_bytes: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return "(no log)"
+        return data[-num_bytes:].decode(errors="replace")
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{self.name} {self.address} pid={self.pid}>"
+
+
+def _start(make: Callable[[int], ServerProcess], port: int) -> ServerProcess:
+    """Start the server on `port`, or on a free port (retried: another process may take the
+    port between picking and binding)."""
+    attempts = 1 if port else 3
+    for attempt in range(attempts):
+        server = make(port or free_port())
+        try:
+            server.start()
+            return server
+        except ServerError:
+            server.close()
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+class RedisServer(ServerProcess):
+    @property
+    def url(self) -> str:
+        return f"redis://{self.address}"
+
+
+def start_redis(port: int = 0, *, maxmemory: str | None = None,
+                maxmemory_policy: str = "allkeys-lru",
+                startup_timeout_s: float = 10.0) -> RedisServer:
+    """`redis-server` on 127.0.0.1 without persistence. `maxmemory` (e.g. "16mb") caps it,
+    evicting by `maxmemory_policy`."""
+    binary = redis_server_path()
+    if binary is None:
+        raise ServerError("redis-server not installed")
+
+    def make(chosen: int) -> RedisServer:
+        workdir = Path(tempfile.mkdtemp(prefix="sluice-redis-"))
+
+        def argv() -> list[str]:
+            args = [binary, "--port", str(chosen), "--bind", HOST, "--save", "",
+                    "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
+                    "--dir", str(workdir), "--logfile", ""]
+            if maxmemory:
+                args += ["--maxmemory", maxmemory, "--maxmemory-policy", maxmemory_policy]
+            return args
+
+        def ready() -> bool:
+            try:
+                with socket.create_connection((HOST, chosen), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    return sock.recv(64).startswith(b"+PONG")
+            except OSError:
+                return False
+
+        return RedisServer("redis-server", argv, chosen, ready, workdir, startup_timeout_s)
+
+    server = _start(make, port)
+    assert isinstance(server, RedisServer)
+    return server
+
+
+class MooncakeMaster(ServerProcess):
+    admin_port: int
+
+    @property
+    def url(self) -> str:
+        return f"mooncake://{self.address}"
+
+
+def start_mooncake_master(port: int = 0, *, admin_port: int = 0, client_ttl_s: int | None = None,
+                          startup_timeout_s: float = 20.0) -> MooncakeMaster:
+    """`mooncake_master` with its RPC port, admin/metrics HTTP port (`admin_port`: `/health`,
+    `/metrics`, `/get_all_keys`) and its (disabled) HTTP metadata server all on 127.0.0.1.
+    `client_ttl_s`: how long the master keeps a silent client's segments (its default 10 s)."""
+    binary = mooncake_master_path()
+    if binary is None:
+        raise ServerError("mooncake_master not found")
+
+    def make(chosen: int) -> MooncakeMaster:
+        workdir = Path(tempfile.mkdtemp(prefix="sluice-mooncake-"))
+        chosen_admin = admin_port or free_port()
+        metadata_port = free_port()
+
+        def argv() -> list[str]:
+            args = [binary, f"--rpc_address={HOST}", f"--rpc_port={chosen}",
+                    f"--metrics_host={HOST}", f"--metrics_port={chosen_admin}",
+                    "--enable_http_metadata_server=false",
+                    f"--http_metadata_server_host={HOST}",
+                    f"--http_metadata_server_port={metadata_port}",
+                    "--logtostderr=true"]
+            if client_ttl_s is not None:
+                args.append(f"--client_ttl={client_ttl_s}")
+            return args
+
+        def ready() -> bool:
+            if not _port_open(chosen):
+                return False
+            try:
+                url = f"http://{HOST}:{chosen_admin}/health"
+                with urllib.request.urlopen(url, timeout=0.5) as response:
+                    return response.status == 200
+            except OSError:
+                return False
+
+        server = MooncakeMaster("mooncake_master", argv, chosen, ready, workdir,
+                                startup_timeout_s)
+        server.admin_port = chosen_admin
+        return server
+
+    server = _start(make, port)
+    assert isinstance(server, MooncakeMaster)
+    return server
+
+
+def start_mooncake_segment_owner(master: str, segment_size: int, *,
+                                 startup_timeout_s: float = 20.0) -> ServerProcess:
+    """A separate client process that mounts `segment_size` bytes into the store of the
+    master at `master` ("HOST:PORT") and does nothing else: values the master places there die
+    with it (`kill()`), the case of an engine instance crashing."""
+    workdir = Path(tempfile.mkdtemp(prefix="sluice-mooncake-segment-"))
+    ready_file = workdir / "ready"
+
+    def argv() -> list[str]:
+        with contextlib.suppress(FileNotFoundError):
+            ready_file.unlink()
+        return [sys.executable, "-m", "sluice.testing.mooncake_segment", "--master", master,
+                "--segment-size", str(segment_size), "--ready-file", str(ready_file)]
+
+    server = ServerProcess("mooncake-segment-owner", argv, 0, ready_file.exists, workdir,
+                           startup_timeout_s)
+    try:
+        server.start()
+    except ServerError:
+        server.close()
+        raise
+    return server

@@ -1,0 +1,461 @@
+"""The pool backends against real servers: what a put stores, what a get may return, and how
+each backend fails when its server dies, stalls or fills up."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from sluice.kv_transfer.pool import (
+    LocalStore,
+    PoolBackend,
+    PoolTimeout,
+    PoolUnavailable,
+    create_backend,
+    value_size,
+)
+from sluice.kv_transfer.pool.framing import TRAILER_SIZE, frame
+from sluice.testing import servers
+from tests.kv_transfer.conftest import Staged, require, staging_buffer, url_and_options
+from tests.kv_transfer.conftest import payloads as make_payloads
+
+SIZE = (64 << 10) - 24  # a KV block-like payload, not a round number on purpose
+SLOT = value_size(SIZE)
+
+
+def payloads(n: int, size: int = SIZE, seed: int = 0) -> np.ndarray:
+    return make_payloads(n, size, seed)
+
+
+def put_all(staged: Staged, keys: list[str], data: np.ndarray, base: int = 0) -> list[bool]:
+    size = data.shape[1]
+    slot = value_size(size)
+    for i in range(len(keys)):
+        staged.write(base + i * slot, data[i])
+    return staged.backend.batch_put(keys, [base + i * slot for i in range(len(keys))],
+                                    [size] * len(keys))
+
+
+def get_all(staged: Staged, keys: list[str], size: int = SIZE, base: int = 0
+            ) -> tuple[list[bool], list[np.ndarray]]:
+    slot = value_size(size)
+    staged.bytes[base:base + len(keys) * slot] = 0
+    ok = staged.backend.batch_get(keys, [base + i * slot for i in range(len(keys))],
+                                  [size] * len(keys))
+    return ok, [staged.read(base + i * slot, size) for i in range(len(keys))]
+
+
+def native_put(backend: PoolBackend, key: str, value: bytes) -> None:
+    """Store raw bytes under `key` with the backend's own client, bypassing the framing."""
+    if backend.backend_name == "local":
+        backend.store.set(key, value)
+    elif backend.backend_name == "redis":
+        backend._client.set(key, value)
+    else:
+        assert backend._store.put(key, value) == 0
+
+
+# ---- values ----
+
+
+def test_round_trip_of_many_values_is_bytewise_equal(staged: Staged, prefix: str) -> None:
+    keys = [f"{prefix}{i}" for i in range(300)]
+    data = payloads(len(keys))
+    assert staged.backend.batch_put(keys[:0], [], []) == []
+    assert put_all(staged, keys, data) == [True] * len(keys)
+    ok, got = get_all(staged, keys, base=400 * SLOT)
+    assert ok == [True] * len(keys)
+    for i in range(len(keys)):
+        assert np.array_equal(got[i], data[i]), i
+
+
+def test_put_of_an_existing_key_keeps_the_first_value(staged: Staged, prefix: str) -> None:
+    first, second = payloads(2, seed=1)
+    key = f"{prefix}block"
+    assert put_all(staged, [key], first[None]) == [True]
+    assert put_all(staged, [key], second[None]) == [True]  # reported as stored: same key
+    ok, got = get_all(staged, [key], base=4 * SLOT)
+    assert ok == [True] and np.array_equal(got[0], first)
+    assert staged.backend.count_keys(prefix) == 1
+
+
+def test_exists_answers_each_key_of_a_batch(staged: Staged, prefix: str) -> None:
+    keys = [f"{prefix}{i}" for i in range(10)]
+    assert put_all(staged, keys[::2], payloads(5)) == [True] * 5
+    assert staged.backend.batch_exists(keys) == [i % 2 == 0 for i in range(10)]
+    assert staged.backend.batch_exists([]) == []
+
+
+def test_missing_keys_are_false_beside_present_ones(staged: Staged, prefix: str) -> None:
+    data = payloads(3)
+    present = [f"{prefix}a", f"{prefix}b", f"{prefix}c"]
+    assert put_all(staged, present, data) == [True] * 3
+    keys = [f"{prefix}a", f"{prefix}never", f"{prefix}b", f"{prefix}gone", f"{prefix}c"]
+    ok, got = get_all(staged, keys, base=8 * SLOT)
+    assert ok == [True, False, True, False, True]
+    assert np.array_equal(got[0], data[0]) and np.array_equal(got[2], data[1])
+    assert np.array_equal(got[4], data[2])
+
+
+def test_a_value_of_another_size_is_a_miss(staged: Staged, prefix: str) -> None:
+    key = f"{prefix}block"
+    data = payloads(1)
+    assert put_all(staged, [key], data) == [True]
+    for size in (SIZE - 1, SIZE + 1, SIZE + 4096, SIZE // 2):
+        ok, _ = get_all(staged, [key], size=size, base=4 * SLOT)
+        assert ok == [False], size
+    ok, got = get_all(staged, [key], base=4 * SLOT)
+    assert ok == [True] and np.array_equal(got[0], data[0])
+
+
+def test_corrupted_values_are_misses(staged: Staged, prefix: str) -> None:
+    good = payloads(1, seed=3)[0].tobytes()
+    flipped = bytearray(frame(f"{prefix}flipped", good))
+    flipped[1234] ^= 0x01
+    bad_trailer = bytearray(frame(f"{prefix}bad-trailer", good))
+    bad_trailer[-1] ^= 0x80  # the length field
+    values = {
+        "flipped": bytes(flipped),                                # one payload bit
+        "bad-trailer": bytes(bad_trailer),
+        "other-key": frame(f"{prefix}somewhere-else", good),      # a valid value of another key
+        "unframed": good + bytes(TRAILER_SIZE),                   # right size, no trailer
+        "zeros": bytes(SLOT),                                     # an untouched buffer
+        "truncated": frame(f"{prefix}truncated", good)[:-1],
+    }
+    for name, value in values.items():
+        native_put(staged.backend, f"{prefix}{name}", value)
+    native_put(staged.backend, f"{prefix}good", frame(f"{prefix}good", good))
+    keys = [f"{prefix}{name}" for name in values] + [f"{prefix}good"]
+    ok, got = get_all(staged, keys)
+    assert ok == [False] * len(values) + [True]
+    assert got[-1].tobytes() == good
+
+
+def test_batches_beyond_the_per_call_limit(staged: Staged, prefix: str) -> None:
+    # Mooncake's TCP transport fails above 1,024 transfers to one peer per call; Redis
+    # pipelines 100 commands per round trip; the backend splits.
+    n, size = 2500, 4096
+    keys = [f"{prefix}{i}" for i in range(n)]
+    data = payloads(n, size=size, seed=4)
+    assert put_all(staged, keys, data) == [True] * n
+    assert staged.backend.batch_exists(keys) == [True] * n
+    ok, got = get_all(staged, keys, size=size, base=n * value_size(size))
+    assert ok == [True] * n
+    assert np.array_equal(np.stack(got), data)
+    assert staged.backend.count_keys(prefix) == n
+
+
+def test_arguments_are_validated(staged: Staged, prefix: str) -> None:
+    backend = staged.backend
+    capacity = staged.buffer.numel()
+    with pytest.raises(ValueError, match="differ in length"):
+        backend.batch_put([f"{prefix}a"], [0, SLOT], [SIZE])
+    with pytest.raises(ValueError, match="outside the .*staging buffer"):
+        backend.batch_get([f"{prefix}a"], [capacity - SIZE], [SIZE])  # no room for the trailer
+    with pytest.raises(ValueError, match="-1"):
+        backend.batch_get([f"{prefix}a"], [-1], [SIZE])
+    with pytest.raises(ValueError, match="payload_size .* got 0"):
+        backend.batch_put([f"{prefix}a"], [0], [0])
+    with pytest.raises(ValueError, match="non-empty strings, got ''"):
+        backend.batch_exists([""])
+    with pytest.raises(ValueError, match="offsets must be integers, got 1.5"):
+        backend.batch_put([f"{prefix}a"], [1.5], [SIZE])
+    # numpy integers are integers
+    assert backend.batch_put([f"{prefix}np"], np.array([0]), np.array([SIZE])) == [True]
+    with pytest.raises(RuntimeError, match="already registered"):
+        backend.register_buffer(staged.buffer.data_ptr(), capacity)
+
+
+def test_calls_before_register_and_after_close_are_refused() -> None:
+    backend = create_backend("local")
+    with pytest.raises(RuntimeError, match="register_buffer"):
+        backend.batch_get(["k"], [0], [SIZE])
+    with pytest.raises(ValueError, match="buffer size"):
+        backend.register_buffer(1 << 20, 0)
+    backend.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.batch_exists(["k"])
+
+
+def test_urls_and_options_are_validated() -> None:
+    for url in ("redis://", "redis://host:notaport", "http://127.0.0.1:80", "mooncake://h:1/x",
+                "redis://h:1/db", "local://x", "", "redis://h:99999"):
+        with pytest.raises(ValueError, match="pool URL"):
+            create_backend(url)
+    with pytest.raises(ValueError, match="unknown option.*segment_size.*accepted"):
+        create_backend("local", segment_size=1)
+    with pytest.raises(ValueError, match="timeout_s .* got 0"):
+        create_backend("local", timeout_s=0)
+    assert isinstance(create_backend("local://"), PoolBackend)
+
+
+# ---- shared by clients, stored once ----
+
+WRITER = """
+import ctypes, sys
+from sluice.kv_transfer.pool import create_backend, value_size
+url, prefix, n, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+options = eval(sys.argv[5])  # a dict literal of the test's own making
+buf = bytearray(n * value_size(size))
+for i in range(n):
+    buf[i * value_size(size):i * value_size(size) + size] = bytes([i % 251]) * size
+address = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+with create_backend(url, timeout_s=10.0, **options) as backend:
+    backend.register_buffer(address, len(buf))
+    keys = [f"{prefix}{i}" for i in range(n)]
+    ok = backend.batch_put(keys, [i * value_size(size) for i in range(n)], [size] * n)
+    assert ok == [True] * n, ok
+print("written")
+"""
+
+
+@pytest.mark.parametrize("remote", ["redis", "mooncake"])
+def test_values_written_by_another_process_are_read_here_and_stored_once(
+        remote: str, request: pytest.FixtureRequest, prefix: str) -> None:
+    require(remote)
+    url, options = url_and_options(remote, request)
+    n, size = 40, 8192
+    # The writer owns no Mooncake memory: its values live in this process's segment and
+    # outlive it (a writer with a segment of its own takes its values along when it exits).
+    writer_options = {"admin_port": options["admin_port"], "global_segment_size": 0} \
+        if remote == "mooncake" else {}
+    with create_backend(url, timeout_s=5.0, **options) as backend:
+        staged = Staged(backend, staging_buffer(4 << 20))
+        for _ in range(2):  # the second writer finds every key there and stores nothing
+            result = subprocess.run(
+                [sys.executable, "-c", WRITER, url, prefix, str(n), str(size),
+                 repr(writer_options)], capture_output=True, text=True, timeout=120)
+            assert result.returncode == 0, result.stderr[-3000:]
+        assert backend.count_keys(prefix) == n
+        ok, got = get_all(staged, [f"{prefix}{i}" for i in range(n)], size=size)
+        assert ok == [True] * n
+        for i in range(n):
+            assert np.array_equal(got[i], np.full(size, i % 251, dtype=np.uint8))
+
+
+def test_local_backends_share_a_store() -> None:
+    store = LocalStore(capacity_bytes=1 << 20)
+    writer, reader = create_backend("local", store=store), create_backend("local", store=store)
+    a, b = Staged(writer, staging_buffer(4 * SLOT)), Staged(reader, staging_buffer(4 * SLOT))
+    assert put_all(a, ["k"], payloads(1, seed=5)) == [True]
+    assert reader.batch_exists(["k", "x"]) == [True, False]
+    ok, got = get_all(b, ["k"])
+    assert ok == [True] and np.array_equal(got[0], payloads(1, seed=5)[0])
+
+
+# ---- a full store ----
+
+
+def test_a_full_store_evicts_or_refuses_but_never_returns_wrong_bytes(
+        kind: str, prefix: str) -> None:
+    """Three times the store's capacity in 64 KiB values: later puts may fail and earlier
+    values vanish (silently in Mooncake at ~90% fill), but every get that succeeds returns the
+    value that was put."""
+    n = 3 * 256  # 3 x 16 MiB against stores of ~16 MiB
+    data = payloads(n, seed=6)
+    keys = [f"{prefix}{i}" for i in range(n)]
+    with _small_store(kind) as backend:
+        staged = Staged(backend, staging_buffer((n + 8) * SLOT))
+        put_ok = []
+        for start in range(0, n, 64):
+            put_ok += put_all(staged, keys[start:start + 64], data[start:start + 64],
+                              base=start * SLOT)
+        assert sum(put_ok) > 0
+        ok = []
+        for start in range(0, n, 64):
+            chunk_ok, got = get_all(staged, keys[start:start + 64], base=start * SLOT)
+            ok += chunk_ok
+            for j, (hit, value) in enumerate(zip(chunk_ok, got)):
+                if hit:
+                    assert np.array_equal(value, data[start + j]), start + j
+        assert 0 < sum(ok) < n, (sum(put_ok), sum(ok))
+        assert all(put_ok[i] for i in range(n) if ok[i])
+
+
+@contextlib.contextmanager
+def _small_store(kind: str) -> Iterator[PoolBackend]:
+    """A backend whose store holds about 16 MiB (Mooncake's smallest segment), with its own
+    server where it has one."""
+    with contextlib.ExitStack() as stack:
+        if kind == "local":
+            backend = create_backend("local", capacity_bytes=16 << 20)
+        elif kind == "redis":
+            server = stack.enter_context(servers.start_redis(maxmemory="18mb"))
+            backend = create_backend(server.url)
+        else:
+            server = stack.enter_context(servers.start_mooncake_master())
+            backend = create_backend(server.url, global_segment_size=16 << 20)
+        with backend:
+            yield backend
+
+
+# ---- faults ----
+
+TIMEOUT_S = 1.0
+BOUND_S = TIMEOUT_S + 0.5  # a call's time limit: its timeout plus scheduling slack
+
+
+def _fails_fast(backend: PoolBackend, staged: Staged, keys: list[str]) -> None:
+    """Every kind of call raises PoolUnavailable or PoolTimeout within BOUND_S."""
+    calls = [lambda: backend.batch_exists(keys),
+             lambda: backend.batch_get(keys, [i * SLOT for i in range(len(keys))],
+                                       [SIZE] * len(keys)),
+             lambda: backend.batch_put(keys, [i * SLOT for i in range(len(keys))],
+                                       [SIZE] * len(keys))]
+    for call in calls * 2:
+        start = time.monotonic()
+        with pytest.raises((PoolUnavailable, PoolTimeout), match=backend.address):
+            call()
+        assert time.monotonic() - start < BOUND_S
+
+
+def _works_again(backend: PoolBackend, staged: Staged, prefix: str, within_s: float) -> None:
+    """Poll until a put/get round trip works again. Slots of a call that timed out are not
+    reused before the backend is idle (the contract of `busy`)."""
+    start = time.monotonic()
+    assert backend.wait_idle(within_s), "a timed-out native call never ended"
+    data = payloads(4, seed=7)
+    keys = [f"{prefix}after-{i}" for i in range(4)]
+    while True:
+        try:
+            if put_all(staged, keys, data) == [True] * 4:
+                ok, got = get_all(staged, keys, base=8 * SLOT)
+                assert ok == [True] * 4
+                assert all(np.array_equal(got[i], data[i]) for i in range(4))
+                return
+        except (PoolUnavailable, PoolTimeout):
+            pass
+        assert time.monotonic() - start < within_s, "the backend did not recover"
+        time.sleep(0.1)
+
+
+def _misses_or_exact(staged: Staged, keys: list[str], data: np.ndarray) -> None:
+    ok, got = get_all(staged, keys)
+    for i, hit in enumerate(ok):
+        assert not hit or np.array_equal(got[i], data[i]), keys[i]
+
+
+def _server_and_backend(kind: str) -> tuple[servers.ServerProcess, PoolBackend]:
+    require(kind)
+    server = servers.start_redis() if kind == "redis" else servers.start_mooncake_master()
+    try:
+        options = {"global_segment_size": 32 << 20} if kind == "mooncake" else {}
+        return server, create_backend(server.url, timeout_s=TIMEOUT_S, **options)
+    except BaseException:
+        server.close()
+        raise
+
+
+@pytest.mark.parametrize("remote", ["redis", "mooncake"])
+def test_killed_server_fails_calls_fast_and_a_restart_restores_them(
+        remote: str, prefix: str) -> None:
+    server, backend = _server_and_backend(remote)
+    try:
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        keys = [f"{prefix}{i}" for i in range(4)]
+        data = payloads(4)
+        assert put_all(staged, keys, data) == [True] * 4
+        server.kill()
+        _fails_fast(backend, staged, keys)
+        server.restart()
+        _works_again(backend, staged, prefix, within_s=15.0)
+        # The server comes back empty (no persistence), though a put that timed out while it
+        # was down may land once it is back (Mooncake): either way an old key reads as a miss
+        # or as its own bytes.
+        _misses_or_exact(staged, keys, data)
+    finally:
+        backend.close()
+        server.close()
+
+
+@pytest.mark.parametrize("remote", ["redis", "mooncake"])
+def test_stalled_server_times_calls_out_and_recovers(remote: str, prefix: str) -> None:
+    server, backend = _server_and_backend(remote)
+    try:
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        keys = [f"{prefix}{i}" for i in range(4)]
+        data = payloads(4)
+        assert put_all(staged, keys, data) == [True] * 4
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            _fails_fast(backend, staged, keys)
+            # Mooncake's native call goes on after the timeout: the backend says so and refuses
+            # calls; Redis dropped the connection, nothing goes on.
+            assert backend.busy == (remote == "mooncake")
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        _works_again(backend, staged, prefix, within_s=15.0)
+        assert not backend.busy
+        ok, got = get_all(staged, keys)  # nothing was lost: the server only paused
+        assert ok == [True] * 4 and all(np.array_equal(got[i], data[i]) for i in range(4))
+    finally:
+        backend.close()
+        server.close()
+
+
+@pytest.mark.parametrize("remote", ["redis", "mooncake"])
+def test_no_server_at_start_is_a_clear_error(remote: str) -> None:
+    require(remote)
+    port = servers.free_port()
+    start = time.monotonic()
+    with pytest.raises(PoolUnavailable, match=f"{remote} pool at 127.0.0.1:{port}"):
+        create_backend(f"{remote}://127.0.0.1:{port}", timeout_s=TIMEOUT_S)
+    assert time.monotonic() - start < BOUND_S
+
+
+def test_mooncake_values_of_a_killed_segment_owner_are_misses(prefix: str) -> None:
+    """Values live in the memory of the client the master placed them on. When that process
+    dies, the master still lists its keys for a while (`client_ttl`): exists says yes, but
+    every get must be a miss within the bound, and puts must not raise."""
+    require("mooncake")
+    with servers.start_mooncake_master(client_ttl_s=2) as master:
+        owner = servers.start_mooncake_segment_owner(master.address, 64 << 20)
+        try:
+            # This client owns no memory: every value goes to the owner's segment.
+            backend = create_backend(master.url, timeout_s=3.0, global_segment_size=0,
+                                     admin_port=master.admin_port)
+            staged = Staged(backend, staging_buffer(64 * SLOT))
+            keys = [f"{prefix}{i}" for i in range(20)]
+            assert put_all(staged, keys, payloads(20)) == [True] * 20
+            owner.kill()
+            # The stale window: exists may still say yes; a get must say no, in bounded time.
+            start = time.monotonic()
+            ok, _ = get_all(staged, keys, base=24 * SLOT)
+            assert ok == [False] * 20
+            assert time.monotonic() - start < 3.0 + 0.5
+            assert set(put_all(staged, [f"{prefix}new"], payloads(1))) <= {True, False}
+            deadline = time.monotonic() + 20.0
+            while any(backend.batch_exists(keys)):  # until the master drops the segment
+                assert time.monotonic() < deadline, "the dead owner's keys never went away"
+                time.sleep(0.5)
+            assert backend.count_keys(prefix) == 0
+            ok, _ = get_all(staged, keys, base=24 * SLOT)
+            assert ok == [False] * 20
+            backend.close()
+        finally:
+            owner.close()
+
+
+def test_servers_are_gone_after_stop() -> None:
+    require("redis")
+    server = servers.start_redis()
+    pid = server.pid
+    server.close()
+    assert not server.alive()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_mooncake_segment_size_is_validated() -> None:
+    require("mooncake")
+    with pytest.raises(ValueError, match="global_segment_size .* got 1048576"):
+        create_backend("mooncake://127.0.0.1:1", global_segment_size=1 << 20)
+
