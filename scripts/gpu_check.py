@@ -23,6 +23,7 @@ import tempfile
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.kv_transfer.offloading import BlockMover
 from sluice.model.tiny import make_tiny_model
 from sluice.spec_decode.eagle_model import make_tiny_eagle
 from sluice.worker.cuda_graphs import DecodeGraphs
@@ -48,6 +49,10 @@ CONFIGS = {
     # emptied) layer-by-layer loads on a side stream in eager steps.
     "cpu_kv_tier": {"kv_offloading_size": 0.05},
     "cpu_kv_tier_chunks_of_64": {"kv_offloading_size": 0.05, "max_num_batched_tokens": 64},
+    # As cpu_kv_tier with the device trailing the host (graph replays) and the loads trailing
+    # the compute stream: a save that does not wait for its layer's store in the graph, or a
+    # layer that does not wait for its load, reads the wrong KV.
+    "cpu_kv_tier_device_lagging": {"kv_offloading_size": 0.05},
 }
 # ~1 ms of an H200's clock
 LAG_CYCLES = 2_000_000
@@ -65,6 +70,24 @@ def spec_configs(model: str, eagle: str) -> dict[str, dict]:
         "spec_eagle": {"speculative_config": {
             "method": "eagle", "model": eagle, "num_speculative_tokens": 3}},
     }
+
+
+@contextlib.contextmanager
+def lagging_loads():
+    """Every CPU-tier load queued behind LAG_CYCLES of device sleep on its stream."""
+    load = BlockMover.load
+
+    def lagging_load(self, *args):
+        self.load_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.load_stream):
+            torch.cuda._sleep(LAG_CYCLES)
+        return load(self, *args)
+
+    BlockMover.load = lagging_load
+    try:
+        yield
+    finally:
+        BlockMover.load = load
 
 
 @contextlib.contextmanager
@@ -113,7 +136,8 @@ def main() -> None:
             configs.update(spec_configs(model, eagle))
         for name, kwargs in configs.items():
             llm = LLM(model=model, dtype="float32", device="cuda", **kwargs)
-            if name.endswith("_device_lagging"):
+            lagging = name.endswith("_device_lagging")
+            if lagging:
                 with lagging_graph_replays():
                     result[f"{arch}_{name}_equals_cpu"] = greedy_ids(llm, prompts) == reference
             else:
@@ -125,7 +149,10 @@ def main() -> None:
             if name.startswith("cpu_kv_tier"):
                 # Again, from the CPU tier: every full block of every prompt loads.
                 assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
-                result[f"{arch}_{name}_loaded_equals_cpu"] = greedy_ids(llm, prompts) == reference
+                with lagging_graph_replays() if lagging else contextlib.nullcontext(), \
+                        lagging_loads() if lagging else contextlib.nullcontext():
+                    result[f"{arch}_{name}_loaded_equals_cpu"] = (
+                        greedy_ids(llm, prompts) == reference)
                 stats = llm.llm_engine.scheduler.connector.get_stats()
                 result[f"{arch}_{name}_loaded_blocks"] = stats["loaded_blocks"]
                 result[f"{arch}_{name}_loaded_some"] = stats["loaded_blocks"] > 0

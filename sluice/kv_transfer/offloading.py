@@ -256,6 +256,9 @@ class OffloadingConnectorWorker(KVConnectorWorker):
     def has_loads(self) -> bool:
         return bool(self._metadata is not None and self._metadata.load_gpu_blocks)
 
+    def has_saves(self) -> bool:
+        return self._save is not None
+
     def start_load_kv(self) -> None:
         meta: OffloadingMetadata | None = self._metadata
         self._load_events = {}
