@@ -22,7 +22,7 @@ reports the load done. Loaded blocks enter the prefix cache only after the load 
 a failed block truncates the request there (recompute) or fails it. A request the connector
 still sends from keeps its blocks (`delay_free`) until the send is reported done; one aborted
 mid-load keeps them until the load ends or `kv_load_abort_timeout_s` passes, so no block is
-reused while a transfer may still write it.
+reused while a transfer may still write it. That bookkeeping is sluice/core/kv_transfers.py.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from sluice.config import KVTransferConfig, SchedulerConfig
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.kv_connector import KVConnectorScheduler
+from sluice.core.kv_transfers import KVTransfers
 from sluice.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
-    KVConnectorOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -85,15 +85,9 @@ class Scheduler:
         # Ended since the last schedule(): the runner drops their state next step.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
-        # KV connector state. Requests whose KV is being loaded: asynchronously (waiting in
-        # WAITING_FOR_REMOTE_KVS) or synchronously in a step not yet returned.
-        self._loading: dict[str, Request] = {}
-        self._async_loads: set[str] = set()  # of those, the asynchronous ones
-        self._finished_recving: set[str] = set()  # async loads reported done, not yet promoted
-        # Finished requests whose blocks wait for the connector to report the send done.
-        self._delayed_free: dict[str, Request] = {}
-        # Requests aborted while an async load wrote their blocks: (request, deadline).
-        self._abandoned_loads: dict[str, tuple[Request, float]] = {}
+        # The connector's transfers: loads in flight, delayed frees, aborted loads.
+        self.kv_transfers = (KVTransfers(connector, kv_transfer_config, kv_cache_manager)
+                             if connector is not None else None)
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         # A draft model (or EAGLE head) writes the KV of its next drafts past the verified tokens.
@@ -134,7 +128,7 @@ class Scheduler:
     def has_pending_kv_transfers(self) -> bool:
         """Finished requests whose blocks still wait on a connector (a send, an aborted load):
         the engine keeps stepping, so the workers can report them done."""
-        return bool(self._delayed_free or self._abandoned_loads)
+        return self.kv_transfers is not None and self.kv_transfers.has_pending()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -147,8 +141,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, now=time.time())
-        if self._abandoned_loads:
-            self._free_expired_abandoned_loads(plan.now)
+        if self.kv_transfers is not None:
+            self.kv_transfers.free_expired(plan.now)
         self._schedule_running(plan)
         # Then waiting requests in arrival order, unless this step had to preempt.
         if not plan.preempted:
@@ -187,7 +181,8 @@ class Scheduler:
         while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
             num_new = 0
-            if request.request_id not in self._loading:  # its load's step is still out
+            if (self.kv_transfers is None  # else not while its load's step is out
+                    or not self.kv_transfers.in_step_load(request.request_id)):
                 num_new = self._num_tokens_to_schedule(request, plan.token_budget)
             if num_new == 0:
                 req_index += 1
@@ -230,10 +225,10 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if request.request_id not in self._finished_recving:
+                if not self.kv_transfers.load_done(request.request_id):
                     passed_over.append(self.waiting.popleft())
                     continue
-                self._end_async_load(request)
+                self.kv_transfers.end_async_load(request)
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it comes back before resuming
             admitted = self._admit(request, plan)
@@ -293,11 +288,8 @@ class Scheduler:
             request.num_cached_tokens = num_local + num_external
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         if num_external:
-            self.connector.update_state_after_alloc(request, block_ids, num_external)
-            self._loading[request.request_id] = request
+            self.kv_transfers.start_load(request, block_ids, num_external, load_async)
         if load_async:
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            self._async_loads.add(request.request_id)
             return None  # passed over until a worker reports the load done
         self.waiting.popleft()
         self.running.append(request)
@@ -327,11 +319,11 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         failed_loads: set[str] = set()
-        if runner_output.kv_connector_output is not None:
-            failed_loads = self._update_from_connector_output(runner_output.kv_connector_output,
-                                                              outputs)
-        if self._loading:
-            self._end_sync_loads(scheduler_output, failed_loads)
+        if self.kv_transfers is not None and runner_output.kv_connector_output is not None:
+            failed_loads = self.kv_transfers.update(
+                runner_output.kv_connector_output,
+                lambda request, message: self._fail_request(request, message, outputs))
+            self.kv_transfers.end_sync_loads(scheduler_output, failed_loads)
         spec_token_ids = runner_output.spec_token_ids
         for i, (req_id, sampled) in enumerate(zip(runner_output.req_ids,
                                                   runner_output.sampled_token_ids)):
@@ -382,82 +374,7 @@ class Scheduler:
             ))
         return outputs
 
-    # ---- KV connector --------------------------------------------------------------------
-
-    def _update_from_connector_output(self, kv_output: KVConnectorOutput,
-                                      outputs: list[EngineCoreOutput]) -> set[str]:
-        """Apply the workers' report; returns the requests whose synchronous load failed in
-        this step (their sampled tokens, computed over bad KV, are dropped)."""
-        failed: set[str] = set()
-        if kv_output.invalid_block_ids:
-            failed = self._handle_invalid_blocks(kv_output.invalid_block_ids, outputs)
-        for req_id in kv_output.finished_recving:
-            abandoned = self._abandoned_loads.pop(req_id, None)
-            if abandoned is not None:
-                self.kv_cache_manager.free(abandoned[0])
-            elif req_id in self._async_loads:
-                self._finished_recving.add(req_id)
-        for req_id in kv_output.finished_sending:
-            request = self._delayed_free.pop(req_id, None)
-            if request is not None:
-                self.kv_cache_manager.free(request)
-        if self.connector is not None:
-            self.connector.update_connector_output(kv_output)
-        return failed
-
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int],
-                               outputs: list[EngineCoreOutput]) -> set[str]:
-        """Truncate every loading request at its first block that failed to load: it computes
-        from there again (policy "recompute") or ends with an error (policy "fail")."""
-        failed: set[str] = set()
-        block_size = self.kv_cache_manager.block_size
-        for req_id, request in list(self._loading.items()):
-            block_ids = self.kv_cache_manager.get_block_ids(req_id)
-            bad = next((i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)
-            if bad is None:
-                continue
-            failed.add(req_id)
-            bad_blocks = sorted(b for b in block_ids if b in invalid_block_ids)
-            if self.kv_transfer_config.kv_load_failure_policy == "fail":
-                self._fail_request(request, f"KV load failed for blocks {bad_blocks} of "
-                                            f"request {req_id!r} (kv_load_failure_policy "
-                                            f"'fail')", outputs)
-                continue
-            logger.warning("KV load failed for blocks %s of request %r: recomputing from "
-                           "token %d", bad_blocks, req_id, bad * block_size)
-            request.num_computed_tokens = min(request.num_computed_tokens, bad * block_size)
-            request.num_cached_tokens = min(request.num_cached_tokens, bad * block_size)
-            if req_id not in self._async_loads:
-                # A synchronous load in this step: its sampled token is dropped (the runner
-                # did not sample it) and the step's tokens after the bad block recomputed.
-                request.num_output_placeholders = 0
-                self._cache_loaded_blocks(request)
-                del self._loading[req_id]
-        return failed
-
-    def _end_sync_loads(self, scheduler_output: SchedulerOutput, failed: set[str]) -> None:
-        """The step that loaded these requests' KV is back: their blocks are good now."""
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self._loading.get(req_id)
-            if request is None or req_id in failed:
-                continue
-            del self._loading[req_id]
-            if not request.is_finished():
-                self._cache_loaded_blocks(request)
-
-    def _end_async_load(self, request: Request) -> None:
-        """A finished asynchronous load: from WAITING_FOR_REMOTE_KVS back to WAITING (still at
-        the head of the queue), its good blocks cached."""
-        self._finished_recving.discard(request.request_id)
-        self._async_loads.discard(request.request_id)
-        del self._loading[request.request_id]
-        # The last token always computes (its logits are needed).
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-        self._cache_loaded_blocks(request)
-        request.status = RequestStatus.WAITING
-
-    def _cache_loaded_blocks(self, request: Request) -> None:
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+    # ---- KV connector ----------------------------------------------------------------
 
     def _fail_request(self, request: Request, message: str,
                       outputs: list[EngineCoreOutput]) -> None:
@@ -474,15 +391,6 @@ class Scheduler:
             stop_reason=message, num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_time=request.first_scheduled_time,
             kv_transfer_params=kv_transfer_params))
-
-    def _free_expired_abandoned_loads(self, now: float) -> None:
-        for req_id, (request, deadline) in list(self._abandoned_loads.items()):
-            if now >= deadline:
-                logger.warning("request %r was aborted while its KV loaded and the load never "
-                               "reported done: freeing its blocks after %.0f s", req_id,
-                               self.kv_transfer_config.kv_load_abort_timeout_s)
-                del self._abandoned_loads[req_id]
-                self.kv_cache_manager.free(request)
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -530,9 +438,8 @@ class Scheduler:
         return False
 
     def _preempt(self, request: Request) -> None:
-        # A synchronous load still in flight writes blocks nobody will read: the device runs
-        # it before any later step that may reuse them.
-        self._loading.pop(request.request_id, None)
+        if self.kv_transfers is not None:
+            self.kv_transfers.forget(request.request_id)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -548,22 +455,7 @@ class Scheduler:
         request_id = request.request_id
         self.finished_req_ids.add(request_id)
         del self.requests[request_id]
-        if self.connector is None:
+        if self.kv_transfers is None:
             self.kv_cache_manager.free(request)
             return None
-        delay_free, params = self.connector.request_finished(
-            request, self.kv_cache_manager.get_block_ids(request_id))
-        self._loading.pop(request_id, None)
-        if request_id in self._async_loads:
-            self._async_loads.discard(request_id)
-            if request_id not in self._finished_recving:
-                # Ended mid-load (aborted, failed): the load may still write the blocks.
-                deadline = time.time() + self.kv_transfer_config.kv_load_abort_timeout_s
-                self._abandoned_loads[request_id] = (request, deadline)
-                return params
-            self._finished_recving.discard(request_id)
-        if delay_free:
-            self._delayed_free[request_id] = request
-        else:
-            self.kv_cache_manager.free(request)
-        return params
+        return self.kv_transfers.free(request)
