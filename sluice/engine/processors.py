@@ -89,6 +89,20 @@ class InputProcessor:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}), "
                                  f"got {t!r}")
 
+    def check_constraints(self, params: SamplingParams) -> None:
+        """ValueError for logit_bias ids outside the vocabulary and for structured outputs
+        whose schema, regex or grammar does not compile (cached: the server checks first, off
+        its event loop)."""
+        if params.logit_bias:
+            bad = _out_of_vocab(params.logit_bias, self.vocab_size)
+            if bad:
+                raise ValueError(f"logit_bias has token ids outside the vocabulary [0, "
+                                 f"{self.vocab_size}): {bad[:8]}")
+        if params.structured_outputs is not None:
+            from sluice.structured_output.grammar import check_structured_outputs
+
+            check_structured_outputs(params.structured_outputs)
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: float | None = None,
                 kv_transfer_params: dict[str, Any] | None = None,
@@ -101,6 +115,7 @@ class InputProcessor:
             raise ValueError(
                 f"prompt (length {len(token_ids)}) is longer than max_model_len "
                 f"({self.max_model_len})")
+        self.check_constraints(params)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
         eos = set() if params.ignore_eos else self.eos_token_ids
@@ -125,6 +140,10 @@ class InputProcessor:
                 kv_transfer_params=kv_transfer_params,
             ))
         return text, requests
+
+
+def _out_of_vocab(token_ids: object, vocab_size: int) -> list[int]:
+    return sorted(t for t in token_ids if t >= vocab_size)
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
