@@ -161,6 +161,8 @@ class _SampleState:
     index: int
     detokenizer: IncrementalDetokenizer
     num_logprobs: int | None
+    # EOS (unless ignore_eos) and stop_token_ids: a reply ending on one drops its text.
+    stop_token_ids: set[int] = field(default_factory=set)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_sent_logprobs: int = 0
@@ -206,6 +208,7 @@ class OutputProcessor:
                     self.tokenizer, child.prompt_token_ids, child.sampling_params,
                     incremental=output_kind != RequestOutputKind.FINAL_ONLY),
                 num_logprobs=params.logprobs,
+                stop_token_ids=child.sampling_params.all_stop_token_ids,
             ))
             self.child_to_parent[child.request_id] = (request_id, index)
         self.requests[request_id] = _RequestState(
@@ -285,8 +288,12 @@ class OutputProcessor:
                 for token_id, position in zip(out.new_token_ids, out.new_logprobs):
                     sample.logprobs.append(self._convert_logprobs(position))
                     sample.cumulative_logprob += position[token_id][0]
-            stop_terminated = out.finish_reason == "stop" and not isinstance(
-                out.stop_reason, str)
+            # A stop token's text is not shown; a reply whose grammar ended (structured
+            # outputs without a stop token) ends on text.
+            stop_terminated = (out.finish_reason == "stop"
+                               and not isinstance(out.stop_reason, str)
+                               and bool(out.new_token_ids)
+                               and out.new_token_ids[-1] in sample.stop_token_ids)
             stop_string = sample.detokenizer.update(out.new_token_ids, stop_terminated)
             if stop_string is not None:
                 # Before any other end in the same step (the tokens after it are dropped).
