@@ -200,6 +200,7 @@ class Scheduler:
         # The tokens are as good as computed once handed to the runner (the runner writes their
         # KV before anyone reads it), which is also what the prefix cache assumed above. A chunk
         # that reaches the end of the known tokens samples one more: a placeholder until then.
+        any_constrained = self._has_constrained_requests()
         constrained: list[str] = []
         for req_id, num_new in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -208,11 +209,16 @@ class Scheduler:
             if (request.num_computed_tokens
                     == request.num_tokens + request.num_output_placeholders + num_spec):
                 request.num_output_placeholders += 1
-                if request.sampling_params.structured_outputs is not None:
+                if any_constrained and request.sampling_params.structured_outputs is not None:
                     constrained.append(req_id)
         if constrained:
             output.grammar_bitmask = self.structured_output.grammar_bitmask(constrained)
         return output
+
+    def _has_constrained_requests(self) -> bool:
+        """Whether any request has structured outputs (else their per-request checks are
+        skipped: steps without them do no extra work)."""
+        return self.structured_output is not None and bool(self.structured_output.requests)
 
     def take_outputs_without_step(self) -> list[EngineCoreOutput]:
         """Outputs of requests that ended in schedule() (a grammar that did not compile)."""
@@ -388,6 +394,7 @@ class Scheduler:
         if self._loading:
             self._end_sync_loads(scheduler_output, failed_loads)
         spec_token_ids = runner_output.spec_token_ids
+        any_constrained = self._has_constrained_requests()
         for i, (req_id, sampled) in enumerate(zip(runner_output.req_ids,
                                                   runner_output.sampled_token_ids)):
             request = self.requests.get(req_id)
@@ -401,17 +408,17 @@ class Scheduler:
                 num_accepted = len(sampled) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec_decoding_stats.observe(len(drafts), num_accepted)
-            if sampled and request.sampling_params.structured_outputs is not None:
-                if not self._advance_grammar(request, sampled, outputs):
-                    continue
+            constrained = (any_constrained
+                           and request.sampling_params.structured_outputs is not None)
+            if constrained and sampled and not self._advance_grammar(request, sampled, outputs):
+                continue
             new_token_ids: list[int] = []
             for token_id in sampled:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
                     break
-            if (new_token_ids and request.sampling_params.structured_outputs is not None
-                    and not request.is_finished()
+            if (constrained and new_token_ids and not request.is_finished()
                     and self.structured_output.is_terminated(req_id)):
                 request.status = RequestStatus.FINISHED_STOPPED  # the grammar ended (no EOS)
             if drafts and new_token_ids:
