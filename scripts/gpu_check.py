@@ -6,13 +6,14 @@ speculative decoding (n-gram, a draft model, an EAGLE head; verification CUDA gr
 with the model in a worker process; with the CPU KV tier, saved and then loaded.
 Exits non-zero on any mismatch.
 
-    PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR]
+    PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR] [--only PREFIX,...]
 
 Writes gpu_check.json into OUT_DIR (default: benchmarks/).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -118,9 +119,15 @@ def greedy_ids(llm: LLM, prompts: list[dict], max_tokens: int = 32,
 
 
 def main() -> None:
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else "benchmarks"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", nargs="?", default="benchmarks")
+    parser.add_argument("--only", default="", help="comma-separated setting-name prefixes")
+    ns = parser.parse_args()
+    out_dir = ns.out_dir
+    only = tuple(p for p in ns.only.split(",") if p)
     work = tempfile.mkdtemp()
-    result: dict[str, object] = {"command": "python scripts/gpu_check.py",
+    result: dict[str, object] = {"command": " ".join(["python scripts/gpu_check.py",
+                                                      *sys.argv[1:]]),
                                  "gpu": torch.cuda.get_device_name(0),
                                  "torch": torch.__version__}
     rng = random.Random(0)
@@ -135,6 +142,8 @@ def main() -> None:
             eagle = make_tiny_eagle(model, os.path.join(work, arch + "-eagle"))
             configs.update(spec_configs(model, eagle))
         for name, kwargs in configs.items():
+            if only and not name.startswith(only):
+                continue
             llm = LLM(model=model, dtype="float32", device="cuda", **kwargs)
             lagging = name.endswith("_device_lagging")
             if lagging:

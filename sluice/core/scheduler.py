@@ -23,6 +23,14 @@ a failed block truncates the request there (recompute) or fails it. A request th
 still sends from keeps its blocks (`delay_free`) until the send is reported done; one aborted
 mid-load keeps them until the load ends or `kv_load_abort_timeout_s` passes, so no block is
 reused while a transfer may still write it. That bookkeeping is sluice/core/kv_transfers.py.
+
+Structured outputs (sluice/structured_output/manager.py, given as `structured_output`): a
+constrained request waits in the queue, passed over, until its grammar is compiled (a grammar
+that fails to compile fails the request); each step carries the grammar masks of the constrained
+requests that sample in it (`grammar_bitmask`), and their matchers accept the tokens that come
+back. A constrained request is never scheduled while its last token is still in flight (async
+scheduling): its next mask depends on that token. The engine core waits for the step in flight
+instead of leaving such a request out (sluice/engine/core.py).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sluice.config import KVTransferConfig, SchedulerConfig
 from sluice.core.kv_cache_manager import KVCacheManager
@@ -46,6 +55,9 @@ from sluice.core.outputs import (
     SpecDecodingStats,
 )
 from sluice.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from sluice.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("sluice")
 
@@ -72,8 +84,13 @@ class _StepPlan:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  connector: KVConnectorScheduler | None = None,
-                 kv_transfer_config: KVTransferConfig | None = None) -> None:
+                 kv_transfer_config: KVTransferConfig | None = None,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
+        self.structured_output = structured_output
+        # Requests that ended outside a step (a grammar that did not compile): their outputs
+        # go out with the next (take_outputs_without_step).
+        self._outputs_without_step: list[EngineCoreOutput] = []
         self.kv_cache_manager = kv_cache_manager
         self.connector = connector
         self.kv_transfer_config = kv_transfer_config
@@ -103,6 +120,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs: this engine has no structured-output "
+                                 "backend")
+            self.structured_output.add_request(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -129,6 +151,13 @@ class Scheduler:
         """Finished requests whose blocks still wait on a connector (a send, an aborted load):
         the engine keeps stepping, so the workers can report them done."""
         return self.kv_transfers is not None and self.kv_transfers.has_pending()
+
+    def has_constrained_token_in_flight(self) -> bool:
+        """Whether a running constrained request's last token is still in flight (async
+        scheduling): it cannot be scheduled until its grammar has seen that token."""
+        return any(request.num_output_placeholders
+                   and request.sampling_params.structured_outputs is not None
+                   for request in self.running)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -165,6 +194,8 @@ class Scheduler:
         # The tokens are as good as computed once handed to the runner (the runner writes their
         # KV before anyone reads it), which is also what the prefix cache assumed above. A chunk
         # that reaches the end of the known tokens samples one more: a placeholder until then.
+        any_constrained = self._has_constrained_requests()
+        constrained: list[str] = []
         for req_id, num_new in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_new
@@ -172,7 +203,32 @@ class Scheduler:
             if (request.num_computed_tokens
                     == request.num_tokens + request.num_output_placeholders + num_spec):
                 request.num_output_placeholders += 1
+                if any_constrained and request.sampling_params.structured_outputs is not None:
+                    constrained.append(req_id)
+        if constrained:
+            output.grammar_bitmask = self.structured_output.grammar_bitmask(constrained)
         return output
+
+    def _has_constrained_requests(self) -> bool:
+        """Whether any request has structured outputs (else their per-request checks are
+        skipped: steps without them do no extra work)."""
+        return self.structured_output is not None and bool(self.structured_output.requests)
+
+    def take_outputs_without_step(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that ended in schedule() (a grammar that did not compile)."""
+        outputs, self._outputs_without_step = self._outputs_without_step, []
+        return outputs
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a constrained waiting request's grammar is compiled; one whose compile
+        failed is failed (its output waits in take_outputs_without_step)."""
+        if not self.structured_output.is_ready(request.request_id):
+            return False
+        error = self.structured_output.compile_error(request.request_id)
+        if error is None:
+            return True
+        self._fail_request(request, error, self._outputs_without_step)
+        return False
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Running requests first, in admission order; preempts from the back for blocks."""
@@ -229,6 +285,11 @@ class Scheduler:
                     passed_over.append(self.waiting.popleft())
                     continue
                 self.kv_transfers.end_async_load(request)
+            if (request.sampling_params.structured_outputs is not None
+                    and not self._grammar_ready(request)):
+                if self.waiting and self.waiting[0] is request:
+                    passed_over.append(self.waiting.popleft())
+                continue
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it comes back before resuming
             admitted = self._admit(request, plan)
@@ -325,6 +386,7 @@ class Scheduler:
                 lambda request, message: self._fail_request(request, message, outputs))
             self.kv_transfers.end_sync_loads(scheduler_output, failed_loads)
         spec_token_ids = runner_output.spec_token_ids
+        any_constrained = self._has_constrained_requests()
         for i, (req_id, sampled) in enumerate(zip(runner_output.req_ids,
                                                   runner_output.sampled_token_ids)):
             request = self.requests.get(req_id)
@@ -338,12 +400,19 @@ class Scheduler:
                 num_accepted = len(sampled) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec_decoding_stats.observe(len(drafts), num_accepted)
+            constrained = (any_constrained
+                           and request.sampling_params.structured_outputs is not None)
+            if constrained and sampled and not self._advance_grammar(request, sampled, outputs):
+                continue
             new_token_ids: list[int] = []
             for token_id in sampled:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
                     break
+            if (constrained and new_token_ids and not request.is_finished()
+                    and self.structured_output.is_terminated(req_id)):
+                request.status = RequestStatus.FINISHED_STOPPED  # the grammar ended (no EOS)
             if drafts and new_token_ids:
                 # The accepted drafts are tokens now: their full blocks can be shared.
                 self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
@@ -374,6 +443,18 @@ class Scheduler:
             ))
         return outputs
 
+    def _advance_grammar(self, request: Request, sampled: list[int],
+                         outputs: list[EngineCoreOutput]) -> bool:
+        """The matcher accepts the new tokens; False (the request failed) if one breaks the
+        grammar, which the step's mask should have made impossible."""
+        accepted = self.structured_output.accept_tokens(request.request_id, sampled)
+        if accepted == len(sampled):
+            return True
+        self._fail_request(request, f"structured_outputs: token {sampled[accepted]} does not "
+                                    f"match the grammar of request {request.request_id!r}",
+                           outputs)
+        return False
+
     # ---- KV connector ----------------------------------------------------------------
 
     def _fail_request(self, request: Request, message: str,
@@ -397,8 +478,10 @@ class Scheduler:
     def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
         placeholders = request.num_output_placeholders
         if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
-                             or request.num_tokens + placeholders >= self.config.max_model_len):
-            return 0  # the token in flight is its last one
+                             or request.num_tokens + placeholders >= self.config.max_model_len
+                             or request.sampling_params.structured_outputs is not None):
+            # The token in flight is its last one, or its grammar must see it first.
+            return 0
         num_new = (request.num_tokens + placeholders + len(request.spec_token_ids)
                    - request.num_computed_tokens)
         if self.config.long_prefill_token_threshold > 0:
@@ -455,6 +538,8 @@ class Scheduler:
         request_id = request.request_id
         self.finished_req_ids.add(request_id)
         del self.requests[request_id]
+        if self.structured_output is not None:
+            self.structured_output.remove(request_id)
         if self.kv_transfers is None:
             self.kv_cache_manager.free(request)
             return None

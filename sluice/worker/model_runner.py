@@ -30,6 +30,7 @@ from sluice.attention.kv_layout import allocate_kv_caches
 from sluice.config import CacheConfig, ModelConfig, SchedulerConfig
 from sluice.core.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    GrammarBitmask,
     KVConnectorOutput,
     ModelRunnerOutput,
     PositionLogprobs,
@@ -46,6 +47,7 @@ from sluice.worker.kv_cache import determine_num_blocks
 from sluice.worker.kv_connector import KVConnectorWorker
 from sluice.worker.layer_events import GraphLayerEvents
 from sluice.worker.sampling_inputs import (
+    GrammarStaging,
     SamplingStaging,
     build_row_seeds,
     build_sampling_metadata,
@@ -127,6 +129,7 @@ class ModelRunner:
                                           pin_memory=dev.type == "cuda") for _ in range(2)]
         self._launch_parity = 0
         self.sampling_staging = SamplingStaging(max_num_reqs, dev)
+        self.grammar_staging = GrammarStaging(max_num_reqs, dev)  # structured outputs
         self._num_sampling_launches = 0  # keys the fused sampler's unseeded rows
         self._last_step: StepHandle | None = None
         # {layer_name: [2, num_blocks, block_size, KVH, D]} in layer order (kv_layout)
@@ -244,12 +247,12 @@ class ModelRunner:
             if not all(can_speculate(states[i].sampling_params) for i in sample_rows):
                 verify_rows = [i for i in sample_rows if step.num_drafts[i]]
                 self._sample(step, hidden, [i for i in sample_rows if not step.num_drafts[i]],
-                             handle)
+                             handle, scheduler_output.grammar_bitmask)
                 handle.result()
             self.spec.verify(step, hidden, verify_rows, output)
             self.spec.propose(step, hidden, output)
             return handle
-        self._sample(step, hidden, sample_rows, handle)
+        self._sample(step, hidden, sample_rows, handle, scheduler_output.grammar_bitmask)
         return handle
 
     def _end_connector_step(self, scheduler_output: SchedulerOutput,
@@ -274,8 +277,9 @@ class ModelRunner:
                 if invalid.intersection(table[state.row, :num_blocks[state.row]].tolist())}
 
     def _sample(self, step: StepInputs, hidden: torch.Tensor, sample_rows: list[int],
-                handle: StepHandle) -> None:
-        """Sample one token for each row of `sample_rows` (queued on the device)."""
+                handle: StepHandle, grammar: GrammarBitmask | None = None) -> None:
+        """Sample one token for each row of `sample_rows` (queued on the device); `grammar`:
+        the step's structured-output masks."""
         if not sample_rows:
             return
         states = step.states
@@ -296,7 +300,8 @@ class ModelRunner:
         for state in sample_states:
             state.num_sampled += 1
         metadata = build_sampling_metadata(sample_states, self.sampling_staging,
-                                           self.hf_config.vocab_size, row_seeds)
+                                           self.hf_config.vocab_size, row_seeds,
+                                           grammar, self.grammar_staging)
         sampler_output = self.sampler(logits, metadata)
         handle.set_samples(sample_rows, sample_states, sampler_output,
                            self._sampled_host[self._launch_parity])

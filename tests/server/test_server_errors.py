@@ -91,7 +91,12 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "must not be empty"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
      "messages", "messages.0.role"),
-    ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 101}}, "logit_bias",
+     "values in [-100, 100] (token 5), got 101"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"five": 1}}, "logit_bias",
+     "token ids (integers), got 'five'"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"100000": 1}}, "logit_bias",
+     "outside the vocabulary [0, "),
 ])
 def test_bad_parameters_are_400s_naming_the_param(keyed_server: ServerProcess, path: str,
                                                   body: dict[str, Any], param: str,
