@@ -22,7 +22,9 @@ reports the load done. Loaded blocks enter the prefix cache only after the load 
 a failed block truncates the request there (recompute) or fails it. A request the connector
 still sends from keeps its blocks (`delay_free`) until the send is reported done; one aborted
 mid-load keeps them until the load ends or `kv_load_abort_timeout_s` passes, so no block is
-reused while a transfer may still write it.
+reused while a transfer may still write it. An asynchronous load may bring the whole prompt and
+the first token the peer sampled after it (prefill/decode disaggregation): the token is the
+request's first output, and its next step computes the token's KV and samples the second.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from sluice.core.kv_connector import KVConnectorScheduler
 from sluice.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    FirstToken,
     KVConnectorOutput,
     ModelRunnerOutput,
     NewRequestData,
@@ -135,6 +138,12 @@ class Scheduler:
         """Finished requests whose blocks still wait on a connector (a send, an aborted load):
         the engine keeps stepping, so the workers can report them done."""
         return bool(self._delayed_free or self._abandoned_loads)
+
+    def has_requests_to_schedule(self) -> bool:
+        """Whether a step could compute anything: False while every unfinished request waits
+        for a remote load (the engine then polls the workers instead of spinning)."""
+        num_parked = len(self._async_loads) - len(self._finished_recving)
+        return bool(self.running) or len(self.waiting) > num_parked
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -259,13 +268,15 @@ class Scheduler:
                     request, num_local)
                 if num_external is None:
                     return None
-                # Never the last token: its logits must be computed here. A load in the step
-                # itself also stops at the last full block before it, so the step's own KV
-                # writes never share a block with a load still in flight.
-                limit = request.num_tokens - 1
+                # A load in the step itself never covers the last token (its logits must be
+                # computed here) and stops at the last full block before it, so the step's own
+                # KV writes never share a block with a load still in flight. An asynchronous
+                # load may cover the whole prompt: its last token is computed again when the
+                # load ends, unless the load brings the first output token (_take_first_token).
+                limit = request.num_tokens
                 if not load_async:
                     block_size = self.kv_cache_manager.block_size
-                    limit = limit // block_size * block_size
+                    limit = (limit - 1) // block_size * block_size
                 num_external = max(0, min(num_external, limit - num_local))
                 load_async = load_async and num_external > 0
         request_num_computed = request.num_computed_tokens + num_local + num_external
@@ -317,6 +328,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=block_ids,
                 num_computed_tokens=request_num_computed,
+                output_token_ids=list(request.output_token_ids),
             ))
         request.status = RequestStatus.RUNNING
         plan.add(request, num_new, is_partial)
@@ -364,6 +376,8 @@ class Scheduler:
             logprobs = runner_output.logprobs.get(req_id)
             if logprobs is not None:
                 logprobs = logprobs[: len(new_token_ids)]
+            if self.connector is not None and request.kv_transfer_params is not None:
+                self.connector.update_request_output(request, new_token_ids, logprobs)
             kv_transfer_params = None
             if request.is_finished():
                 # Preempted while its token was in flight, it waits in the queue.
@@ -397,6 +411,9 @@ class Scheduler:
                 self.kv_cache_manager.free(abandoned[0])
             elif req_id in self._async_loads:
                 self._finished_recving.add(req_id)
+                first_token = kv_output.first_tokens.get(req_id)
+                if first_token is not None:
+                    self._take_first_token(self.requests[req_id], first_token, outputs)
         for req_id in kv_output.finished_sending:
             request = self._delayed_free.pop(req_id, None)
             if request is not None:
@@ -455,6 +472,33 @@ class Scheduler:
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self._cache_loaded_blocks(request)
         request.status = RequestStatus.WAITING
+
+    def _take_first_token(self, request: Request, first_token: FirstToken,
+                          outputs: list[EngineCoreOutput]) -> None:
+        """An asynchronous load that brought the whole prompt's KV and the first token the
+        peer sampled after it: the token is the request's first output (sent now); the
+        request waits at its place in the queue with the prompt computed, and its next step
+        computes the token's KV and samples the second. A load cut short by failed blocks
+        keeps recomputing instead."""
+        if request.num_computed_tokens != request.num_tokens or request.num_output_tokens:
+            return
+        request.append_output_token_ids([first_token.token_id])
+        self._end_async_load(request)  # num_computed_tokens: the prompt, all of it
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
+        kv_transfer_params = None
+        if self._check_stop(request, first_token.token_id):
+            self.waiting.remove(request)
+            kv_transfer_params = self._free_request(request)
+        logprobs = None
+        if first_token.logprobs is not None and request.sampling_params.logprobs is not None:
+            logprobs = [first_token.logprobs]
+        outputs.append(EngineCoreOutput(
+            req_id=request.request_id, new_token_ids=[first_token.token_id],
+            finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
+            new_logprobs=logprobs, num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
+            kv_transfer_params=kv_transfer_params))
 
     def _cache_loaded_blocks(self, request: Request) -> None:
         self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)

@@ -67,6 +67,12 @@ _ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
      '"kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000}}\''),
     ("kv-offloading-size", float, "GiB of host memory for a CPU tier of the KV cache (the "
                                   "OffloadingConnector)"),
+    ("disaggregation-mode", str, "prefill | decode: this instance's half of prefill/decode "
+                                 "disaggregation (the PDConnector; a router pairs them)"),
+    ("disaggregation-bootstrap-port", int, "a prefill instance's bootstrap server port "
+                                           "(0: a free one, logged)"),
+    ("disaggregation-transfer-backend", str, "mooncake (Mooncake Transfer Engine) | fake "
+                                             "(loopback ZMQ, for tests)"),
 ]
 
 

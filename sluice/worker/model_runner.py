@@ -260,7 +260,8 @@ class ModelRunner:
         invalid = connector.get_block_ids_with_load_errors()
         output.kv_connector_output = KVConnectorOutput(
             finished_sending=set(finished_sending), finished_recving=set(finished_recving),
-            invalid_block_ids=set(invalid), stats=connector.get_stats())
+            invalid_block_ids=set(invalid), first_tokens=connector.get_first_tokens(),
+            stats=connector.get_stats())
         connector.clear_connector_metadata()
         if not invalid or step is None:
             return set()
@@ -313,12 +314,14 @@ class ModelRunner:
             self.block_tables.append(row, new.block_ids)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids),
+                token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=params,
                 generator=generator,
                 row=row,
                 num_computed_tokens=new.num_computed_tokens,
+                # A first token sampled elsewhere counts as a draw (seeded rows key on it).
+                num_sampled=len(new.output_token_ids),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
