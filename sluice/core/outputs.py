@@ -92,18 +92,21 @@ class KVConnectorOutput(msgspec.Struct, omit_defaults=True):
     finished_recving: requests whose asynchronous load ended (successfully or not: failed blocks
     are in invalid_block_ids); invalid_block_ids: blocks whose load failed this step or in a load
     that ended now; first_tokens: for loads in finished_recving that brought the whole prompt's
-    KV and the first token sampled after it (see sluice/core/kv_connector.py); stats: counters
-    since the last report (bytes, latencies, errors by kind)."""
+    KV and the first token sampled after it (see sluice/core/kv_connector.py); load_errors: why
+    loads failed; stats: counters since the last report (bytes, latencies, errors by kind)."""
 
     finished_sending: set[str] = msgspec.field(default_factory=set)
     finished_recving: set[str] = msgspec.field(default_factory=set)
     invalid_block_ids: set[int] = msgspec.field(default_factory=set)
     first_tokens: dict[str, FirstToken] = msgspec.field(default_factory=dict)
+    # Why a load in finished_recving failed (its blocks are in invalid_block_ids): the
+    # request's error message says so.
+    load_errors: dict[str, str] = msgspec.field(default_factory=dict)
     stats: dict[str, float] = msgspec.field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
-                    or self.first_tokens or self.stats)
+                    or self.first_tokens or self.load_errors or self.stats)
 
 
 class ModelRunnerOutput(msgspec.Struct):

@@ -404,7 +404,8 @@ class Scheduler:
         this step (their sampled tokens, computed over bad KV, are dropped)."""
         failed: set[str] = set()
         if kv_output.invalid_block_ids:
-            failed = self._handle_invalid_blocks(kv_output.invalid_block_ids, outputs)
+            failed = self._handle_invalid_blocks(kv_output.invalid_block_ids, outputs,
+                                                 kv_output.load_errors)
         for req_id in kv_output.finished_recving:
             abandoned = self._abandoned_loads.pop(req_id, None)
             if abandoned is not None:
@@ -423,7 +424,8 @@ class Scheduler:
         return failed
 
     def _handle_invalid_blocks(self, invalid_block_ids: set[int],
-                               outputs: list[EngineCoreOutput]) -> set[str]:
+                               outputs: list[EngineCoreOutput],
+                               load_errors: dict[str, str]) -> set[str]:
         """Truncate every loading request at its first block that failed to load: it computes
         from there again (policy "recompute") or ends with an error (policy "fail")."""
         failed: set[str] = set()
@@ -435,13 +437,14 @@ class Scheduler:
                 continue
             failed.add(req_id)
             bad_blocks = sorted(b for b in block_ids if b in invalid_block_ids)
+            why = f": {load_errors[req_id]}" if req_id in load_errors else ""
             if self.kv_transfer_config.kv_load_failure_policy == "fail":
                 self._fail_request(request, f"KV load failed for blocks {bad_blocks} of "
                                             f"request {req_id!r} (kv_load_failure_policy "
-                                            f"'fail')", outputs)
+                                            f"'fail'){why}", outputs)
                 continue
-            logger.warning("KV load failed for blocks %s of request %r: recomputing from "
-                           "token %d", bad_blocks, req_id, bad * block_size)
+            logger.warning("KV load failed for blocks %s of request %r%s: recomputing from "
+                           "token %d", bad_blocks, req_id, why, bad * block_size)
             request.num_computed_tokens = min(request.num_computed_tokens, bad * block_size)
             request.num_cached_tokens = min(request.num_cached_tokens, bad * block_size)
             if req_id not in self._async_loads:

@@ -200,6 +200,9 @@ class EngineCoreProc:
                 result = core.kv_cache_manager.reset_prefix_cache()
             elif call.name == "check_integrity":
                 core.kv_cache_manager.check_integrity()
+                check_connector = getattr(core.scheduler.connector, "check_integrity", None)
+                if check_connector is not None:
+                    check_connector()
                 result = True
             else:
                 return UtilityReply(call_id=call.call_id,

@@ -1,4 +1,4 @@
-"""The `sluice` command: generate, serve, make-model, bench."""
+"""The `sluice` command: generate, serve, router, make-model, bench."""
 
 from __future__ import annotations
 
@@ -230,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split <think>...</think> into reasoning_content")
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    from sluice.router import server as router_server
+
+    router_server.add_parser(sub)
 
     make = sub.add_parser("make-model", help="write a random-weight model folder")
     make.add_argument("dir")

@@ -255,6 +255,7 @@ class MultiprocExecutor(Executor):
             for req_id in report.finished_recving:
                 self._recving_reports[req_id] += 1
             self._first_tokens.update(report.first_tokens)
+            merged.load_errors.update(report.load_errors)
         for counts, done in ((self._sending_reports, merged.finished_sending),
                              (self._recving_reports, merged.finished_recving)):
             for req_id in [r for r, n in counts.items() if n == self.world_size]:

@@ -12,6 +12,7 @@ sluice/core/kv_connector.py. Per step the runner calls, in this order:
     get_finished(finished_req_ids)     requests whose send / async load ended
     get_block_ids_with_load_errors()   blocks whose load failed (their requests do not sample)
     get_first_tokens()                 first tokens that ended loads (see core/kv_connector.py)
+    get_load_errors()                  why the failed loads failed
     get_stats()                        counters since the last step, for metrics
     clear_connector_metadata()
 
@@ -96,6 +97,10 @@ class KVConnectorWorker(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (reported once each)."""
         return set()
+
+    def get_load_errors(self) -> dict[str, str]:
+        """For failed loads reported in the last get_finished: why, by request id."""
+        return {}
 
     def get_first_tokens(self) -> dict[str, FirstToken]:
         """For loads reported in the last get_finished that brought the whole prompt: the

@@ -213,6 +213,7 @@ class PDConnectorWorker(KVConnectorWorker):
         self.manager: KVManager | None = None
         self._invalid: set[int] = set()
         self._first_tokens: dict[str, FirstToken] = {}
+        self._errors: dict[str, str] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.pd.role == "prefill":
@@ -255,6 +256,8 @@ class PDConnectorWorker(KVConnectorWorker):
                 self._first_tokens[finished.req_id] = FirstToken(finished.first_token,
                                                                  finished.first_logprobs)
             self._invalid.update(finished.failed_block_ids)
+            if not finished.ok and finished.error and self.pd.role == "decode":
+                self._errors[finished.req_id] = f"PD transfer failed: {finished.error}"
         if self.pd.role == "prefill":
             return done, set()
         return set(), done
@@ -266,6 +269,10 @@ class PDConnectorWorker(KVConnectorWorker):
     def get_first_tokens(self) -> dict[str, FirstToken]:
         tokens, self._first_tokens = self._first_tokens, {}
         return tokens
+
+    def get_load_errors(self) -> dict[str, str]:
+        errors, self._errors = self._errors, {}
+        return errors
 
     def get_stats(self) -> dict[str, float]:
         return self.manager.take_stats() if self.manager is not None else {}

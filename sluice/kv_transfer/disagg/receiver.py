@@ -96,6 +96,8 @@ class DecodeKVManager(KVManager):
         self._routes: dict[str, Route] = {}
         self._misses: dict[str, int] = {}
         self._bootstrap_work = threading.Condition(self.lock)
+        # Rooms aborted before their prefill was asked: (prefill, room, reason, deadline).
+        self._unsent_aborts: list[tuple[str, int, str, float]] = []
 
     def start(self) -> None:
         super().start()
@@ -134,7 +136,12 @@ class DecodeKVManager(KVManager):
                 return
             entry.aborted = True
             if entry.prefill_control is None:
+                # Nothing writes into its blocks yet: they can go now. The prefill may hold
+                # its own for this room: tell it once its route is known.
                 self._fail(entry, f"aborted ({reason}) before the prefill was asked")
+                self._unsent_aborts.append((entry.prefill, room, reason, time.monotonic()
+                                            + self.config.bootstrap_timeout_s))
+                self._bootstrap_work.notify()
                 return
             self.send_to(entry.prefill_control, AbortRoom(room=room, decode_rank=self.rank,
                                                           reason=reason))
@@ -171,6 +178,10 @@ class DecodeKVManager(KVManager):
                     for entry in self.rooms.values():
                         if entry.prefill_control is None and not entry.state.is_done:
                             pending.setdefault(entry.prefill, []).append(entry.room)
+                    now = time.monotonic()
+                    self._unsent_aborts = [a for a in self._unsent_aborts if a[3] > now]
+                    for prefill, *_ in self._unsent_aborts:
+                        pending.setdefault(prefill, [])
                     if not pending:
                         self._bootstrap_work.wait(timeout=0.2)
                         continue
@@ -179,8 +190,9 @@ class DecodeKVManager(KVManager):
                     if route is not None:
                         self._ask(prefill, route, rooms)
                 with self.lock:
-                    if any(e.prefill_control is None and not e.state.is_done
-                           for e in self.rooms.values()):
+                    if self._unsent_aborts or any(e.prefill_control is None
+                                                  and not e.state.is_done
+                                                  for e in self.rooms.values()):
                         self._bootstrap_work.wait(timeout=_BOOTSTRAP_RETRY_S)
 
     def _route(self, client: httpx.Client, prefill: str) -> Route | str | None:
@@ -230,6 +242,12 @@ class DecodeKVManager(KVManager):
     def _ask(self, prefill: str, route: Route | str, rooms: list[int]) -> None:
         now = time.monotonic()
         with self.lock:
+            unsent = [a for a in self._unsent_aborts if a[0] == prefill]
+            self._unsent_aborts = [a for a in self._unsent_aborts if a[0] != prefill]
+            for _, room, reason, _ in unsent:
+                if not isinstance(route, str):
+                    self.send_to(route.ranks[self.rank].control_address, AbortRoom(
+                        room=room, decode_rank=self.rank, reason=reason))
             for room in rooms:
                 entry = self.rooms.get(room)
                 if entry is None or entry.state.is_done or entry.prefill_control is not None:

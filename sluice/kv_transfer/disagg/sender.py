@@ -165,7 +165,11 @@ class PrefillKVManager(KVManager):
         elif isinstance(message, AbortRoom):
             with self.lock:
                 entry = self.rooms.get(message.room)
-                if entry is not None and not entry.state.is_done:
+                if entry is None:
+                    # Its prefill request is still computing: the send plan, when it comes,
+                    # finds a failed room and frees the blocks at once.
+                    entry = self.rooms[message.room] = _Room(message.room)
+                if not entry.state.is_done:
                     entry.aborted = f"decode aborted the room: {message.reason}"
                     if not entry.queued and not entry.writing:
                         self._fail(entry, entry.aborted, time.monotonic())
