@@ -44,7 +44,9 @@ class _Routes:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
-    protocol_version = "HTTP/1.1"
+    # One request per connection: a probe must reach a live server, not a handler thread
+    # left over from a keep-alive connection.
+    protocol_version = "HTTP/1.0"
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002
         logger.debug("bootstrap server: " + format, *args)
