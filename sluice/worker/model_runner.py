@@ -310,6 +310,12 @@ class ModelRunner:
             if params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
+                if not params.greedy:
+                    # Tokens drawn elsewhere from this seed (a prefill instance's first
+                    # token): draw as many here, so the next draw is a colocated engine's.
+                    for _ in new.output_token_ids:
+                        torch.empty(self.hf_config.vocab_size, device=self.device).exponential_(
+                            generator=generator)
             row = self.block_tables.add_row()
             self.block_tables.append(row, new.block_ids)
             self.requests[new.req_id] = CachedRequestState(
