@@ -223,6 +223,14 @@ def test_page_size_mismatch_is_refused_with_a_clear_message_and_nothing_written(
         assert "page size mismatch" in received.error
         assert "block size 8, this decode instance 4" in received.error
         assert not any(t.any() for t in pair.d_caches.values())
+        # The prefill hears of it, so a send it plans for the room ends at once.
+        deadline = time.monotonic() + 5
+        while 9 not in pair.prefill.rooms:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        pair.prefill.sender(9).send("p", [1, 2], 8, first_token=3, first_logprobs=None)
+        [sent] = pair.wait(pair.prefill, timeout_s=2)
+        assert not sent.ok and "page size mismatch" in sent.error
 
 
 def test_a_lost_prefill_fails_every_room_it_owned_within_the_heartbeat_bound() -> None:

@@ -186,33 +186,34 @@ class DecodeKVManager(KVManager):
                         self._bootstrap_work.wait(timeout=0.2)
                         continue
                 for prefill, rooms in pending.items():
-                    route = self._route(client, prefill)
-                    if route is not None:
-                        self._ask(prefill, route, rooms)
+                    answer = self._route(client, prefill)
+                    if answer is not None:
+                        self._ask(prefill, *answer, rooms)
                 with self.lock:
                     if self._unsent_aborts or any(e.prefill_control is None
                                                   and not e.state.is_done
                                                   for e in self.rooms.values()):
                         self._bootstrap_work.wait(timeout=_BOOTSTRAP_RETRY_S)
 
-    def _route(self, client: httpx.Client, prefill: str) -> Route | str | None:
-        """The prefill's route (cached), a reason it can never serve us, or None (retry)."""
+    def _route(self, client: httpx.Client, prefill: str
+               ) -> tuple[Route | None, str | None] | None:
+        """(the prefill's route (cached), a reason it can never serve us), or None (retry)."""
         with self.lock:
             route = self._routes.get(prefill)
         if route is not None:
-            return route
+            return route, None
         try:
             route = bootstrap.fetch_route(client, prefill)
         except (bootstrap.RouteUnavailable, httpx.HTTPError):
             return None  # not up yet, or gone: the deadline or the heartbeat decides
         except ValueError as exc:
-            return str(exc)
+            return None, str(exc)
         problem = self._check_route(prefill, route)
         if problem is not None:
-            return problem
+            return route, problem
         with self.lock:
             self._routes[prefill] = route
-        return route
+        return route, None
 
     def _check_route(self, prefill: str, route: Route) -> str | None:
         spec = self.spec
@@ -239,31 +240,37 @@ class DecodeKVManager(KVManager):
                     "(--disaggregation-transfer-backend)")
         return None
 
-    def _ask(self, prefill: str, route: Route | str, rooms: list[int]) -> None:
+    def _ask(self, prefill: str, route: Route | None, problem: str | None,
+             rooms: list[int]) -> None:
+        """Ask the prefill for each room; or, if it can never serve us (`problem`), fail them
+        and tell it (when its route is known), so it frees what it holds for them."""
         now = time.monotonic()
+        control = route.ranks[self.rank].control_address if route is not None else None
         with self.lock:
             unsent = [a for a in self._unsent_aborts if a[0] == prefill]
             self._unsent_aborts = [a for a in self._unsent_aborts if a[0] != prefill]
             for _, room, reason, _ in unsent:
-                if not isinstance(route, str):
-                    self.send_to(route.ranks[self.rank].control_address, AbortRoom(
-                        room=room, decode_rank=self.rank, reason=reason))
+                if control is not None:
+                    self.send_to(control, AbortRoom(room=room, decode_rank=self.rank,
+                                                    reason=reason))
             for room in rooms:
                 entry = self.rooms.get(room)
                 if entry is None or entry.state.is_done or entry.prefill_control is not None:
                     continue
-                if isinstance(route, str):
-                    self._fail(entry, route)
+                if problem is not None:
+                    self._fail(entry, problem)
+                    if control is not None:
+                        self.send_to(control, AbortRoom(room=room, decode_rank=self.rank,
+                                                        reason=problem))
                     continue
                 if entry.aborted:
                     self._fail(entry, "aborted before the prefill was asked")
                     continue
-                rank = route.ranks[self.rank]
-                entry.prefill_control = rank.control_address
+                entry.prefill_control = control
                 entry.instance_id = route.instance_id
                 entry.state = advance(entry.state, KVPoll.WaitingForInput)
                 entry.deadline = now + self.config.waiting_timeout_s
-                self.send_to(rank.control_address, TransferRequest(
+                self.send_to(control, TransferRequest(
                     room=room, decode_rank=self.rank, status_address=self.control_address,
                     session=self.backend.session, backend=self.backend.name,
                     block_size=self.spec.block_size, kv_dtype=self.spec.dtype,
