@@ -280,3 +280,19 @@ def test_an_abort_mid_transfer_frees_every_block_on_both_sides(
                                                           [params])[0].token_ids
     assert pair.stats(pair.prefill)["worker_rooms_failed"] == 1
     pair.assert_all_blocks_back()
+
+
+def test_a_decode_request_that_never_receives_lets_the_prefill_free_its_blocks_at_once(
+        make_pair, reference: LLM) -> None:
+    # prompt_logprobs need every prompt position's logits: the decode computes the prompt
+    # itself, never asks for the room, and says so, so the prefill need not wait out its lease.
+    [prompt] = prompts(7, [40])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    pair = make_pair(prefill_extra={"send_lease_s": 60.0})
+    pair.add("local", prompt, params)
+    started = time.monotonic()
+    output = pair.run(timeout_s=10)["local"]
+    assert output.outputs[0].token_ids == expected(reference, [prompt], [params])[0].token_ids
+    assert pair.computed["local"] == 40 + 3
+    assert time.monotonic() - started < 5
+    pair.assert_all_blocks_back()

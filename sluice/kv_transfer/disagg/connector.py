@@ -12,6 +12,10 @@ Prefill (producer), per request with {"do_remote_decode": true, "bootstrap_room"
   out). A request that ends before its first token (aborted) plans an abort instead: decode's
   ask gets Failed. The scheduler half runs the instance's bootstrap server.
 
+Abort plans go out with delay_free, and the worker reports them in finished_sending as soon as
+its manager has them: the engine keeps stepping until then, so an abort made when nothing else
+is running still reaches the manager (and the peer).
+
 Decode (consumer), per request with {"do_remote_prefill": true, "bootstrap_host": H,
 "bootstrap_port": P, "bootstrap_room": R}:
   `get_num_new_matched_tokens` offers the whole prompt past the local prefix-cache hit as an
@@ -22,8 +26,10 @@ Decode (consumer), per request with {"do_remote_prefill": true, "bootstrap_host"
   kv_load_failure_policy "fail" the request ends with finish_reason "error" before any token,
   the signal a router retries on; "recompute" computes the prompt here instead). A decode
   request that ends mid-load plans an abort; its blocks stay with the scheduler until the room
-  ends (see receiver.py). A request is loaded remotely at most once: after preemption or a
-  failed load it computes locally.
+  ends (see receiver.py). A decode request that ends before its receive began (aborted
+  while queued, or computed here because it wants prompt logprobs) tells the prefill, so it
+  frees what it holds for the room. A request is loaded remotely at most once: after
+  preemption or a failed load it computes locally.
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ class AbortPlan(msgspec.Struct):
     req_id: str
     room: int
     reason: str
+    # Decode, for a request that never started its receive: the prefill (its bootstrap
+    # server, "host:port") to tell, so it frees the blocks it holds for the room.
+    prefill: str | None = None
 
 
 class PDMetadata(msgspec.Struct):
@@ -151,19 +160,32 @@ class PDConnectorScheduler(KVConnectorScheduler):
         first_token = self._first_tokens.pop(req_id, None)
         if not self.is_prefill:
             room = self._in_flight.pop(req_id, None)
+            attempted = req_id in self._attempted
             self._attempted.discard(req_id)
             # Only an aborted (or failed) request ends mid-load: stop the room.
             if room is not None and request.status not in _SEND_STATUSES:
                 self._plan.aborts.append(AbortPlan(req_id, room, request.status.name.lower()))
+            elif not attempted:
+                # Ended before its receive began (aborted while queued, or computed here):
+                # the prefill may be holding the room's blocks for us. Held until the worker
+                # has the notice (the engine steps until then).
+                remote = pd_params.parse_or_none(request.kv_transfer_params)
+                if isinstance(remote, pd_params.RemotePrefill):
+                    self._plan.aborts.append(AbortPlan(
+                        req_id, remote.room, f"{request.status.name.lower()} before its "
+                        "receive began", prefill=remote.bootstrap_address))
+                    return True, None
             return False, None
         remote = pd_params.parse_or_none(request.kv_transfer_params)
         if not isinstance(remote, pd_params.RemoteDecode):
             return False, None
         if first_token is None or request.status not in _SEND_STATUSES:
+            # Held until the worker has the abort (the engine steps until then), so a decode
+            # that asks for the room later is told at once.
             self._plan.aborts.append(AbortPlan(req_id, remote.room,
                                                request.status.name.lower()))
             self._count("send_aborts")
-            return False, None
+            return True, None
         self._in_flight[req_id] = remote.room
         self._plan.sends.append(SendPlan(
             req_id=req_id, room=remote.room, block_ids=list(block_ids),
@@ -214,6 +236,7 @@ class PDConnectorWorker(KVConnectorWorker):
         self._invalid: set[int] = set()
         self._first_tokens: dict[str, FirstToken] = {}
         self._errors: dict[str, str] = {}
+        self._acknowledged: set[str] = set()  # requests whose abort plan the manager has
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.pd.role == "prefill":
@@ -244,11 +267,18 @@ class PDConnectorWorker(KVConnectorWorker):
                 recv.req_id, f"{recv.bootstrap_host}:{recv.bootstrap_port}", recv.block_ids,
                 recv.first_block, recv.num_prompt_tokens)
         for abort in meta.aborts:
-            manager.abort_room(abort.room, abort.reason)
+            self._acknowledged.add(abort.req_id)
+            if abort.prefill is not None:
+                manager.notify_abort(abort.prefill, abort.room, abort.reason)
+            else:
+                manager.abort_room(abort.room, abort.reason)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(sends that ended and abort plans taken over: their delayed frees may happen,
+        receives that ended)."""
         if self.manager is None:
             return set(), set()
+        acknowledged, self._acknowledged = self._acknowledged, set()
         done = set()
         for finished in self.manager.take_finished():
             done.add(finished.req_id)
@@ -259,8 +289,8 @@ class PDConnectorWorker(KVConnectorWorker):
             if not finished.ok and finished.error and self.pd.role == "decode":
                 self._errors[finished.req_id] = f"PD transfer failed: {finished.error}"
         if self.pd.role == "prefill":
-            return done, set()
-        return set(), done
+            return done | acknowledged, set()
+        return acknowledged, done
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()

@@ -146,6 +146,14 @@ class DecodeKVManager(KVManager):
             self.send_to(entry.prefill_control, AbortRoom(room=room, decode_rank=self.rank,
                                                           reason=reason))
 
+    def notify_abort(self, prefill: str, room: int, reason: str) -> None:
+        """Tell the prefill (once its route is known) that a room it may hold blocks for will
+        never be asked for."""
+        with self.lock:
+            self._unsent_aborts.append((prefill, room, reason, time.monotonic()
+                                        + self.config.bootstrap_timeout_s))
+            self._bootstrap_work.notify()
+
     # ---- from the prefill ------------------------------------------------------------------
 
     def handle(self, message: Message) -> None:
