@@ -331,3 +331,33 @@ def test_a_send_nobody_asks_for_is_freed_when_its_lease_runs_out() -> None:
         pair.decode.receiver(51).init("d", pair.server.address, [4], 0, 3)
         [received] = pair.wait(pair.decode, timeout_s=3)
         assert not received.ok and "send lease" in received.error
+
+
+def test_disaggregation_flags_build_the_connector_config_and_bad_ones_say_why(
+        qwen3_dir: str) -> None:
+    from sluice.config import KVTransferConfig
+    from sluice.engine.arg_utils import EngineArgs
+
+    decode = EngineArgs(model=qwen3_dir, disaggregation_mode="decode",
+                        disaggregation_transfer_backend="fake").create_engine_config()
+    config = decode.kv_transfer_config
+    assert (config.kv_connector, config.kv_role) == ("PDConnector", "kv_consumer")
+    assert config.kv_load_failure_policy == "fail"  # the router retries elsewhere
+    prefill = EngineArgs(model=qwen3_dir, disaggregation_mode="prefill",
+                         disaggregation_bootstrap_port=0).create_engine_config()
+    port = prefill.kv_transfer_config.kv_connector_extra_config["bootstrap_port"]
+    assert port > 0  # chosen once, so the server and the ranks agree
+    with pytest.raises(ValueError, match="must be 'prefill' or 'decode'"):
+        EngineArgs(model=qwen3_dir, disaggregation_mode="both").create_engine_config()
+    with pytest.raises(ValueError, match="give one or the other"):
+        EngineArgs(model=qwen3_dir, disaggregation_mode="decode",
+                   kv_transfer_config={"kv_connector": "PDConnector"}).create_engine_config()
+    bad = KVTransferConfig(kv_connector="PDConnector", kv_role="kv_consumer",
+                           kv_connector_extra_config={"heartbeat_every": 1})
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys \['heart"):
+        PDConfig.from_kv_transfer_config(bad)
+    with pytest.raises(ValueError, match="kv_producer .* or kv_consumer"):
+        PDConfig.from_kv_transfer_config(KVTransferConfig(kv_connector="PDConnector"))
+    with pytest.raises(ValueError, match="transfer_backend must be one of"):
+        PDConfig(role="decode", engine_id="d", transfer_backend="rdma")
+    assert PDConfig(role="decode", engine_id="d").heartbeat_bound_s <= 10.0
