@@ -247,9 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     # Each benchmark module adds its own subcommand: module.add_parser(bench_sub).
     from sluice.bench import kv_tier, latency, profile_steps, spec_decode, throughput
+    from sluice.bench import pd as bench_pd
     from sluice.bench import serve as bench_serve
 
     bench_serve.add_parser(bench_sub)
+    bench_pd.add_parser(bench_sub)
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
     profile_steps.add_parser(bench_sub)

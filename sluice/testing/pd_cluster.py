@@ -182,24 +182,41 @@ def start_cluster(model: str, engine_flags: list[str], backend: str = "fake",
                   prefill_extra: dict[str, object] | None = None,
                   decode_extra: dict[str, object] | None = None,
                   router_flags: list[str] | None = None, workdir: Path | None = None,
-                  with_router: bool = True) -> PDCluster:
-    """Prefill and decode instances of `model` with `engine_flags`, and a router over them."""
+                  with_router: bool = True, prefill_flags: list[str] | None = None,
+                  decode_flags: list[str] | None = None, one_at_a_time: bool = False,
+                  timeout_s: float = 180.0) -> PDCluster:
+    """Prefill and decode instances of `model` with `engine_flags` (and each role's own flags),
+    and a router over them. `one_at_a_time`: start each instance once the one before is up
+    (instances sharing a GPU size their memory from what is free when they start)."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="sluice-pd-"))
     prefills, decodes = [], []
     for i in range(num_prefills):
         port, bootstrap_port = free_port(), free_port()
         flags = pd_flags("prefill", backend, bootstrap_port, **(prefill_extra or {}))
         env = (prefill_env or [{}] * num_prefills)[i]
-        instance = Instance(f"prefill{i}", serve_argv(model, port, *engine_flags, *flags), port,
-                            workdir, env)
+        instance = Instance(f"prefill{i}", serve_argv(model, port, *engine_flags,
+                                                      *(prefill_flags or []), *flags),
+                            port, workdir, env)
         instance.bootstrap_port = bootstrap_port
         prefills.append(instance)
     for i in range(num_decodes):
         port = free_port()
         flags = pd_flags("decode", backend, **(decode_extra or {}))
-        decodes.append(Instance(f"decode{i}", serve_argv(model, port, *engine_flags, *flags),
+        decodes.append(Instance(f"decode{i}", serve_argv(model, port, *engine_flags,
+                                                         *(decode_flags or []), *flags),
                                 port, workdir))
-    start_instances([*prefills, *decodes])
+    if one_at_a_time:
+        started: list[Instance] = []
+        try:
+            for instance in [*prefills, *decodes]:
+                start_instances([instance], timeout_s)
+                started.append(instance)
+        except BaseException:
+            for instance in started:
+                instance.stop(5.0)
+            raise
+    else:
+        start_instances([*prefills, *decodes], timeout_s)
     cluster = PDCluster(prefills, decodes, None, workdir)
     if with_router:
         try:
