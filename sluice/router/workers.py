@@ -1,9 +1,9 @@
 """The instances behind the router: their role, load and health.
 
-A worker is healthy until proven otherwise: a health check (GET /health every
-`health_check_interval_s`) that fails `health_failure_threshold` times in a row, or a request
-that cannot connect to it, drops it from the pool; the next health check that succeeds admits it
-again. Nothing is dropped for good.
+A worker is admitted by its first health check that succeeds (GET /health, every
+`health_check_interval_s`, the first at once); health checks that fail
+`health_failure_threshold` times in a row, or a request that cannot connect to it, drop it; the
+next health check that succeeds admits it again. Nothing is dropped for good.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class Worker:
     url: str  # "http://host:port", no trailing slash
     role: str  # "prefill" | "decode"
     bootstrap_port: int | None = None  # prefill: its PD bootstrap server
-    healthy: bool = True
+    healthy: bool = False  # until a health check says so
     in_flight: int = 0
     failures: int = 0  # health checks failed in a row
     num_requests: int = 0
@@ -96,7 +96,7 @@ class WorkerPool:
         if ok:
             worker.failures = 0
             if not worker.healthy:
-                logger.info("router: %s %s is healthy again", worker.role, worker.url)
+                logger.info("router: %s %s is healthy", worker.role, worker.url)
                 worker.healthy = True
                 worker.dropped_at = None
             return

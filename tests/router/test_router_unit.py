@@ -13,7 +13,8 @@ from sluice.router.workers import Worker
 
 
 def workers(*loads: int) -> list[Worker]:
-    return [Worker(f"http://127.0.0.1:{9000 + i}", "prefill", 8998, in_flight=load)
+    return [Worker(f"http://127.0.0.1:{9000 + i}", "prefill", 8998, healthy=True,
+                   in_flight=load)
             for i, load in enumerate(loads)]
 
 
