@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import uvicorn
@@ -46,7 +46,6 @@ class RouterArgs:
     health_failure_threshold: int = 2
     request_timeout_s: float = 600.0
     log_level: str = "info"
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.prefills or not self.decodes:

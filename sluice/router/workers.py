@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -31,7 +31,6 @@ class Worker:
     num_errors: int = 0
     last_error: str | None = None
     dropped_at: float | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def host(self) -> str:

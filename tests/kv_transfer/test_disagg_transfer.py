@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import msgspec
@@ -132,7 +132,6 @@ class Pair:
     decode: DecodeKVManager
     p_caches: dict[str, torch.Tensor]
     d_caches: dict[str, torch.Tensor]
-    finished: dict[str, list[Finished]] = field(default_factory=dict)
 
     def wait(self, manager: KVManager, count: int = 1, timeout_s: float = 10.0
              ) -> list[Finished]:
