@@ -42,6 +42,8 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # The KV connector's cumulative counters (KVConnectorScheduler.get_stats), if one is on.
+    kv_connector: dict[str, float] = msgspec.field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

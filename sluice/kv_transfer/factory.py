@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # name -> module that defines a class of that name
 _BUILTIN_CONNECTORS: dict[str, str] = {
     "OffloadingConnector": "sluice.kv_transfer.offloading",
+    "PDConnector": "sluice.kv_transfer.disagg.connector",
 }
 
 

@@ -2,9 +2,9 @@
 
 Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /v1/models/{id}; POST /tokenize,
 /detokenize; GET /health (200 while the engine runs, else 503), /metrics (Prometheus text),
-/version, and /debug/engine (the engine-core and worker pids and the scheduler's state now,
-asked of the core: for tests and operators; `num_free_blocks == num_blocks` once every request
-is done).
+/version, and /debug/engine (the engine-core and worker pids, the scheduler's state now and
+the KV cache's integrity check, asked of the core: for tests and operators;
+`num_free_blocks == num_blocks` once every request is done).
 
 A gate in front of every route counts requests in flight, checks `Authorization: Bearer KEY`
 on /v1 and /debug paths when an API key is set (401 otherwise), and, once draining, answers
@@ -312,6 +312,11 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
                                 "scheduler": None, "in_flight": state.in_flight}
         if info["dead_error"] is None:
             info["scheduler"] = msgspec.structs.asdict(await engine.get_stats())
+            try:  # the KV cache's invariants (every block accounted for), checked now
+                await engine.call_utility("check_integrity")
+                info["integrity"] = "ok"
+            except RuntimeError as exc:
+                info["integrity"] = str(exc)
         return info
 
     def model_card(name: str) -> ModelCard:
