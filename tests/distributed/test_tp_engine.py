@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.core.outputs import ModelRunnerOutput
 from sluice.engine.arg_utils import EngineArgs
 from sluice.errors import EngineDeadError
+from sluice.executor.multiproc import MultiprocExecutor
 from sluice.spec_decode.eagle_model import make_tiny_eagle
 
 # 32-token prefill chunks; 19 usable blocks of 8 tokens cannot hold every request at once.
@@ -152,6 +154,47 @@ def test_eagle_speculation_at_tp2_keeps_greedy_ids(qwen3_dir: str, tmp_path) -> 
         assert_all_blocks_back(llm)
     finally:
         llm.shutdown()
+
+
+def test_cpu_tier_at_tp2_saves_and_loads_each_ranks_heads(qwen3_dir: str) -> None:
+    """A connector at TP > 1: every rank moves its own KV heads under the same block ids
+    (KVCacheSpec carries the rank, the size and the rank's heads)."""
+    llm = LLM(model=qwen3_dir, tensor_parallel_size=2, kv_offloading_size=0.01, **BASE)
+    try:
+        spec = llm.llm_engine.engine_core.executor.kv_cache_spec
+        assert (spec.tp_rank, spec.tp_size, spec.num_kv_heads) == (0, 2, 1)
+        want = reference(qwen3_dir)
+        assert greedy(llm) == want
+        assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+        assert greedy(llm) == want  # every full block from the CPU tier
+        assert llm.llm_engine.scheduler.connector.get_stats()["loaded_blocks"] > 0
+        assert_all_blocks_back(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_ranks_that_sample_other_tokens_fail_the_engine() -> None:
+    """The executor's guard: rank 0's tokens are the step's, and a rank that drew others
+    would feed the next step other inputs."""
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor.world_size = 2
+    executor._dead_error = None
+    executor._workers = _StoppedWorkers()
+    same = [ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], [7]])
+            for _ in range(2)]
+    assert executor._merge(same).sampled_token_ids == [[5], [7]]
+    other = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], [8]])
+    with pytest.raises(EngineDeadError, match=r"worker rank 1 sampled other tokens than rank 0 "
+                                              r"\(\[\[5\], \[8\]\] != \[\[5\], \[7\]\]\)"):
+        executor._merge([same[0], other])
+    assert executor._workers.terminated
+
+
+class _StoppedWorkers:
+    terminated = False
+
+    def terminate(self) -> None:
+        self.terminated = True
 
 
 def test_a_killed_rank_ends_the_engine_within_5_s_and_stops_the_others(
