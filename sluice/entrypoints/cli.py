@@ -231,9 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    from sluice.router import server as router_server
+    from sluice.router import cli as router_cli
 
-    router_server.add_parser(sub)
+    router_cli.add_parser(sub)
 
     make = sub.add_parser("make-model", help="write a random-weight model folder")
     make.add_argument("dir")
