@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from sluice.attention.kv_layout import allocate_kv_caches
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.torch_ref import TorchRefBackend
-from sluice.distributed.tp import TPGroup, init_tp_group, kv_heads_per_rank
+from sluice.distributed.tp import TPGroup, destroy_tp_group, init_tp_group, kv_heads_per_rank
 from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import load_hf_config
 from sluice.model.layers import silu_and_mul
@@ -77,6 +77,10 @@ def main(model_dirs: list[str], rank: int, size: int, port: int, out_dir: str,
     tp = init_tp_group(rank, size, port, torch.device("cpu"), timeout_s=60)
     for i, model_dir in enumerate(model_dirs):
         save_file(run_model(model_dir, tp, prompt), f"{out_dir}/rank{rank}-{i}.safetensors")
+    # Leave together: a rank exiting while gloo's threads still serve its peer aborts
+    # ("terminate called without an active exception").
+    torch.distributed.barrier()
+    destroy_tp_group()
 
 
 if __name__ == "__main__":
