@@ -27,7 +27,8 @@ from sluice.sampling_params import SamplingParams
 # Bump when any message of the step or front-end channels changes shape.
 # 3: one definition per message (sampling parameters and core outputs travel as themselves),
 #    KV connector fields, kv_transfer_params.
-SCHEMA_VERSION = 3
+# 4: SchedulerStats carries the scheduled-token total and the KV connector's counters.
+SCHEMA_VERSION = 4
 
 # A connector's per-step plan (its own msgspec struct type).
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")

@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+from sluice.config import KVTransferConfig
 from sluice.kv_transfer.pool import LocalBackend, LocalStore, PoolBackend, PoolError, create_backend
 from sluice.kv_transfer.pool.settings import BackendHealth, PoolSettings
 
 logger = logging.getLogger("sluice")
 
 # The `local` pool of this process, made by the first client that asks (its capacity wins), and
-# whether a worker half of this process uses it.
+# the configs of the engines whose worker half is in this process (by id, checked by identity:
+# in one process both halves get the very same config object).
 _LOCAL_STORE: list[LocalStore] = []
-_LOCAL_WORKERS: list[int] = [0]
+_LOCAL_WORKERS: dict[int, weakref.ref] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
@@ -38,14 +41,15 @@ def local_store(capacity_bytes: int | None = None) -> LocalStore:
         return _LOCAL_STORE[0]
 
 
-def register_local_worker() -> None:
+def register_local_worker(config: KVTransferConfig) -> None:
     with _LOCAL_LOCK:
-        _LOCAL_WORKERS[0] += 1
+        _LOCAL_WORKERS[id(config)] = weakref.ref(config)
 
 
-def has_local_worker() -> bool:
+def has_local_worker(config: KVTransferConfig) -> bool:
     with _LOCAL_LOCK:
-        return _LOCAL_WORKERS[0] > 0
+        ref = _LOCAL_WORKERS.get(id(config))
+        return ref is not None and ref() is config
 
 
 class PoolClient:

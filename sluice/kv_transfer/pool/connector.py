@@ -80,7 +80,7 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
         num_slots = settings.num_staging_slots(kv_cache_spec)
         self.max_save_blocks_per_step = num_slots - num_load_slots(num_slots)
         self.client: PoolClient | None = None
-        if settings.backend == "local" and not has_local_worker():
+        if settings.backend == "local" and not has_local_worker(config):
             raise ValueError("KVPoolConnector: the local pool backend lives in one process and "
                              "this engine's workers run in others (the mp executor); use a "
                              "redis or mooncake pool")

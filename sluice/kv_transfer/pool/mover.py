@@ -36,7 +36,7 @@ class StagingMover:
         self.stride = stride
         if stride % first.element_size():
             raise ValueError(f"slot stride {stride} is not a multiple of the {self.dtype} size")
-        self.host = torch.zeros(num_slots * stride, dtype=torch.uint8, pin_memory=self.cuda)
+        self.host = torch.empty(num_slots * stride, dtype=torch.uint8, pin_memory=self.cuda)
         self.host_views = self._layer_views(self.host, num_slots)
         self._device_staging: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         if self.cuda:

@@ -126,7 +126,7 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         self.mover = StagingMover(kv_caches, self.num_slots, self.stride)
         mover = self.mover
         if self.settings.backend == "local":
-            register_local_worker()
+            register_local_worker(self.config)
         self.client = PoolClient(
             self.settings, f"worker (rank {self.kv_cache_spec.tp_rank})",
             "loads are recomputed, saves dropped", options=self.settings.backend_options,
