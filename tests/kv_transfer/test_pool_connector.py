@@ -349,6 +349,34 @@ def test_a_block_gone_between_lookup_and_load_is_recomputed(
     assert_all_blocks_back(llm)
 
 
+def test_local_hits_the_pool_lost_are_saved_again(
+        qwen3_dir: str, reference: LLM, request: pytest.FixtureRequest) -> None:
+    """The pool loses an instance's blocks (evicted, or restarted empty) while the instance
+    keeps them in its prefix cache: its next lookup of them sees that and saves them again,
+    so another instance finds them."""
+    require("redis")
+    batch = prompts(seed=7, count=1)
+    expected = token_ids(reference.generate(batch, greedy(), use_tqdm=False))
+    config = pool_config("redis", request)
+    llm = LLM(model=qwen3_dir, kv_transfer_config=config, **ENGINE)
+    llm.generate(batch, greedy(), use_tqdm=False)
+    wait_for_saves(llm)
+    client, prefix = worker_half(llm).client.backend._client, worker_half(llm).prefix
+    num_keys = (PROMPT_LEN + MAX_TOKENS - 1) // BLOCK
+    assert client.delete(*client.keys(prefix + "*")) == num_keys
+    outputs = llm.generate(batch, greedy(), use_tqdm=False)
+    assert outputs[0].num_cached_tokens == FULL  # from the local prefix cache
+    wait_for_saves(llm)
+    assert worker_half(llm).client.backend.count_keys(prefix) == num_keys
+    assert stats(llm)["pool_missing_local_blocks"] == FULL // BLOCK
+    other = LLM(model=qwen3_dir, kv_transfer_config=config, **ENGINE)
+    outputs = other.generate(batch, greedy(), use_tqdm=False)
+    assert token_ids(outputs) == expected and outputs[0].num_cached_tokens == FULL
+    assert stats(other)["pool_load_blocks"] == FULL // BLOCK
+    for engine in (llm, other):
+        assert_all_blocks_back(engine)
+
+
 def test_pool_with_chunked_prefill_and_preemption_keeps_greedy_output(
         qwen3_dir: str, reference: LLM, request: pytest.FixtureRequest) -> None:
     batch = prompts(seed=4, count=4)

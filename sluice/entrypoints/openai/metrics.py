@@ -28,9 +28,12 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class PrometheusStatsListener:
-    def __init__(self, model_name: str, num_speculative_tokens: int = 0) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0,
+                 kv_pool: bool = False) -> None:
         """`num_speculative_tokens` (k, 0 without speculation): the per-position counter shows
-        positions 0..k-1 from the start (later positions appear when they first count)."""
+        positions 0..k-1 from the start (later positions appear when they first count).
+        `kv_pool`: the global KV pool's metrics show from the start (else from its first
+        counters)."""
         self.registry = CollectorRegistry()
         registry, labels = self.registry, ["model_name"]
 
@@ -93,7 +96,7 @@ class PrometheusStatsListener:
             "spec_decode_mean_acceptance_length",
             "Tokens emitted per verified draft (1 + accepted drafts) since the engine started.")
         self._last_scheduler_stats = SchedulerStats()
-        self._kv_pool: _KVPoolMetrics | None = None
+        self._kv_pool = _KVPoolMetrics(registry, model_name) if kv_pool else None
 
     def __call__(self, iteration: IterationStats, scheduler_stats: SchedulerStats | None) -> None:
         if scheduler_stats is not None:

@@ -27,14 +27,16 @@ overlaps the previous step's device work under async scheduling) and waited on p
 
 Scheduler half (here): `get_num_new_matched_tokens` asks the pool, in ONE batched existence
 query through the scheduler's own client (a short `lookup_timeout_s`; for Mooncake a client that
-owns no pool memory), for the blocks after the local prefix-cache hit, and counts the leading run
-present. A timeout or an unreachable pool is a miss, never a stall; after a failure the pool is
+owns no pool memory), about the request's full blocks, and counts the leading run present after
+the local prefix-cache hit. Local hits the pool lacks (it evicted them, or restarted empty) are
+saved again. A timeout or an unreachable pool is a miss, never a stall; after a failure the pool is
 asked again only every `retry_interval_s` (misses meanwhile), with one warning per outage. A
 block present at lookup but gone at load (evicted, its owner gone) fails to load: the scheduler
 truncates the request there and recomputes. The plan of each step (`PoolMetadata`) carries the
-loads (cache block <- block hash) and the saves: every block that became full in the step and
-was neither a local hit nor loaded, at most the worker's save slots per step (the rest in a later
-step). Ranks make their own keys from the hashes (the tensor-parallel rank is in the key).
+loads (cache block <- block hash) and the saves: every full block not saved yet (blocks
+computed in the step, and local hits the pool lacked) that was not loaded, at most the worker's
+save slots per step (the rest in a later step; the worker's put skips keys present). Ranks
+make their own keys from the hashes (the tensor-parallel rank is in the key).
 
 Worker half: worker.py. The halves' counters come together in `get_stats` (the workers report
 theirs with every step), which the engine core sends to /metrics as `sluice:kv_pool_*`.
@@ -102,18 +104,22 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
                                    num_computed_tokens: int) -> tuple[int, bool]:
         block_size = self.kv_cache_spec.block_size
         first = num_computed_tokens // block_size
-        # Local hits were offered to the pool when computed: save from after them on.
+        # Saves start after the local hit (those blocks were offered to the pool when they were
+        # computed), unless the lookup finds the pool lacks some of them (below).
         self._num_considered[request.request_id] = first
         client = self.client
         end = (request.num_tokens - 1) // block_size  # never the block of the last token
-        if client is None or first >= end:
+        if client is None or end == 0:
             return 0, False
-        self._add("pool_lookups", 1)
-        self._add("pool_lookup_blocks", end - first)
+        if first < end:
+            self._add("pool_lookups", 1)
+            self._add("pool_lookup_blocks", end - first)
         backend = client.backend
         if backend is None or not client.health.should_try():
             return 0, False
-        keys = [self.prefix + request.block_hashes[i].hash_value.hex() for i in range(first, end)]
+        # One query for every full block: the local hit's too, so that blocks the pool lost
+        # (evicted, or a pool restarted empty) while this instance kept them are offered again.
+        keys = [self.prefix + request.block_hashes[i].hash_value.hex() for i in range(end)]
         start = time.perf_counter()
         try:
             present = backend.batch_exists(keys)
@@ -123,7 +129,12 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
         finally:
             self._add("pool_lookup_seconds", time.perf_counter() - start)
         client.health.succeeded()
-        num_hits = next((i for i, found in enumerate(present) if not found), len(present))
+        first_missing = next((i for i, found in enumerate(present[:first]) if not found), first)
+        if first_missing < first:
+            self._num_considered[request.request_id] = first_missing
+            self._add("pool_missing_local_blocks", first - first_missing)
+        after = present[first:]
+        num_hits = next((i for i, found in enumerate(after) if not found), len(after))
         self._add("pool_hit_blocks", num_hits)
         return num_hits * block_size, False
 
@@ -134,8 +145,10 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
         first = request.num_computed_tokens // block_size - num_blocks
         for i in range(first, first + num_blocks):
             self._pending_loads.append((block_ids[i], request.block_hashes[i].hash_value))
-        # Loaded blocks are in the pool already.
-        self._num_considered[request.request_id] = first + num_blocks
+        # Loaded blocks are in the pool already (unless blocks before them are to be offered
+        # again: saves cover one run of blocks, so those go again too; the put skips them).
+        if self._num_considered.get(request.request_id, first) >= first:
+            self._num_considered[request.request_id] = first + num_blocks
 
     # ---- the step's plan ----
 
