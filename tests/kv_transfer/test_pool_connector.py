@@ -309,6 +309,31 @@ def test_llm_in_another_process_loads_what_this_one_computed_and_stores_it_once(
     assert_all_blocks_back(llm)
 
 
+def test_workers_in_processes_of_their_own_save_and_load(
+        qwen3_dir: str, reference: LLM, request: pytest.FixtureRequest) -> None:
+    """The mp executor: each engine's worker half (its client, its staging buffer) lives in a
+    worker process; the plan's block hashes cross the process boundary in the step message."""
+    require("redis")
+    batch = prompts(seed=8, count=1)
+    expected = reference.generate(batch, greedy(), use_tqdm=False)
+    config = pool_config("redis", request)
+    engine = dict(ENGINE, distributed_executor_backend="mp")
+    first = LLM(model=qwen3_dir, kv_transfer_config=config, **engine)
+    assert token_ids(first.generate(batch, greedy(), use_tqdm=False)) == token_ids(expected)
+    counter = scheduler_half(first).client.backend
+    deadline = time.monotonic() + 10
+    while counter.count_keys(scheduler_half(first).prefix) < FULL // BLOCK:
+        assert time.monotonic() < deadline, "the worker process's saves never landed"
+        time.sleep(0.05)
+    second = LLM(model=qwen3_dir, kv_transfer_config=config, **engine)
+    outputs = second.generate(batch, greedy(), use_tqdm=False)
+    assert token_ids(outputs) == token_ids(expected) and outputs[0].num_cached_tokens == FULL
+    assert_same_logprobs(outputs, expected)
+    for llm in (first, second):
+        assert_all_blocks_back(llm)
+        llm.llm_engine.engine_core.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["local", "redis", "mooncake"])
 def test_a_block_gone_between_lookup_and_load_is_recomputed(
         kind: str, qwen3_dir: str, reference: LLM, request: pytest.FixtureRequest) -> None:

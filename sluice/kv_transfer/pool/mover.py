@@ -100,7 +100,8 @@ class StagingMover:
                 kv.transpose(0, 1).index_copy_(0, ids, src)
             return {}
         events = {}
-        with torch.cuda.stream(self.load_stream):
+        # (On the load thread: its current device is not the engine's unless set.)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.load_stream):
             self.load_stream.wait_event(after)
             buffer, views = self._staging("load", num_slots)
             start = first_slot * self.stride
