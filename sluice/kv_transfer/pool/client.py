@@ -115,11 +115,15 @@ class PoolClient:
             self.health.succeeded()
             return
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Close the client; whether no native call of it may still touch the staging buffer
+        (a Mooncake call that timed out and never ended: its buffer must outlive it)."""
         with self._lock:
             self._stop.set()
             backend, self.backend = self.backend, None
         if self._thread is not None:
             self._thread.join(self.settings.timeout_s + 1.0)
-        if backend is not None:
-            backend.close()
+        if backend is None:
+            return True
+        backend.close()
+        return not backend.busy

@@ -29,6 +29,7 @@ backend that is busy refuses calls before touching any slot, so loads cannot rac
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +49,11 @@ if TYPE_CHECKING:
 
     from sluice.attention.metadata import AttentionMetadata
     from sluice.kv_transfer.pool.connector import PoolMetadata
+
+
+logger = logging.getLogger("sluice")
+# Staging buffers that a native call still running at shutdown may write into.
+_KEPT_ALIVE: list[StagingMover] = []
 
 
 def num_load_slots(num_slots: int) -> int:
@@ -302,11 +308,17 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         staging memory (pinned host memory included)."""
         self._load_thread.shutdown(wait=True)
         self._save_thread.shutdown(wait=True, cancel_futures=True)
+        idle = True
         if self.client is not None:
-            self.client.close()
+            idle = self.client.close()
             self.client = None
         if self.mover is not None:
-            self.mover.release()
+            if idle:
+                self.mover.release()
+            else:  # a native call may still write into it: never free it under that call
+                logger.warning("KV pool: a transfer still runs at shutdown; keeping its %d-byte "
+                               "staging buffer", self.mover.nbytes)
+                _KEPT_ALIVE.append(self.mover)
             self.mover = None
 
 
