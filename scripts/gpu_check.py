@@ -6,13 +6,14 @@ speculative decoding (n-gram, a draft model, an EAGLE head; verification CUDA gr
 with the model in a worker process; with the CPU KV tier, saved and then loaded.
 Exits non-zero on any mismatch.
 
-    PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR]
+    PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR] [--only PREFIX,...]
 
 Writes gpu_check.json into OUT_DIR (default: benchmarks/).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -23,6 +24,7 @@ import tempfile
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.kv_transfer.offloading import BlockMover
 from sluice.model.tiny import make_tiny_model
 from sluice.spec_decode.eagle_model import make_tiny_eagle
 from sluice.worker.cuda_graphs import DecodeGraphs
@@ -48,6 +50,10 @@ CONFIGS = {
     # emptied) layer-by-layer loads on a side stream in eager steps.
     "cpu_kv_tier": {"kv_offloading_size": 0.05},
     "cpu_kv_tier_chunks_of_64": {"kv_offloading_size": 0.05, "max_num_batched_tokens": 64},
+    # As cpu_kv_tier with the device trailing the host (graph replays) and the loads trailing
+    # the compute stream: a save that does not wait for its layer's store in the graph, or a
+    # layer that does not wait for its load, reads the wrong KV.
+    "cpu_kv_tier_device_lagging": {"kv_offloading_size": 0.05},
 }
 # ~1 ms of an H200's clock
 LAG_CYCLES = 2_000_000
@@ -65,6 +71,24 @@ def spec_configs(model: str, eagle: str) -> dict[str, dict]:
         "spec_eagle": {"speculative_config": {
             "method": "eagle", "model": eagle, "num_speculative_tokens": 3}},
     }
+
+
+@contextlib.contextmanager
+def lagging_loads():
+    """Every CPU-tier load queued behind LAG_CYCLES of device sleep on its stream."""
+    load = BlockMover.load
+
+    def lagging_load(self, *args):
+        self.load_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.load_stream):
+            torch.cuda._sleep(LAG_CYCLES)
+        return load(self, *args)
+
+    BlockMover.load = lagging_load
+    try:
+        yield
+    finally:
+        BlockMover.load = load
 
 
 @contextlib.contextmanager
@@ -95,9 +119,15 @@ def greedy_ids(llm: LLM, prompts: list[dict], max_tokens: int = 32,
 
 
 def main() -> None:
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else "benchmarks"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", nargs="?", default="benchmarks")
+    parser.add_argument("--only", default="", help="comma-separated setting-name prefixes")
+    ns = parser.parse_args()
+    out_dir = ns.out_dir
+    only = tuple(p for p in ns.only.split(",") if p)
     work = tempfile.mkdtemp()
-    result: dict[str, object] = {"command": "python scripts/gpu_check.py",
+    result: dict[str, object] = {"command": " ".join(["python scripts/gpu_check.py",
+                                                      *sys.argv[1:]]),
                                  "gpu": torch.cuda.get_device_name(0),
                                  "torch": torch.__version__}
     rng = random.Random(0)
@@ -112,8 +142,11 @@ def main() -> None:
             eagle = make_tiny_eagle(model, os.path.join(work, arch + "-eagle"))
             configs.update(spec_configs(model, eagle))
         for name, kwargs in configs.items():
+            if only and not name.startswith(only):
+                continue
             llm = LLM(model=model, dtype="float32", device="cuda", **kwargs)
-            if name.endswith("_device_lagging"):
+            lagging = name.endswith("_device_lagging")
+            if lagging:
                 with lagging_graph_replays():
                     result[f"{arch}_{name}_equals_cpu"] = greedy_ids(llm, prompts) == reference
             else:
@@ -125,7 +158,10 @@ def main() -> None:
             if name.startswith("cpu_kv_tier"):
                 # Again, from the CPU tier: every full block of every prompt loads.
                 assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
-                result[f"{arch}_{name}_loaded_equals_cpu"] = greedy_ids(llm, prompts) == reference
+                with lagging_graph_replays() if lagging else contextlib.nullcontext(), \
+                        lagging_loads() if lagging else contextlib.nullcontext():
+                    result[f"{arch}_{name}_loaded_equals_cpu"] = (
+                        greedy_ids(llm, prompts) == reference)
                 stats = llm.llm_engine.scheduler.connector.get_stats()
                 result[f"{arch}_{name}_loaded_blocks"] = stats["loaded_blocks"]
                 result[f"{arch}_{name}_loaded_some"] = stats["loaded_blocks"] > 0

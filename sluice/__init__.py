@@ -3,12 +3,13 @@
 from typing import TYPE_CHECKING, Any
 
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput
-from sluice.sampling_params import SamplingParams
+from sluice.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from sluice.entrypoints.llm import LLM
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

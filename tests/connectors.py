@@ -125,7 +125,7 @@ class InjectingScheduler(OffloadingConnectorScheduler):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict | None]:
         if not self.delay_free:
-            return False, None
+            return super().request_finished(request, block_ids)  # the tier's save
         self._sends[request.request_id] = list(block_ids)
         return True, {"held_blocks": list(block_ids)}
 
@@ -189,10 +189,11 @@ class InjectingWorker(OffloadingConnectorWorker):
                 self._overwritten += 1
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        saved, _ = super().get_finished(finished_req_ids)  # the tier's saves
         with self._lock:
             sent, recved = self._sent, self._recved
             self._sent, self._recved = set(), set()
-        return sent, recved
+        return sent | saved, recved
 
     def get_stats(self) -> dict[str, float]:
         stats = super().get_stats()

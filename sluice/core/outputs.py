@@ -27,8 +27,9 @@ from sluice.sampling_params import SamplingParams
 # Bump when any message of the step or front-end channels changes shape.
 # 3: one definition per message (sampling parameters and core outputs travel as themselves),
 #    KV connector fields, kv_transfer_params.
-# 4: SchedulerStats carries the scheduled-token total and the KV connector's counters.
-SCHEMA_VERSION = 4
+# 4: structured outputs and logit_bias in SamplingParams, grammar_bitmask in SchedulerOutput.
+# 5: SchedulerStats carries the scheduled-token total and the KV connector's counters.
+SCHEMA_VERSION = 5
 
 # A connector's per-step plan (its own msgspec struct type).
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")
@@ -50,6 +51,16 @@ class CachedRequestData(msgspec.Struct):
     num_computed_tokens: int
 
 
+class GrammarBitmask(msgspec.Struct):
+    """The tokens each constrained request may sample this step (structured outputs): for
+    `req_ids[i]`, row i of `bitmask`, ceil(V / 32) little-endian int32 words per row, rows
+    packed one after another; bit v of a row set means token v is allowed. Requests of the step
+    that are not listed sample unconstrained."""
+
+    req_ids: list[str]
+    bitmask: bytes
+
+
 class SchedulerOutput(msgspec.Struct, Generic[ConnectorMetadataT]):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -64,6 +75,9 @@ class SchedulerOutput(msgspec.Struct, Generic[ConnectorMetadataT]):
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # The KV connector's plan for this step (loads, saves), None without a connector.
     kv_connector_metadata: ConnectorMetadataT | None = None
+    # Structured outputs: the grammar masks of the step's constrained requests that sample
+    # (sluice/structured_output/manager.py); None when none does.
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

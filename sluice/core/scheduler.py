@@ -22,7 +22,15 @@ reports the load done. Loaded blocks enter the prefix cache only after the load 
 a failed block truncates the request there (recompute) or fails it. A request the connector
 still sends from keeps its blocks (`delay_free`) until the send is reported done; one aborted
 mid-load keeps them until the load ends or `kv_load_abort_timeout_s` passes, so no block is
-reused while a transfer may still write it.
+reused while a transfer may still write it. That bookkeeping is sluice/core/kv_transfers.py.
+
+Structured outputs (sluice/structured_output/manager.py, given as `structured_output`): a
+constrained request waits in the queue, passed over, until its grammar is compiled (a grammar
+that fails to compile fails the request); each step carries the grammar masks of the constrained
+requests that sample in it (`grammar_bitmask`), and their matchers accept the tokens that come
+back. A constrained request is never scheduled while its last token is still in flight (async
+scheduling): its next mask depends on that token. The engine core waits for the step in flight
+instead of leaving such a request out (sluice/engine/core.py).
 """
 
 from __future__ import annotations
@@ -32,20 +40,24 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sluice.config import KVTransferConfig, SchedulerConfig
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.kv_connector import KVConnectorScheduler
+from sluice.core.kv_transfers import KVTransfers
 from sluice.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
-    KVConnectorOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SpecDecodingStats,
 )
 from sluice.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from sluice.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("sluice")
 
@@ -72,8 +84,13 @@ class _StepPlan:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  connector: KVConnectorScheduler | None = None,
-                 kv_transfer_config: KVTransferConfig | None = None) -> None:
+                 kv_transfer_config: KVTransferConfig | None = None,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
+        self.structured_output = structured_output
+        # Requests that ended outside a step (a grammar that did not compile): their outputs
+        # go out with the next (take_outputs_without_step).
+        self._outputs_without_step: list[EngineCoreOutput] = []
         self.kv_cache_manager = kv_cache_manager
         self.connector = connector
         self.kv_transfer_config = kv_transfer_config
@@ -86,15 +103,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         self.num_scheduled_tokens_total = 0  # tokens run through the model, for metrics
-        # KV connector state. Requests whose KV is being loaded: asynchronously (waiting in
-        # WAITING_FOR_REMOTE_KVS) or synchronously in a step not yet returned.
-        self._loading: dict[str, Request] = {}
-        self._async_loads: set[str] = set()  # of those, the asynchronous ones
-        self._finished_recving: set[str] = set()  # async loads reported done, not yet promoted
-        # Finished requests whose blocks wait for the connector to report the send done.
-        self._delayed_free: dict[str, Request] = {}
-        # Requests aborted while an async load wrote their blocks: (request, deadline).
-        self._abandoned_loads: dict[str, tuple[Request, float]] = {}
+        # The connector's transfers: loads in flight, delayed frees, aborted loads.
+        self.kv_transfers = (KVTransfers(connector, kv_transfer_config, kv_cache_manager)
+                             if connector is not None else None)
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         # A draft model (or EAGLE head) writes the KV of its next drafts past the verified tokens.
@@ -110,6 +121,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs: this engine has no structured-output "
+                                 "backend")
+            self.structured_output.add_request(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -135,7 +151,14 @@ class Scheduler:
     def has_pending_kv_transfers(self) -> bool:
         """Finished requests whose blocks still wait on a connector (a send, an aborted load):
         the engine keeps stepping, so the workers can report them done."""
-        return bool(self._delayed_free or self._abandoned_loads)
+        return self.kv_transfers is not None and self.kv_transfers.has_pending()
+
+    def has_constrained_token_in_flight(self) -> bool:
+        """Whether a running constrained request's last token is still in flight (async
+        scheduling): it cannot be scheduled until its grammar has seen that token."""
+        return any(request.num_output_placeholders
+                   and request.sampling_params.structured_outputs is not None
+                   for request in self.running)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -148,8 +171,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, now=time.time())
-        if self._abandoned_loads:
-            self._free_expired_abandoned_loads(plan.now)
+        if self.kv_transfers is not None:
+            self.kv_transfers.free_expired(plan.now)
         self._schedule_running(plan)
         # Then waiting requests in arrival order, unless this step had to preempt.
         if not plan.preempted:
@@ -173,6 +196,8 @@ class Scheduler:
         # The tokens are as good as computed once handed to the runner (the runner writes their
         # KV before anyone reads it), which is also what the prefix cache assumed above. A chunk
         # that reaches the end of the known tokens samples one more: a placeholder until then.
+        any_constrained = self._has_constrained_requests()
+        constrained: list[str] = []
         for req_id, num_new in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_new
@@ -180,7 +205,32 @@ class Scheduler:
             if (request.num_computed_tokens
                     == request.num_tokens + request.num_output_placeholders + num_spec):
                 request.num_output_placeholders += 1
+                if any_constrained and request.sampling_params.structured_outputs is not None:
+                    constrained.append(req_id)
+        if constrained:
+            output.grammar_bitmask = self.structured_output.grammar_bitmask(constrained)
         return output
+
+    def _has_constrained_requests(self) -> bool:
+        """Whether any request has structured outputs (else their per-request checks are
+        skipped: steps without them do no extra work)."""
+        return self.structured_output is not None and bool(self.structured_output.requests)
+
+    def take_outputs_without_step(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that ended in schedule() (a grammar that did not compile)."""
+        outputs, self._outputs_without_step = self._outputs_without_step, []
+        return outputs
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a constrained waiting request's grammar is compiled; one whose compile
+        failed is failed (its output waits in take_outputs_without_step)."""
+        if not self.structured_output.is_ready(request.request_id):
+            return False
+        error = self.structured_output.compile_error(request.request_id)
+        if error is None:
+            return True
+        self._fail_request(request, error, self._outputs_without_step)
+        return False
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Running requests first, in admission order; preempts from the back for blocks."""
@@ -189,7 +239,8 @@ class Scheduler:
         while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
             num_new = 0
-            if request.request_id not in self._loading:  # its load's step is still out
+            if (self.kv_transfers is None  # else not while its load's step is out
+                    or not self.kv_transfers.in_step_load(request.request_id)):
                 num_new = self._num_tokens_to_schedule(request, plan.token_budget)
             if num_new == 0:
                 req_index += 1
@@ -232,10 +283,15 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if request.request_id not in self._finished_recving:
+                if not self.kv_transfers.load_done(request.request_id):
                     passed_over.append(self.waiting.popleft())
                     continue
-                self._end_async_load(request)
+                self.kv_transfers.end_async_load(request)
+            if (request.sampling_params.structured_outputs is not None
+                    and not self._grammar_ready(request)):
+                if self.waiting and self.waiting[0] is request:
+                    passed_over.append(self.waiting.popleft())
+                continue
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it comes back before resuming
             admitted = self._admit(request, plan)
@@ -295,11 +351,8 @@ class Scheduler:
             request.num_cached_tokens = num_local + num_external
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         if num_external:
-            self.connector.update_state_after_alloc(request, block_ids, num_external)
-            self._loading[request.request_id] = request
+            self.kv_transfers.start_load(request, block_ids, num_external, load_async)
         if load_async:
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            self._async_loads.add(request.request_id)
             return None  # passed over until a worker reports the load done
         self.waiting.popleft()
         self.running.append(request)
@@ -329,12 +382,13 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         failed_loads: set[str] = set()
-        if runner_output.kv_connector_output is not None:
-            failed_loads = self._update_from_connector_output(runner_output.kv_connector_output,
-                                                              outputs)
-        if self._loading:
-            self._end_sync_loads(scheduler_output, failed_loads)
+        if self.kv_transfers is not None and runner_output.kv_connector_output is not None:
+            failed_loads = self.kv_transfers.update(
+                runner_output.kv_connector_output,
+                lambda request, message: self._fail_request(request, message, outputs))
+            self.kv_transfers.end_sync_loads(scheduler_output, failed_loads)
         spec_token_ids = runner_output.spec_token_ids
+        any_constrained = self._has_constrained_requests()
         for i, (req_id, sampled) in enumerate(zip(runner_output.req_ids,
                                                   runner_output.sampled_token_ids)):
             request = self.requests.get(req_id)
@@ -348,12 +402,19 @@ class Scheduler:
                 num_accepted = len(sampled) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec_decoding_stats.observe(len(drafts), num_accepted)
+            constrained = (any_constrained
+                           and request.sampling_params.structured_outputs is not None)
+            if constrained and sampled and not self._advance_grammar(request, sampled, outputs):
+                continue
             new_token_ids: list[int] = []
             for token_id in sampled:
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
                     break
+            if (constrained and new_token_ids and not request.is_finished()
+                    and self.structured_output.is_terminated(req_id)):
+                request.status = RequestStatus.FINISHED_STOPPED  # the grammar ended (no EOS)
             if drafts and new_token_ids:
                 # The accepted drafts are tokens now: their full blocks can be shared.
                 self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
@@ -384,82 +445,19 @@ class Scheduler:
             ))
         return outputs
 
-    # ---- KV connector --------------------------------------------------------------------
+    def _advance_grammar(self, request: Request, sampled: list[int],
+                         outputs: list[EngineCoreOutput]) -> bool:
+        """The matcher accepts the new tokens; False (the request failed) if one breaks the
+        grammar, which the step's mask should have made impossible."""
+        accepted = self.structured_output.accept_tokens(request.request_id, sampled)
+        if accepted == len(sampled):
+            return True
+        self._fail_request(request, f"structured_outputs: token {sampled[accepted]} does not "
+                                    f"match the grammar of request {request.request_id!r}",
+                           outputs)
+        return False
 
-    def _update_from_connector_output(self, kv_output: KVConnectorOutput,
-                                      outputs: list[EngineCoreOutput]) -> set[str]:
-        """Apply the workers' report; returns the requests whose synchronous load failed in
-        this step (their sampled tokens, computed over bad KV, are dropped)."""
-        failed: set[str] = set()
-        if kv_output.invalid_block_ids:
-            failed = self._handle_invalid_blocks(kv_output.invalid_block_ids, outputs)
-        for req_id in kv_output.finished_recving:
-            abandoned = self._abandoned_loads.pop(req_id, None)
-            if abandoned is not None:
-                self.kv_cache_manager.free(abandoned[0])
-            elif req_id in self._async_loads:
-                self._finished_recving.add(req_id)
-        for req_id in kv_output.finished_sending:
-            request = self._delayed_free.pop(req_id, None)
-            if request is not None:
-                self.kv_cache_manager.free(request)
-        if self.connector is not None:
-            self.connector.update_connector_output(kv_output)
-        return failed
-
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int],
-                               outputs: list[EngineCoreOutput]) -> set[str]:
-        """Truncate every loading request at its first block that failed to load: it computes
-        from there again (policy "recompute") or ends with an error (policy "fail")."""
-        failed: set[str] = set()
-        block_size = self.kv_cache_manager.block_size
-        for req_id, request in list(self._loading.items()):
-            block_ids = self.kv_cache_manager.get_block_ids(req_id)
-            bad = next((i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)
-            if bad is None:
-                continue
-            failed.add(req_id)
-            bad_blocks = sorted(b for b in block_ids if b in invalid_block_ids)
-            if self.kv_transfer_config.kv_load_failure_policy == "fail":
-                self._fail_request(request, f"KV load failed for blocks {bad_blocks} of "
-                                            f"request {req_id!r} (kv_load_failure_policy "
-                                            f"'fail')", outputs)
-                continue
-            logger.warning("KV load failed for blocks %s of request %r: recomputing from "
-                           "token %d", bad_blocks, req_id, bad * block_size)
-            request.num_computed_tokens = min(request.num_computed_tokens, bad * block_size)
-            request.num_cached_tokens = min(request.num_cached_tokens, bad * block_size)
-            if req_id not in self._async_loads:
-                # A synchronous load in this step: its sampled token is dropped (the runner
-                # did not sample it) and the step's tokens after the bad block recomputed.
-                request.num_output_placeholders = 0
-                self._cache_loaded_blocks(request)
-                del self._loading[req_id]
-        return failed
-
-    def _end_sync_loads(self, scheduler_output: SchedulerOutput, failed: set[str]) -> None:
-        """The step that loaded these requests' KV is back: their blocks are good now."""
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self._loading.get(req_id)
-            if request is None or req_id in failed:
-                continue
-            del self._loading[req_id]
-            if not request.is_finished():
-                self._cache_loaded_blocks(request)
-
-    def _end_async_load(self, request: Request) -> None:
-        """A finished asynchronous load: from WAITING_FOR_REMOTE_KVS back to WAITING (still at
-        the head of the queue), its good blocks cached."""
-        self._finished_recving.discard(request.request_id)
-        self._async_loads.discard(request.request_id)
-        del self._loading[request.request_id]
-        # The last token always computes (its logits are needed).
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-        self._cache_loaded_blocks(request)
-        request.status = RequestStatus.WAITING
-
-    def _cache_loaded_blocks(self, request: Request) -> None:
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+    # ---- KV connector ----------------------------------------------------------------
 
     def _fail_request(self, request: Request, message: str,
                       outputs: list[EngineCoreOutput]) -> None:
@@ -477,22 +475,15 @@ class Scheduler:
             first_scheduled_time=request.first_scheduled_time,
             kv_transfer_params=kv_transfer_params))
 
-    def _free_expired_abandoned_loads(self, now: float) -> None:
-        for req_id, (request, deadline) in list(self._abandoned_loads.items()):
-            if now >= deadline:
-                logger.warning("request %r was aborted while its KV loaded and the load never "
-                               "reported done: freeing its blocks after %.0f s", req_id,
-                               self.kv_transfer_config.kv_load_abort_timeout_s)
-                del self._abandoned_loads[req_id]
-                self.kv_cache_manager.free(request)
-
     # ---- internals -----------------------------------------------------------------------
 
     def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
         placeholders = request.num_output_placeholders
         if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
-                             or request.num_tokens + placeholders >= self.config.max_model_len):
-            return 0  # the token in flight is its last one
+                             or request.num_tokens + placeholders >= self.config.max_model_len
+                             or request.sampling_params.structured_outputs is not None):
+            # The token in flight is its last one, or its grammar must see it first.
+            return 0
         num_new = (request.num_tokens + placeholders + len(request.spec_token_ids)
                    - request.num_computed_tokens)
         if self.config.long_prefill_token_threshold > 0:
@@ -532,9 +523,8 @@ class Scheduler:
         return False
 
     def _preempt(self, request: Request) -> None:
-        # A synchronous load still in flight writes blocks nobody will read: the device runs
-        # it before any later step that may reuse them.
-        self._loading.pop(request.request_id, None)
+        if self.kv_transfers is not None:
+            self.kv_transfers.forget(request.request_id)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -550,22 +540,9 @@ class Scheduler:
         request_id = request.request_id
         self.finished_req_ids.add(request_id)
         del self.requests[request_id]
-        if self.connector is None:
+        if self.structured_output is not None:
+            self.structured_output.remove(request_id)
+        if self.kv_transfers is None:
             self.kv_cache_manager.free(request)
             return None
-        delay_free, params = self.connector.request_finished(
-            request, self.kv_cache_manager.get_block_ids(request_id))
-        self._loading.pop(request_id, None)
-        if request_id in self._async_loads:
-            self._async_loads.discard(request_id)
-            if request_id not in self._finished_recving:
-                # Ended mid-load (aborted, failed): the load may still write the blocks.
-                deadline = time.time() + self.kv_transfer_config.kv_load_abort_timeout_s
-                self._abandoned_loads[request_id] = (request, deadline)
-                return params
-            self._finished_recving.discard(request_id)
-        if delay_free:
-            self._delayed_free[request_id] = request
-        else:
-            self.kv_cache_manager.free(request)
-        return params
+        return self.kv_transfers.free(request)

@@ -3,6 +3,12 @@
 The model runs behind an executor (sluice/executor/): in this process, or in one worker process
 per rank. A KV connector, when configured, has its scheduler half here and its worker half on
 every rank; they meet only through the step messages.
+
+Structured outputs: the grammars' matchers live here (sluice/structured_output/manager.py), and
+each step's masks travel to the sampler in the step message. With async scheduling, a
+constrained request's next mask needs the token still in flight: when one has, the step takes
+the in-flight result before scheduling (that step loses the overlap; requests stay at one token
+per step). Steps without constrained requests are untouched.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from sluice.core.outputs import EngineCoreOutput, SchedulerOutput
 from sluice.core.request import EngineCoreRequest, Request, RequestStatus
 from sluice.core.scheduler import Scheduler
 from sluice.executor.base import Executor, StepFuture
+from sluice.structured_output.manager import StructuredOutputManager
+
+# How long a step with nothing to run but grammars compiling sleeps on them.
+_COMPILE_WAIT_S = 0.05
 
 
 class EngineCore:
@@ -55,8 +65,11 @@ class EngineCore:
             from sluice.kv_transfer.factory import create_scheduler_connector
 
             connector = create_scheduler_connector(config.kv_transfer_config, kv_cache_spec)
+        # Costs nothing until a constrained request comes (no thread, no tokenizer, no xgrammar).
+        self.structured_output = StructuredOutputManager(config.model_config.tokenizer,
+                                                         config.hf_config.vocab_size)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, connector,
-                                   config.kv_transfer_config)
+                                   config.kv_transfer_config, self.structured_output)
 
     def shutdown(self) -> None:
         """Give back the device memory (CUDA graphs, KV cache, weights) and stop the workers
@@ -64,6 +77,7 @@ class EngineCore:
         dropping the last reference alone would not free them; unfreeze so the rest can be
         collected."""
         self.in_flight = None
+        self.structured_output.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
         self.executor.shutdown()
@@ -91,9 +105,15 @@ class EngineCore:
         then trail by one step, and a request that stopped may have computed one token more
         (discarded)."""
         scheduler = self.scheduler
+        outputs: list[EngineCoreOutput] = []
+        if (self.in_flight is not None and self.structured_output.requests
+                and scheduler.has_constrained_token_in_flight()):
+            outputs = self._take_in_flight()
         launched = None
         if scheduler.has_unfinished_requests() or scheduler.has_pending_kv_transfers():
             scheduler_output = scheduler.schedule()
+            failed = scheduler.take_outputs_without_step()
+            outputs += failed
             if scheduler.connector is not None:
                 # Even a step of no tokens goes to the workers: they report transfers there.
                 launched = (scheduler_output, self.executor.execute_model(scheduler_output))
@@ -102,18 +122,23 @@ class EngineCore:
             elif scheduler_output.finished_req_ids:
                 self.executor.execute_model(scheduler_output)  # only drops their state
             if scheduler_output.is_empty and self.in_flight is None and launched is None:
-                # Cannot happen while one max_model_len request fits the cache; never spin.
-                raise RuntimeError(f"scheduler made no progress with "
-                                   f"{scheduler.get_num_unfinished_requests()} requests")
-        outputs: list[EngineCoreOutput] = []
+                if self.structured_output.has_pending_compiles():
+                    self.structured_output.wait_for_compiles(_COMPILE_WAIT_S)
+                elif not failed:
+                    # Cannot happen while one max_model_len request fits the cache; never spin.
+                    raise RuntimeError(f"scheduler made no progress with "
+                                       f"{scheduler.get_num_unfinished_requests()} requests")
         if self.in_flight is not None:
-            scheduler_output, future = self.in_flight
-            outputs = scheduler.update_from_output(scheduler_output, future.result())
-            self.in_flight = None
+            outputs += self._take_in_flight()
         if launched is not None:
             if self.async_scheduling:
                 self.in_flight = launched
             else:
                 scheduler_output, future = launched
-                outputs = scheduler.update_from_output(scheduler_output, future.result())
+                outputs += scheduler.update_from_output(scheduler_output, future.result())
         return outputs
+
+    def _take_in_flight(self) -> list[EngineCoreOutput]:
+        scheduler_output, future = self.in_flight
+        self.in_flight = None
+        return self.scheduler.update_from_output(scheduler_output, future.result())

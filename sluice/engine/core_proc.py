@@ -134,6 +134,8 @@ class EngineCoreProc:
             changed = self._process_input(
                 block=not has_work or waiting_on_transfers,
                 timeout_ms=_TRANSFER_POLL_MS if has_work else _IDLE_POLL_MS)
+            if not has_work:
+                core.executor.check_health()  # a worker that died while idle ends us too
             if core.has_unfinished_requests():
                 outputs = core.step()
                 self._send(EngineCoreOutputs(

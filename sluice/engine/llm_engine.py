@@ -70,6 +70,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
+    def drain_kv_transfers(self) -> None:
+        """Step until no KV connector transfer holds blocks (delayed frees, aborted loads);
+        each connector bounds its transfers (a save's copy, a send's lease)."""
+        core = self.engine_core
+        while core.scheduler.has_pending_kv_transfers() or core.in_flight is not None:
+            core.step()
+            if core.scheduler.has_pending_kv_transfers():
+                time.sleep(0.0005)  # transfers progress on their own: do not spin
+
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.step()
         outputs, stopped = self.output_processor.process_outputs(core_outputs)

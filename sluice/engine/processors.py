@@ -89,6 +89,20 @@ class InputProcessor:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size}), "
                                  f"got {t!r}")
 
+    def check_constraints(self, params: SamplingParams) -> None:
+        """ValueError for logit_bias ids outside the vocabulary and for structured outputs
+        whose schema, regex or grammar does not compile (cached: the server checks first, off
+        its event loop)."""
+        if params.logit_bias:
+            bad = _out_of_vocab(params.logit_bias, self.vocab_size)
+            if bad:
+                raise ValueError(f"logit_bias has token ids outside the vocabulary [0, "
+                                 f"{self.vocab_size}): {bad[:8]}")
+        if params.structured_outputs is not None:
+            from sluice.structured_output.grammar import check_structured_outputs
+
+            check_structured_outputs(params.structured_outputs)
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: float | None = None,
                 kv_transfer_params: dict[str, Any] | None = None,
@@ -101,6 +115,7 @@ class InputProcessor:
             raise ValueError(
                 f"prompt (length {len(token_ids)}) is longer than max_model_len "
                 f"({self.max_model_len})")
+        self.check_constraints(params)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
         eos = set() if params.ignore_eos else self.eos_token_ids
@@ -127,6 +142,10 @@ class InputProcessor:
         return text, requests
 
 
+def _out_of_vocab(token_ids: object, vocab_size: int) -> list[int]:
+    return sorted(t for t in token_ids if t >= vocab_size)
+
+
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
@@ -142,6 +161,8 @@ class _SampleState:
     index: int
     detokenizer: IncrementalDetokenizer
     num_logprobs: int | None
+    # EOS (unless ignore_eos) and stop_token_ids: a reply ending on one drops its text.
+    stop_token_ids: set[int] = field(default_factory=set)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_sent_logprobs: int = 0
@@ -187,6 +208,7 @@ class OutputProcessor:
                     self.tokenizer, child.prompt_token_ids, child.sampling_params,
                     incremental=output_kind != RequestOutputKind.FINAL_ONLY),
                 num_logprobs=params.logprobs,
+                stop_token_ids=child.sampling_params.all_stop_token_ids,
             ))
             self.child_to_parent[child.request_id] = (request_id, index)
         self.requests[request_id] = _RequestState(
@@ -266,8 +288,12 @@ class OutputProcessor:
                 for token_id, position in zip(out.new_token_ids, out.new_logprobs):
                     sample.logprobs.append(self._convert_logprobs(position))
                     sample.cumulative_logprob += position[token_id][0]
-            stop_terminated = out.finish_reason == "stop" and not isinstance(
-                out.stop_reason, str)
+            # A stop token's text is not shown; a reply whose grammar ended (structured
+            # outputs without a stop token) ends on text.
+            stop_terminated = (out.finish_reason == "stop"
+                               and not isinstance(out.stop_reason, str)
+                               and bool(out.new_token_ids)
+                               and out.new_token_ids[-1] in sample.stop_token_ids)
             stop_string = sample.detokenizer.update(out.new_token_ids, stop_terminated)
             if stop_string is not None:
                 # Before any other end in the same step (the tokens after it are dropped).

@@ -112,6 +112,9 @@ class LLM:
                         results[output.request_id] = output
                         if progress is not None:
                             progress.update(1)
+            # A KV connector may still hold finished requests' blocks (a save to the CPU
+            # tier, a send): let it finish, so the engine is at rest when this returns.
+            engine.drain_kv_transfers()
         except BaseException:
             engine.abort_request([r for r in request_ids if r not in results])
             raise

@@ -51,6 +51,11 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepFuture:
         """Start one step on every rank; results are taken in launch order."""
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker is gone (for an idle engine: a busy one finds out
+        in its next step)."""
+        return None
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers and free their memory; idempotent."""

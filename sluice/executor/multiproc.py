@@ -157,6 +157,13 @@ class MultiprocExecutor(Executor):
         self._broadcast(ExecuteModel(step_id=step_id, scheduler_output=scheduler_output))
         return _MultiprocStep(self, step_id)
 
+    def check_health(self) -> None:
+        self._raise_if_dead()
+        for rank, process in enumerate(self._workers.processes):
+            if not process.is_alive():
+                self._dead(f"worker rank {rank} (pid {process.pid}) exited with status "
+                           f"{process.exitcode}")
+
     def shutdown(self) -> None:
         if not self._finalizer.alive:
             return

@@ -45,3 +45,11 @@ class SamplingMetadata:
     # [B] bool: the rows the fused kernel samples when the others need the torch path (they
     # need nothing but temperature or greedy). None when all rows or none do, or without seeds.
     fused_rows: torch.Tensor | None = None
+    # OpenAI's logit_bias of every row that has one, as (rows [N] int64, token ids [N] int64,
+    # biases [N] float32) on the device; None when no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Structured outputs: [B, ceil(V / 32)] int32 on the device, bit v of row i set when row i
+    # may sample token v; only the rows in grammar_rows are read (the others sample
+    # unconstrained). None when no row is constrained.
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: list[int] | None = None

@@ -2,6 +2,9 @@
 
 Per step:
 1. logprobs of the raw model distribution (log_softmax of the logits as given), if a row asks;
+   then, in steps that have them, the token constraints: logit_bias added (OpenAI's: the
+   logprobs do not see it, as in vLLM) and the grammar masks of structured-output rows (their
+   disallowed tokens -inf), on a float32 copy of the logits;
 2. blocked tokens (EOS / stop ids while below min_tokens) get -inf;
 3. penalties: repetition over prompt + output tokens, frequency and presence over output tokens;
 4. greedy rows take the argmax of the penalised logits;
@@ -62,14 +65,18 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         # logits: [B, V] float32 or the model's dtype (the torch path works in float32)
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
+        raw_logprobs = None
+        if metadata.logit_bias is not None or metadata.grammar_bitmask is not None:
+            if metadata.max_num_logprobs is not None:
+                raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+            logits = apply_token_constraints(logits, metadata)
         if self.uses_fused_kernel(logits, metadata):
             return SamplerOutput(self._sample_fused(logits, metadata), None, None, None)
         fused = None
         if self.kernel_allowed(logits) and metadata.fused_rows is not None:
             fused = self._sample_fused(logits, metadata)  # for the rows that need only it
         logits = logits.to(torch.float32)
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
+        if metadata.max_num_logprobs is not None and raw_logprobs is None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
         logits = apply_blocked_tokens(logits, metadata.blocked_token_ids)
@@ -168,6 +175,22 @@ class Sampler(nn.Module):
         if log_space:
             return probs.sub(q.log_()).argmax(dim=-1)  # -inf logits stay -inf: never drawn
         return probs.div(q).argmax(dim=-1)
+
+
+def apply_token_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """A float32 copy of logits [B, V] with every row's logit_bias added and the grammar rows'
+    disallowed tokens at -inf (xgrammar's kernels: C++ on the CPU, Triton on CUDA)."""
+    logits = logits.to(torch.float32, copy=True)
+    if metadata.logit_bias is not None:
+        rows, token_ids, biases = metadata.logit_bias
+        logits.index_put_((rows, token_ids), biases, accumulate=True)
+    if metadata.grammar_bitmask is not None:
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, metadata.grammar_bitmask,
+                                        vocab_size=logits.shape[-1],
+                                        indices=metadata.grammar_rows)
+    return logits
 
 
 def apply_blocked_tokens(logits: torch.Tensor,

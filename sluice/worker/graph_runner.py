@@ -15,18 +15,21 @@ Per step the InputBuilder asks `verify_size` (which fixes the step's token layou
 `pad_for_graph`, which picks the graph and writes the padding rows and tokens that graph was
 captured with: a padding request has no context (or, in a verification graph, q tokens over
 none) and reads the null block; a padding token stores nothing (slot -1). Without graphs (CPU,
-enforce_eager) every step runs eagerly. The sets are dropped at shutdown (`clear`).
+enforce_eager) every step runs eagerly. The sets are dropped at shutdown (`clear`). With a KV
+connector, every graph is captured with its per-layer events (sluice/worker/layer_events.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from sluice.attention import AttentionMetadata
+from sluice.attention.metadata import LayerKVHooks
 from sluice.config import SchedulerConfig
 from sluice.sample.sampler import Sampler
 from sluice.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -58,6 +61,7 @@ class GraphRunner:
         self.mixed_graphs: DecodeGraphs | None = None
         self.mixed_graph_reqs = 0
         self.verify_graphs: DecodeGraphs | None = None  # decodes with 1 + k tokens each
+        self._layer_hooks: LayerKVHooks | None = None
 
     def clear(self) -> None:
         """Drop every graph and its memory pool (see ModelRunner.shutdown)."""
@@ -179,8 +183,11 @@ class GraphRunner:
                      metadata)
 
     @torch.inference_mode()
-    def capture(self, model: nn.Module) -> None:
+    def capture(self, model: nn.Module, layer_hooks: LayerKVHooks | None = None) -> None:
+        """`layer_hooks`: captured into every graph (a KV connector's per-layer events, see
+        sluice/worker/layer_events.py); None without a connector."""
         b = self.inputs
+        self._layer_hooks = layer_hooks
         max_model_len = self.scheduler_config.max_model_len
         max_size = min(self.scheduler_config.max_num_seqs, _MAX_GRAPH_BATCH)
         self.graphs = DecodeGraphs(capture_sizes(max_size))
@@ -201,7 +208,7 @@ class GraphRunner:
                                   decode_order=b.buf_decode_order.device[:size])
             return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
 
-        self.graphs.capture(model, make_inputs)
+        self.graphs.capture(model, self._hooked(make_inputs))
         logger.info("captured CUDA graphs for decode batch sizes %s", self.graphs.sizes)
         if self.query_len is not None:
             self._capture_verify_graphs(model, max_size)
@@ -224,7 +231,7 @@ class GraphRunner:
                                   block_tables=b.graph_block_tables[:1])
             return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
 
-        self.prefill_graphs.capture(model, make_prefill_inputs)
+        self.prefill_graphs.capture(model, self._hooked(make_prefill_inputs))
         logger.info("captured CUDA graphs for one-prompt prefills of %s tokens", sizes)
 
         # Every other step: several prompts, or prompts beside decodes (what a full token budget
@@ -245,8 +252,21 @@ class GraphRunner:
                                   block_tables=b.graph_block_tables[:max_size])
             return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
 
-        self.mixed_graphs.capture(model, make_mixed_inputs)
+        self.mixed_graphs.capture(model, self._hooked(make_mixed_inputs))
         logger.info("captured CUDA graphs for steps of several requests, %s tokens", sizes)
+
+    def _hooked(self, make_inputs: Callable[[int], GraphInputs]) -> Callable[[int], GraphInputs]:
+        """make_inputs whose metadata carries the layer hooks to capture (if any)."""
+        hooks = self._layer_hooks
+        if hooks is None:
+            return make_inputs
+
+        def hooked(size: int) -> GraphInputs:
+            input_ids, positions, metadata = make_inputs(size)
+            metadata.kv_hooks = hooks
+            return input_ids, positions, metadata
+
+        return hooked
 
     def _capture_verify_graphs(self, model: nn.Module, max_size: int) -> None:
         """Verification steps of decodes with drafts: every request laid out as 1 + k tokens
@@ -269,6 +289,6 @@ class GraphRunner:
                                   block_tables=b.graph_block_tables[:size])
             return b.buf_input_ids.device[:size * q], b.buf_positions.device[:size * q], metadata
 
-        self.verify_graphs.capture(model, make_inputs)
+        self.verify_graphs.capture(model, self._hooked(make_inputs))
         logger.info("captured CUDA graphs for verification of %d tokens per request, batch "
                     "sizes %s", q, sizes)

@@ -17,11 +17,14 @@ sluice/core/kv_connector.py. Per step the runner calls, in this order:
 A connector records a load's failed blocks before it reports the load finished, so a failure
 is never reported in a later step than the load's end.
 
-The hooks reach the attention layers through the step's AttentionMetadata (`kv_connector`), not
-a global forward context. A step whose plan loads anything (`has_loads`) runs eagerly, so the
-layers wait for their own loads while later layers' loads are still in flight. A step with no
-loads may replay a CUDA graph: the runner then calls `save_kv_layer` for every layer after the
-forward, in layer order (same data, not interleaved with compute).
+The hooks reach the attention layers through the step's AttentionMetadata (`kv_hooks`), not a
+global forward context. A step that replays a CUDA graph keeps them too: the graphs of an engine
+with a connector are captured with per-layer external events (sluice/worker/layer_events.py),
+and the runner calls `wait_for_layer_load` for every layer before the replay and
+`save_kv_layer` for every layer after it, in layer order, each on a bridge stream that the
+graph's layer waits on (loads) or that waits on the graph's layer (saves): the first layers
+compute while later ones load, and each layer's save starts once the graph stored it. So
+"the current stream" in every hook is the stream to order against, whichever it is.
 
 Device ordering: everything a hook issues on a side stream must be waited for on the compute
 stream before the work that depends on it (a load before the layer's attention; a save before
@@ -65,8 +68,13 @@ class KVConnectorWorker(ABC):
         return self._metadata
 
     def has_loads(self) -> bool:
-        """Whether the bound plan loads anything this step (the step then runs eagerly)."""
+        """Whether the bound plan loads anything this step."""
         return False
+
+    def has_saves(self) -> bool:
+        """Whether the bound plan saves anything this step (False spares a CUDA-graph step
+        the per-layer save calls)."""
+        return True
 
     def start_load_kv(self) -> None:
         """Start the bound plan's loads; they are waited on per layer."""

@@ -30,6 +30,7 @@ from sluice.attention.kv_layout import allocate_kv_caches
 from sluice.config import CacheConfig, ModelConfig, SchedulerConfig
 from sluice.core.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    GrammarBitmask,
     KVConnectorOutput,
     ModelRunnerOutput,
     PositionLogprobs,
@@ -44,7 +45,9 @@ from sluice.worker.graph_runner import GraphRunner
 from sluice.worker.input_batch import CachedRequestState, StagedBuffer
 from sluice.worker.kv_cache import determine_num_blocks
 from sluice.worker.kv_connector import KVConnectorWorker
+from sluice.worker.layer_events import GraphLayerEvents
 from sluice.worker.sampling_inputs import (
+    GrammarStaging,
     SamplingStaging,
     build_row_seeds,
     build_sampling_metadata,
@@ -126,17 +129,21 @@ class ModelRunner:
                                           pin_memory=dev.type == "cuda") for _ in range(2)]
         self._launch_parity = 0
         self.sampling_staging = SamplingStaging(max_num_reqs, dev)
+        self.grammar_staging = GrammarStaging(max_num_reqs, dev)  # structured outputs
         self._num_sampling_launches = 0  # keys the fused sampler's unseeded rows
         self._last_step: StepHandle | None = None
         # {layer_name: [2, num_blocks, block_size, KVH, D]} in layer order (kv_layout)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.num_blocks = 0
-        # This rank's half of the KV connector, if one is configured (set by the Worker).
+        # This rank's half of the KV connector, if one is configured (set by the Worker), and
+        # the per-layer events its graphs were captured with.
         self.kv_connector: KVConnectorWorker | None = None
+        self.layer_events: GraphLayerEvents | None = None
 
     def shutdown(self) -> None:
         """Drop every device tensor this runner holds (see EngineCore.shutdown)."""
         self.kv_connector = None
+        self.layer_events = None
         self.graph_runner.clear()
         self._last_step = None
         self.spec = None
@@ -156,7 +163,9 @@ class ModelRunner:
                                     self.dtype, self.device, self.gpu_bytes_available,
                                     extra_bytes_per_block=extra)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, with_connector: bool = False) -> None:
+        """Allocate and bind the cache, warm up, capture the graphs (with the per-layer events
+        of a KV connector when `with_connector`: sluice/worker/layer_events.py)."""
         hf = self.hf_config
         self.kv_caches = allocate_kv_caches(list(attention_layers(self.model)), num_blocks,
                                             self.block_size, hf.num_key_value_heads,
@@ -169,7 +178,9 @@ class ModelRunner:
             self.graph_runner.warm_up(self.model, self.sampler)
         if (self.device.type == "cuda" and not self.model_config.enforce_eager
                 and getattr(self.attn_backend, "supports_cuda_graphs", False)):
-            self.graph_runner.capture(self.model)
+            if with_connector:
+                self.layer_events = GraphLayerEvents(list(self.kv_caches), self.device)
+            self.graph_runner.capture(self.model, self.layer_events)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -184,31 +195,32 @@ class ModelRunner:
         self._update_states(scheduler_output)
         previous = self._last_step
         connector = self.kv_connector
-        layerwise = False
         if connector is not None:
             connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
             connector.start_load_kv()
-            # Loads are waited for layer by layer: the hooks must run, so no CUDA graph.
-            layerwise = connector.has_loads()
         if scheduler_output.is_empty:
             if connector is None:
                 return StepHandle(EMPTY_MODEL_RUNNER_OUTPUT, previous)
             output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-            self._end_connector_step(scheduler_output, output, None, saved=True)
+            self._end_connector_step(scheduler_output, output, None)
             return StepHandle(output, previous)
         if previous is not None and any(
                 s.pending_step is not None and _needs_token_history(s.sampling_params)
                 for s in (self.requests[r] for r in scheduler_output.num_scheduled_tokens)):
             previous.result()  # penalties and min_tokens count tokens on the host
-        step = self.input_builder.prepare(scheduler_output, self.requests, self.graph_runner,
-                                          allow_graph=not layerwise)
+        step = self.input_builder.prepare(scheduler_output, self.requests, self.graph_runner)
         if step.graph is not None:
             graphs, size = step.graph
+            # A connector's per-layer work around the replay, through the events the graphs
+            # were captured with.
+            if connector is not None and connector.has_loads():
+                self.layer_events.before_replay(connector)
             hidden = graphs.replay(size)  # [padded tokens, H]
+            if connector is not None and connector.has_saves():
+                self.layer_events.after_replay(connector, self.kv_caches)
         else:
             input_ids, positions, metadata = self.input_builder.eager_inputs(step)
-            if layerwise:
-                metadata.kv_hooks = connector
+            metadata.kv_hooks = connector  # the layers call its per-layer hooks (or None)
             hidden = self.model(input_ids, positions, metadata)  # [T, H]
 
         states = step.states
@@ -221,7 +233,7 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(states)
                        if seq_lens[i] == len(s.token_ids) + (s.pending_step is not None)]
         if connector is not None:
-            failed = self._end_connector_step(scheduler_output, output, step, saved=layerwise)
+            failed = self._end_connector_step(scheduler_output, output, step)
             if failed:
                 # Their KV is partly garbage: nothing computed over it is handed out; the
                 # scheduler recomputes from the first bad block (or fails the request). (Loads
@@ -235,24 +247,20 @@ class ModelRunner:
             if not all(can_speculate(states[i].sampling_params) for i in sample_rows):
                 verify_rows = [i for i in sample_rows if step.num_drafts[i]]
                 self._sample(step, hidden, [i for i in sample_rows if not step.num_drafts[i]],
-                             handle)
+                             handle, scheduler_output.grammar_bitmask)
                 handle.result()
             self.spec.verify(step, hidden, verify_rows, output)
             self.spec.propose(step, hidden, output)
             return handle
-        self._sample(step, hidden, sample_rows, handle)
+        self._sample(step, hidden, sample_rows, handle, scheduler_output.grammar_bitmask)
         return handle
 
     def _end_connector_step(self, scheduler_output: SchedulerOutput,
-                            output: ModelRunnerOutput, step: StepInputs | None,
-                            saved: bool) -> set[int]:
-        """The connector's end of a step: saves (every layer at once after a graph replay or
-        an eager step without hooks), completions, load errors, into the step's output.
-        Returns the rows of `step` whose blocks failed to load."""
+                            output: ModelRunnerOutput, step: StepInputs | None) -> set[int]:
+        """The connector's end of a step (its saves were issued per layer): completions and
+        load errors into the step's output. Returns the rows of `step` whose blocks failed to
+        load."""
         connector = self.kv_connector
-        if not saved:
-            for layer_name, kv_cache in self.kv_caches.items():
-                connector.save_kv_layer(layer_name, kv_cache, None)
         connector.wait_for_save()
         # Completions before errors: a connector records a load's errors before its end.
         finished_sending, finished_recving = connector.get_finished(
@@ -269,8 +277,9 @@ class ModelRunner:
                 if invalid.intersection(table[state.row, :num_blocks[state.row]].tolist())}
 
     def _sample(self, step: StepInputs, hidden: torch.Tensor, sample_rows: list[int],
-                handle: StepHandle) -> None:
-        """Sample one token for each row of `sample_rows` (queued on the device)."""
+                handle: StepHandle, grammar: GrammarBitmask | None = None) -> None:
+        """Sample one token for each row of `sample_rows` (queued on the device); `grammar`:
+        the step's structured-output masks."""
         if not sample_rows:
             return
         states = step.states
@@ -291,7 +300,8 @@ class ModelRunner:
         for state in sample_states:
             state.num_sampled += 1
         metadata = build_sampling_metadata(sample_states, self.sampling_staging,
-                                           self.hf_config.vocab_size, row_seeds)
+                                           self.hf_config.vocab_size, row_seeds,
+                                           grammar, self.grammar_staging)
         sampler_output = self.sampler(logits, metadata)
         handle.set_samples(sample_rows, sample_states, sampler_output,
                            self._sampled_host[self._launch_parity])

@@ -3,6 +3,10 @@
 Only what some row needs is built: a batch without penalties sends no token history, one
 without top-k uses no top-k column. The columns travel in one copy from pinned memory.
 
+Token constraints (a request's logit_bias, a structured-output request's grammar mask from the
+step message) are built only in steps that have them; the masks go through pinned buffers
+(GrammarStaging) allocated on the first constrained step.
+
 Row seeds (the fused sampling kernel's Philox keys, see triton_sampling.py) are mixed on the host
 each launch, so building them never waits for the device: a seeded request's key comes from its
 seed and the number of tokens it has sampled so far (its draws do not depend on the batch, its
@@ -14,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sluice.core.outputs import GrammarBitmask
 from sluice.sample.metadata import SamplingMetadata
 from sluice.sampling_params import SamplingParams
 from sluice.worker.input_batch import CachedRequestState
@@ -65,6 +70,40 @@ class SamplingStaging:
                 device_ints.view(self.NUM_INT_COLUMNS, width)[:, :num_rows])
 
 
+class GrammarStaging:
+    """Host buffers for a step's grammar masks laid out by batch row ([max_rows, W] int32, two
+    used in turn as SamplingStaging's, pinned on a GPU), allocated on first use."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.device = device
+        self.buffers: list[torch.Tensor] = []
+        self.turn = 0
+
+    def upload(self, grammar: GrammarBitmask, states: list[CachedRequestState]
+               ) -> tuple[torch.Tensor, list[int]] | None:
+        """(device [B, W] bitmask, the batch rows it constrains), from the step message's
+        packed rows; None when none of its requests is among `states` (a row dropped after a
+        failed KV load)."""
+        position = {s.req_id: i for i, s in enumerate(states)}
+        rows = [(position[r], k) for k, r in enumerate(grammar.req_ids) if r in position]
+        if not rows:
+            return None
+        num_words = len(grammar.bitmask) // 4 // len(grammar.req_ids)
+        packed = np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(-1, num_words)
+        if not self.buffers or self.buffers[0].shape[1] != num_words:
+            pin = self.device.type == "cuda"
+            self.buffers = [torch.empty((self.max_rows, num_words), dtype=torch.int32,
+                                        pin_memory=pin) for _ in range(2)]
+        self.turn ^= 1
+        host = self.buffers[self.turn][:len(states)]
+        batch_rows = [i for i, _ in rows]
+        host.numpy()[batch_rows] = packed[[k for _, k in rows]]
+        if self.device.type == "cpu":
+            return host.clone(), batch_rows
+        return host.to(self.device, non_blocking=True), batch_rows
+
+
 def _aligned_width(num_rows: int) -> int:
     return -(-num_rows // 4) * 4
 
@@ -102,10 +141,12 @@ def build_row_seeds(states: list[CachedRequestState], base_seed: int,
 
 
 def build_sampling_metadata(states: list[CachedRequestState], staging: SamplingStaging,
-                            vocab_size: int,
-                            row_seeds: np.ndarray | None = None) -> SamplingMetadata:
+                            vocab_size: int, row_seeds: np.ndarray | None = None,
+                            grammar: GrammarBitmask | None = None,
+                            grammar_staging: GrammarStaging | None = None) -> SamplingMetadata:
     """row_seeds: [B] int64 from build_row_seeds, or None where the fused kernel cannot be used
-    (the metadata then has no seeds)."""
+    (the metadata then has no seeds). grammar: the step's grammar masks (with the staging that
+    uploads them), None when no request of the step is constrained."""
     params = [s.sampling_params for s in states]
     device = staging.device
     greedy = [p.greedy for p in params]
@@ -136,6 +177,11 @@ def build_sampling_metadata(states: list[CachedRequestState], staging: SamplingS
         output_token_ids = [s.output_token_ids for s in states]
 
     wanted = [p.logprobs for p in params if p.logprobs is not None]
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    logit_bias = _logit_bias(params, biased, device) if biased else None
+    grammar_rows = None
+    if grammar is not None:
+        grammar_rows = grammar_staging.upload(grammar, states)
     return SamplingMetadata(
         temperature=temperature,
         all_greedy=all(greedy),
@@ -155,7 +201,20 @@ def build_sampling_metadata(states: list[CachedRequestState], staging: SamplingS
         seeds=None if row_seeds is None else seeds,
         fused_rows=(plain_column.bool() if row_seeds is not None and any(plain)
                     and not all(plain) else None),
+        logit_bias=logit_bias,
+        grammar_bitmask=None if grammar_rows is None else grammar_rows[0],
+        grammar_rows=None if grammar_rows is None else grammar_rows[1],
     )
+
+
+def _logit_bias(params: list[SamplingParams], rows: list[int], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    row_ids = [i for i in rows for _ in params[i].logit_bias]
+    token_ids = [t for i in rows for t in params[i].logit_bias]
+    biases = [b for i in rows for b in params[i].logit_bias.values()]
+    return (torch.tensor(row_ids, dtype=torch.int64).to(device, non_blocking=True),
+            torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True),
+            torch.tensor(biases, dtype=torch.float32).to(device, non_blocking=True))
 
 
 def _needs_only_temperature(params: SamplingParams) -> bool:

@@ -34,9 +34,12 @@ if TYPE_CHECKING:
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Whether drafts can be verified exactly for a request sampled with `params`."""
+    """Whether drafts can be verified exactly for a request sampled with `params`. Token
+    constraints (logit_bias, a structured-output grammar, whose mask is built for one position
+    per step) are applied by the sampler alone: such requests decode without drafts."""
     return (params.logprobs is None and not params.min_tokens and params.presence_penalty == 0
-            and params.frequency_penalty == 0 and params.repetition_penalty == 1.0)
+            and params.frequency_penalty == 0 and params.repetition_penalty == 1.0
+            and not params.logit_bias and params.structured_outputs is None)
 
 
 class SpecDecoder:

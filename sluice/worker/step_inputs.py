@@ -92,9 +92,8 @@ class InputBuilder:
         self._inputs_copied: torch.cuda.Event | None = None
 
     def prepare(self, so: SchedulerOutput, requests: dict[str, CachedRequestState],
-                graphs: GraphRunner, allow_graph: bool = True) -> StepInputs:
-        """This step's inputs, on the device (or queued to it) when this returns; laid out for
-        a CUDA graph when one fits and `allow_graph`."""
+                graphs: GraphRunner) -> StepInputs:
+        """This step's inputs, on the device (or queued to it) when this returns."""
         req_ids = [r.req_id for r in so.scheduled_new_reqs]
         req_ids += [r.req_id for r in so.scheduled_cached_reqs]
         states = [requests[r] for r in req_ids]
@@ -111,9 +110,7 @@ class InputBuilder:
         # Tokens each request occupies in the flattened step: its scheduled ones, or 1 + k for
         # every request of a verification step that replays a CUDA graph.
         layout = num_scheduled
-        verify_size = None
-        if allow_graph:
-            verify_size = graphs.verify_size(states, num_computed, num_scheduled, num_drafts)
+        verify_size = graphs.verify_size(states, num_computed, num_scheduled, num_drafts)
         if verify_size is not None:
             layout = np.full(num_reqs, graphs.query_len, dtype=np.int64)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -170,11 +167,8 @@ class InputBuilder:
         compact = self.buf_block_tables.np[:num_reqs * width].reshape(num_reqs, width)
         compact[:] = table[rows, :width]
 
-        graph, padded_tokens = None, num_layout_tokens
-        if allow_graph:
-            graph, padded_tokens = graphs.pad_for_graph(num_reqs, num_tokens,
-                                                        num_layout_tokens, verify_size,
-                                                        bool(pending))
+        graph, padded_tokens = graphs.pad_for_graph(num_reqs, num_tokens, num_layout_tokens,
+                                                    verify_size, bool(pending))
         # Pending tokens: per step in flight, (destinations, sources) side by side.
         pending_spans = []
         start = 0

@@ -41,7 +41,8 @@ class Worker:
         """Allocate `num_blocks` blocks per layer, capture graphs, and give the cache to the
         connector; returns the cache's description."""
         runner = self.model_runner
-        runner.initialize_kv_cache(num_blocks)
+        runner.initialize_kv_cache(num_blocks,
+                                   with_connector=self.connector_factory is not None)
         spec = self.kv_cache_spec()
         if self.connector_factory is not None:
             self.connector = self.connector_factory(spec)

@@ -250,3 +250,28 @@ def test_unavailable_hf_baseline_is_reported_not_raised() -> None:
     text = format_throughput(record, hf_requested=True)
     assert "HF baseline unavailable: transformers 4.40.0 has no continuous batching API" in text
     assert "reached 5.0%" in text
+
+
+def test_bench_structured_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> None:
+    from sluice.bench.structured import constrained_rows, parse_fractions
+
+    assert constrained_rows(10, 0.5) == {0, 2, 4, 6, 8}
+    assert constrained_rows(10, 0.0) == set() and len(constrained_rows(7, 1.0)) == 7
+    assert parse_fractions("0.5") == [0.0, 0.5]
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        parse_fractions("1.5")
+    out_json = tmp_path / "structured.json"
+    result = run_sluice("bench", "structured", "--model", tiny_dir, "--device", "cpu",
+                        "--num-requests", "6", "--max-input-len", "40", "--max-output-len", "16",
+                        "--output", str(out_json))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out_json.read_text())
+    first, half = record["runs"]
+    assert (first["fraction"], first["num_constrained"], first["ratio_vs_unconstrained"]) == (
+        0.0, 0, 1.0)
+    assert (half["fraction"], half["num_constrained"]) == (0.5, 3)
+    assert half["constrained_valid_prefixes"] == 3
+    assert half["ratio_vs_unconstrained"] == pytest.approx(
+        half["output_tok_s"] / first["output_tok_s"])
+    assert first["output_tokens"] == nano_vllm_workload(6, 40, 16).output_tokens
+    assert "50% json_schema (3 requests" in result.stdout and "x of 0%" in result.stdout

@@ -228,13 +228,23 @@ def test_delayed_free_holds_blocks_until_the_send_ends_even_when_aborted(
     batch = prompts(seed=8, count=3)
     expected = token_ids(reference.generate(batch, greedy(), use_tqdm=False))
     llm = LLM(model=qwen3_dir, kv_transfer_config=injecting(delay_free_s=0.3), **ENGINE)
-    outputs = llm.generate(batch, greedy(), use_tqdm=False)  # each holds its blocks a while
-    assert token_ids(outputs) == expected
-    assert all(o.kv_transfer_params["held_blocks"] for o in outputs)
     engine = llm.llm_engine
+
+    def run(tag: str) -> dict:
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"{tag}{i}", prompt, greedy())
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        return outputs
+
+    first = run("a")  # each holds its blocks a while after it finished
+    assert [first[f"a{i}"].outputs[0].token_ids for i in range(3)] == expected
+    assert all(o.kv_transfer_params["held_blocks"] for o in first.values())
     assert engine.scheduler.has_pending_kv_transfers()
-    engine.abort_request([o.request_id for o in outputs])  # too late to matter: no effect
+    engine.abort_request(list(first))  # too late to matter: no effect
     # Meanwhile more requests run in whatever blocks are free; none may take a held one.
-    assert token_ids(llm.generate(batch, greedy(), use_tqdm=False)) == expected
+    second = run("b")
+    assert [second[f"b{i}"].outputs[0].token_ids for i in range(3)] == expected
     assert_all_blocks_back(llm)
     assert engine.scheduler.connector.worker_stats.get("held_block_overwritten", 0) == 0

@@ -112,15 +112,16 @@ def test_a_reply_with_tools_but_no_call_is_shaped_right(tool_server: ServerProce
     assert (text, tool_deltas, finish) == (want.text, [], want.finish_reason)
 
 
-def test_tool_choices_that_need_constrained_decoding_are_refused(
+def test_tool_choices_the_server_cannot_honour_are_refused(
         tool_server: ServerProcess, server: ServerProcess) -> None:
     body = {"model": MODEL, "messages": HISTORY, "tools": TOOLS, "max_tokens": 2}
     url = f"{tool_server.base_url}/v1/chat/completions"
-    assert_error(httpx.post(url, json={**body, "tool_choice": "required"}), 400,
-                 "BadRequestError", "tool_choice", "tool_choice required is not supported yet")
-    named = {"type": "function", "function": {"name": "get_weather"}}
+    named = {"type": "function", "function": {"name": "get_time"}}
     assert_error(httpx.post(url, json={**body, "tool_choice": named}), 400, "BadRequestError",
-                 "tool_choice", "a named function is not supported yet")
+                 "tool_choice", "names the function 'get_time', which is not among the tools")
+    assert_error(httpx.post(url, json={**body, "tool_choice": "required",
+                                       "response_format": {"type": "json_object"}}), 400,
+                 "BadRequestError", "response_format", "cannot be combined with tool_choice")
     assert_error(httpx.post(url, json={**body, "tools": None, "tool_choice": "auto"}), 400,
                  "BadRequestError", "tool_choice", "needs tools")
     # A server without --enable-auto-tool-choice: tools need tool_choice "none" (as in vLLM).

@@ -191,14 +191,12 @@ COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
 
 
 @pytest.mark.parametrize(("body", "param", "match"), [
-    (COMPLETION | {"response_format": {"type": "json_object"}}, "response_format",
-     "structured outputs"),
-    (CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format", "json_schema"),
-    (CHAT | {"logit_bias": {"5": 3}}, "logit_bias", "not supported yet"),
-    (COMPLETION | {"guided_choice": ["a", "b"]}, "guided_choice", "structured outputs"),
-    (CHAT | {"guided_json": {"type": "object"}}, "guided_json", "structured outputs"),
-    (CHAT | {"structured_outputs": {"regex": "a+"}}, "structured_outputs", "structured"),
+    (CHAT | {"response_format": {"type": "structural_tag"}}, "response_format",
+     "text, json_object or json_schema"),
+    (COMPLETION | {"guided_decoding_backend": "outlines"}, "guided_decoding_backend",
+     "'xgrammar'"),
+    (CHAT | {"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern",
+     "disable_any_whitespace"),
     (COMPLETION | {"suffix": "end"}, "suffix", "not supported yet"),
     (COMPLETION | {"use_beam_search": True}, "use_beam_search", "not supported yet"),
     (CHAT | {"functions": [{"name": "f"}]}, "functions", "use tools"),

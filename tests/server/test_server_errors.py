@@ -91,7 +91,12 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "must not be empty"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
      "messages", "messages.0.role"),
-    ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 101}}, "logit_bias",
+     "values in [-100, 100] (token 5), got 101"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"five": 1}}, "logit_bias",
+     "token ids (integers), got 'five'"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"100000": 1}}, "logit_bias",
+     "outside the vocabulary [0, "),
 ])
 def test_bad_parameters_are_400s_naming_the_param(keyed_server: ServerProcess, path: str,
                                                   body: dict[str, Any], param: str,
@@ -297,3 +302,17 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie (not reaped yet) is not running either
         return f.read().split()[2] != "Z"
+
+
+def test_a_worker_that_dies_while_the_server_is_idle_gives_503_within_5_s(
+        make_server: Callable[..., ServerProcess]) -> None:
+    server = make_server("--distributed-executor-backend", "mp")
+    (worker_pid,) = server.engine_info()["worker_pids"]
+    os.kill(worker_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    while httpx.get(f"{server.base_url}/health").status_code == 200:
+        assert time.monotonic() - killed_at < 5.0, "still healthy 5 s after a worker died"
+        time.sleep(0.05)
+    health = httpx.get(f"{server.base_url}/health")
+    assert health.status_code == 503 and "worker rank 0" in health.text
+    assert server.stop() == 0

@@ -85,24 +85,14 @@ def _is_falsy(value: Any) -> bool:
 
 
 _NOT_YET = "is not supported yet"
-_STRUCTURED = "is not supported yet (structured outputs / guided decoding are not built yet)"
-
-
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
 
 
 # field -> (is the value neutral?, why it is refused otherwise)
 _SAMPLING_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (_is_falsy, _NOT_YET),
-    "response_format": (_text_format, "of type json_object / json_schema " + _STRUCTURED),
-    "structured_outputs": (_is_none, _STRUCTURED),
-    "guided_json": (_is_none, _STRUCTURED),
-    "guided_regex": (_is_none, _STRUCTURED),
-    "guided_choice": (_is_none, _STRUCTURED),
-    "guided_grammar": (_is_none, _STRUCTURED),
-    "guided_decoding_backend": (_is_none, _STRUCTURED),
-    "guided_whitespace_pattern": (_is_none, _STRUCTURED),
+    "guided_decoding_backend": (lambda v: v in (None, "xgrammar", "auto"),
+                                "is not supported: the one backend is 'xgrammar'"),
+    "guided_whitespace_pattern": (_is_none, _NOT_YET + " (structured_outputs' "
+                                            "disable_any_whitespace makes JSON compact)"),
     "use_beam_search": (_is_falsy, _NOT_YET),
     "length_penalty": (lambda v: v is None or v == 1.0, _NOT_YET + " (no beam search)"),
     "allowed_token_ids": (_is_none, _NOT_YET),
@@ -145,8 +135,15 @@ class SamplingFields(OpenAIBaseModel):
     top_p: float | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
     user: str | None = None
+    # Structured outputs (see structured.py): OpenAI's and vLLM's fields.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # vLLM's extras
     top_k: Annotated[int, Field(ge=-1, le=_INT32_MAX)] | None = None
     min_p: float | None = None
@@ -159,12 +156,6 @@ class SamplingFields(OpenAIBaseModel):
     prompt_logprobs: int | None = None  # vLLM's: logprobs of every prompt token
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = _SAMPLING_UNSUPPORTED
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     use_beam_search: Any = None

@@ -13,8 +13,14 @@ A reply's text goes through the server's parsers, in this order: the reasoning p
 (`--tool-call-parser`, when the request has tools and `tool_choice` is `auto`, the default with
 tools) takes its calls into `tool_calls` (finish_reason `tool_calls` where it would be `stop`).
 Streamed, they are `delta.reasoning_content` and `delta.tool_calls`. `tool_choice: "none"`
-still shows the tools to the template but parses no calls; `required` and a named function need
-constrained decoding, not built yet, and are refused.
+still shows the tools to the template but parses no calls.
+
+`tool_choice: "required"` and a named function constrain the reply with the structured-output
+engine to hermes tool-call blocks whose arguments are valid for the tools' parameters schemas
+(structured.py; no server flag needed): the hermes parser then reads them like `auto`'s calls
+(finish_reason `tool_calls` for required, `stop` for a named function, as OpenAI). A constrained
+reply (these, or response_format / structured outputs) skips the reasoning parser: the grammar
+starts at the reply's first token, so it has no thinking to split off.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from sluice.entrypoints.openai.serving_engine import (
     sse,
     sse_error,
 )
+from sluice.entrypoints.openai.structured import tool_call_constraint
 from sluice.entrypoints.openai.tool_parsers import TOOL_PARSERS, HermesToolParser
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from sluice.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -92,6 +99,7 @@ class _Parsing:
     include_reasoning: bool
     tools: type[HermesToolParser] | None
     parallel_tool_calls: bool
+    named_function: bool = False  # a forced function ends with finish_reason "stop"
 
 
 @dataclass(slots=True)
@@ -149,7 +157,9 @@ class _Reply:
         return delta
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and self.calls else reason
+        if reason == "stop" and self.calls and not self.parsing.named_function:
+            return "tool_calls"
+        return reason
 
     def message(self) -> ChatResponseMessage:
         parsed = self.reasoning_parser is not None or self.tool_parser is not None
@@ -180,9 +190,7 @@ class OpenAIServingChat:
         if choice == "none":
             return None
         if choice == "required" or not isinstance(choice, str) and choice is not None:
-            shown = "required" if choice == "required" else "a named function"
-            raise OpenAIError(f"tool_choice {shown} is not supported yet (it needs constrained "
-                              "decoding); use 'auto' or 'none'", 400, "tool_choice")
+            return HermesToolParser  # the format tool_call_constraint asks for
         options = self.serving.options
         if not options.enable_auto_tool_choice or self.tool_parser is None:
             raise OpenAIError('"auto" tool choice (the default with tools) requires the server '
@@ -209,21 +217,31 @@ class OpenAIServingChat:
                               "completions", 400, "prompt_logprobs")
         max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                       else request.max_tokens)
-        params = serving.sampling_params(request, max_tokens, num_logprobs,
-                                         request.prompt_logprobs)
         tool_parser = self._tool_parser(request)
+        forced = request.tools and request.tool_choice not in (None, "none", "auto")
+        tool_constraint = None
+        if forced:
+            tool_constraint = tool_call_constraint(request.tools, request.tool_choice,
+                                                   request.parallel_tool_calls)
+        params = serving.sampling_params(request, max_tokens, num_logprobs,
+                                         request.prompt_logprobs, tool_constraint)
+        await serving.check_constraints(request, params)
         tools = (None if not request.tools
                  else [tool.model_dump(exclude_none=True) for tool in request.tools])
         token_ids = await serving.tokenize_chat(request, tools)
         serving.check_context(len(token_ids), max_tokens)
         opens_reasoning = False
-        if self.reasoning_parser is not None:
+        reasoning_parser = self.reasoning_parser
+        if params.structured_outputs is not None:
+            reasoning_parser = None  # the grammar leaves no room for thinking
+        if reasoning_parser is not None:
             tail = serving.engine.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:])
-            opens_reasoning = self.reasoning_parser.prompt_opens_reasoning(tail)
-        parsing = _Parsing(reasoning=self.reasoning_parser,
+            opens_reasoning = reasoning_parser.prompt_opens_reasoning(tail)
+        parsing = _Parsing(reasoning=reasoning_parser,
                            prompt_opens_reasoning=opens_reasoning,
                            include_reasoning=request.include_reasoning, tools=tool_parser,
-                           parallel_tool_calls=request.parallel_tool_calls)
+                           parallel_tool_calls=request.parallel_tool_calls,
+                           named_function=bool(forced) and request.tool_choice != "required")
 
         request_id = random_id("chatcmpl")
         serving.log_request(request_id, None, token_ids, params)

@@ -127,6 +127,7 @@ class OpenAIServingCompletion:
                               request.prompt_logprobs) if k is not None]
         params = serving.sampling_params(request, max_tokens, request.logprobs,
                                          max(wanted) if wanted else None)
+        await serving.check_constraints(request, params)
         prompts = [await serving.tokenize_prompt(
             p, request.add_special_tokens, "prompt" if isinstance(request.prompt, str)
             else f"prompt[{i}]") for i, p in enumerate(_prompts(request.prompt))]

@@ -29,8 +29,10 @@ from sluice.entrypoints.openai.chat_template import (
 )
 from sluice.entrypoints.openai.errors import OpenAIError, error_body
 from sluice.entrypoints.openai.protocol import ChatInputs, SamplingFields, unsupported_field
+from sluice.entrypoints.openai.structured import structured_outputs_from_request
 from sluice.entrypoints.openai.text_inputs import TextInputs, lone_surrogate
-from sluice.sampling_params import SamplingParams
+from sluice.sampling_params import SamplingParams, StructuredOutputsParams
+from sluice.structured_output.grammar import GrammarError
 
 logger = logging.getLogger("sluice")
 
@@ -211,10 +213,12 @@ class OpenAIServing:
                 "messages or completion.", 400, "max_tokens")
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        tool_constraint: StructuredOutputsParams | None = None
                         ) -> SamplingParams:
         """The request's SamplingParams; ValueErrors become 400s naming the field, and so do
-        fields sluice does not implement (see protocol.py)."""
+        fields sluice does not implement (see protocol.py). `tool_constraint`: chat's
+        tool_choice required / named (structured.py), which no other constraint may join."""
         refused = unsupported_field(request)
         if refused is not None:
             name, message = refused
@@ -225,6 +229,12 @@ class OpenAIServing:
             raise OpenAIError(f"best_of must equal n ({request.n}) or be left out: only "
                               f"parallel sampling is supported, got {request.best_of}", 400,
                               "best_of")
+        structured, source = structured_outputs_from_request(request)
+        if tool_constraint is not None:
+            if structured is not None:
+                raise OpenAIError(f"{source} cannot be combined with tool_choice required or "
+                                  "a named function: both constrain the reply", 400, source)
+            structured = tool_constraint
         try:
             return SamplingParams(
                 n=request.n,
@@ -246,7 +256,24 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
+                logit_bias=_logit_bias(request.logit_bias),
+                structured_outputs=structured,
             )
+        except ValueError as exc:
+            raise OpenAIError.from_value_error(exc, set(type(request).model_fields)) from None
+
+    async def check_constraints(self, request: SamplingFields, params: SamplingParams) -> None:
+        """400 for logit_bias ids outside the vocabulary and for a schema, regex, grammar or
+        tool parameters schema that does not compile (built off the event loop), naming the
+        request field it came from."""
+        if not params.logit_bias and params.structured_outputs is None:
+            return
+        try:
+            await self.text_inputs.run(self.engine.input_processor.check_constraints, params)
+        except GrammarError as exc:
+            _, source = structured_outputs_from_request(request)
+            source = source or "tools"
+            raise OpenAIError(f"{source}: {exc}", 400, source) from None
         except ValueError as exc:
             raise OpenAIError.from_value_error(exc, set(type(request).model_fields)) from None
 
@@ -259,6 +286,21 @@ class OpenAIServing:
         shown_ids = token_ids if limit is None else token_ids[:limit]
         logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
                     request_id, shown_prompt, params, shown_ids)
+
+
+def _logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids as JSON strings."""
+    if not value:
+        return None
+    result = {}
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise OpenAIError(f"logit_bias keys must be token ids (integers), got {key!r}",
+                              400, "logit_bias") from None
+        result[token_id] = bias
+    return result
 
 
 _END = object()

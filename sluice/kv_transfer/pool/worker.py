@@ -144,6 +144,9 @@ class KVPoolConnectorWorker(KVConnectorWorker):
     def has_loads(self) -> bool:
         return bool(self._metadata is not None and self._metadata.load_block_ids)
 
+    def has_saves(self) -> bool:
+        return self._save is not None  # (asked after start_load_kv took the save slots)
+
     def start_load_kv(self) -> None:
         meta: PoolMetadata | None = self._metadata
         self._layer_events = {}
