@@ -23,7 +23,8 @@ Lifecycle of a request (the scheduler calls, in this order):
    reports it in `finished_recving`.
 3. `build_connector_meta(scheduler_output, scheduler)` every step: the step's plan (loads and
    saves) as the connector's own msgspec struct (`metadata_type`); resets the per-step state.
-4. `update_connector_output(output)` with what the workers reported.
+4. `update_connector_output(output)` with what the workers reported (and, for requests that
+   carry kv_transfer_params, `update_request_output` with each step's sampled tokens).
 5. `request_finished(request, block_ids)` exactly once, when the request ends (finished,
    aborted, failed), before its blocks are freed: `(delay_free, kv_transfer_params)`. With
    `delay_free` the scheduler keeps the blocks until a worker reports the request in
@@ -32,6 +33,24 @@ Lifecycle of a request (the scheduler calls, in this order):
 Blocks a connector loads into are entered into the prefix cache only once the load is known to
 have succeeded; a failed load (`invalid_block_ids`) truncates the request at the first bad block
 and recomputes from there, or fails it (KVTransferConfig.kv_load_failure_policy).
+
+Loads that bring the first token (prefill/decode disaggregation). The instance that computed a
+prompt has also sampled the token after it; recomputing the prompt's last token on the decode
+side would waste a step and, with sampling, could draw another token. So:
+
+- an asynchronous load may cover the whole prompt, last token included (a synchronous one never
+  does): `get_num_new_matched_tokens` may return `request.num_tokens - num_computed_tokens`;
+- the worker that ends such a load reports the peer's token with it, in
+  `KVConnectorOutput.first_tokens[req_id]` (a FirstToken: id and, if the request asked, its
+  logprobs), in the same report as `finished_recving` (a failed load brings none);
+- the scheduler then appends it as the request's first output token, sends it to the client,
+  and checks the stop conditions (it may be the last token); otherwise the request waits with
+  its prompt computed, and its next step computes the token's KV and samples the second (the
+  runner gets the token in `NewRequestData.output_token_ids`). An async load that covered the
+  whole prompt but ended without a first token recomputes the prompt's last token, as before.
+- On the sending side, `update_request_output(request, new_token_ids, new_logprobs)` gives the
+  connector each step's tokens and logprobs of requests that carry kv_transfer_params, before
+  `request_finished` when that step ends them: the first token and its logprobs to hand on.
 """
 
 from __future__ import annotations
@@ -43,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from sluice.config import KVTransferConfig
-    from sluice.core.outputs import KVConnectorOutput, SchedulerOutput
+    from sluice.core.outputs import KVConnectorOutput, PositionLogprobs, SchedulerOutput
     from sluice.core.request import Request
 
 
@@ -121,6 +140,12 @@ class KVConnectorScheduler(ABC):
         step, before the scheduled requests' num_computed_tokens advance by their
         num_scheduled_tokens; every step's workers' report comes back to
         update_connector_output, in step order."""
+
+    def update_request_output(self, request: Request, new_token_ids: list[int],
+                              new_logprobs: list[PositionLogprobs] | None) -> None:
+        """What a step sampled for a request that carries kv_transfer_params (its logprobs
+        when asked for); called before request_finished when the step ended the request."""
+        return None
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """What the workers reported after a step (merged across ranks)."""

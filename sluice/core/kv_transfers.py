@@ -20,7 +20,7 @@ from typing import Any
 from sluice.config import KVTransferConfig
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.kv_connector import KVConnectorScheduler
-from sluice.core.outputs import KVConnectorOutput, SchedulerOutput
+from sluice.core.outputs import FirstToken, KVConnectorOutput, SchedulerOutput
 from sluice.core.request import Request, RequestStatus
 
 logger = logging.getLogger("sluice")
@@ -59,6 +59,10 @@ class KVTransfers:
     def load_done(self, request_id: str) -> bool:
         return request_id in self._finished_recving
 
+    def num_parked(self) -> int:
+        """Requests waiting for an asynchronous load that has not ended."""
+        return len(self._async_loads) - len(self._finished_recving)
+
     def end_async_load(self, request: Request) -> None:
         """A finished asynchronous load: from WAITING_FOR_REMOTE_KVS back to WAITING (still at
         the head of the queue), its good blocks cached."""
@@ -90,27 +94,34 @@ class KVTransfers:
 
     # ---- the workers' report -----------------------------------------------------------
 
-    def update(self, kv_output: KVConnectorOutput, fail: FailRequest) -> set[str]:
+    def update(self, kv_output: KVConnectorOutput,
+               fail: FailRequest) -> tuple[set[str], list[tuple[str, FirstToken]]]:
         """Apply the workers' report; returns the requests whose synchronous load failed in
-        this step (their sampled tokens, computed over bad KV, are dropped)."""
+        this step (their sampled tokens, computed over bad KV, are dropped), and the first
+        tokens that ended asynchronous loads brought (the scheduler hands them out)."""
         failed: set[str] = set()
         if kv_output.invalid_block_ids:
-            failed = self._handle_invalid_blocks(kv_output.invalid_block_ids, fail)
+            failed = self._handle_invalid_blocks(kv_output.invalid_block_ids, fail,
+                                                 kv_output.load_errors)
+        first_tokens = []
         for req_id in kv_output.finished_recving:
             abandoned = self._abandoned_loads.pop(req_id, None)
             if abandoned is not None:
                 self.kv_cache_manager.free(abandoned[0])
             elif req_id in self._async_loads:
                 self._finished_recving.add(req_id)
+                first_token = kv_output.first_tokens.get(req_id)
+                if first_token is not None:
+                    first_tokens.append((req_id, first_token))
         for req_id in kv_output.finished_sending:
             request = self._delayed_free.pop(req_id, None)
             if request is not None:
                 self.kv_cache_manager.free(request)
         self.connector.update_connector_output(kv_output)
-        return failed
+        return failed, first_tokens
 
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int],
-                               fail: FailRequest) -> set[str]:
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int], fail: FailRequest,
+                               load_errors: dict[str, str]) -> set[str]:
         """Truncate every loading request at its first block that failed to load: it computes
         from there again (policy "recompute") or ends with an error (policy "fail")."""
         failed: set[str] = set()
@@ -122,12 +133,13 @@ class KVTransfers:
                 continue
             failed.add(req_id)
             bad_blocks = sorted(b for b in block_ids if b in invalid_block_ids)
+            why = f": {load_errors[req_id]}" if req_id in load_errors else ""
             if self.config.kv_load_failure_policy == "fail":
                 fail(request, f"KV load failed for blocks {bad_blocks} of request {req_id!r} "
-                              f"(kv_load_failure_policy 'fail')")
+                              f"(kv_load_failure_policy 'fail'){why}")
                 continue
-            logger.warning("KV load failed for blocks %s of request %r: recomputing from "
-                           "token %d", bad_blocks, req_id, bad * block_size)
+            logger.warning("KV load failed for blocks %s of request %r%s: recomputing from "
+                           "token %d", bad_blocks, req_id, why, bad * block_size)
             request.num_computed_tokens = min(request.num_computed_tokens, bad * block_size)
             request.num_cached_tokens = min(request.num_cached_tokens, bad * block_size)
             if req_id not in self._async_loads:

@@ -28,8 +28,10 @@ from sluice.sampling_params import SamplingParams
 # 3: one definition per message (sampling parameters and core outputs travel as themselves),
 #    KV connector fields, kv_transfer_params.
 # 4: structured outputs and logit_bias in SamplingParams, grammar_bitmask in SchedulerOutput.
-# 5: SchedulerStats carries the scheduled-token total and the KV connector's counters.
-SCHEMA_VERSION = 5
+# 5: a connector's load may bring the request's first token (KVConnectorOutput.first_tokens,
+#    NewRequestData.output_token_ids), connector counters in SchedulerStats.
+# 6: SchedulerStats carries the scheduled-token total.
+SCHEMA_VERSION = 6
 
 # A connector's per-step plan (its own msgspec struct type).
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")
@@ -41,6 +43,9 @@ class NewRequestData(msgspec.Struct):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Output tokens the request already has when the runner first sees it (the first token a
+    # prefill instance sampled, delivered with the KV by a connector).
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class CachedRequestData(msgspec.Struct):
@@ -88,22 +93,35 @@ class SchedulerOutput(msgspec.Struct, Generic[ConnectorMetadataT]):
 PositionLogprobs = dict[int, tuple[float, int]]
 
 
+class FirstToken(msgspec.Struct):
+    """A request's first output token, sampled by the instance that computed its prompt."""
+
+    token_id: int
+    logprobs: PositionLogprobs | None = None  # present when the request asked for logprobs
+
+
 class KVConnectorOutput(msgspec.Struct, omit_defaults=True):
     """What a worker's connector reports after a step (see KVConnectorWorker.get_finished).
 
     finished_sending: requests whose delayed free may happen now (their KV left this instance);
     finished_recving: requests whose asynchronous load ended (successfully or not: failed blocks
     are in invalid_block_ids); invalid_block_ids: blocks whose load failed this step or in a load
-    that ended now; stats: counters since the last report (bytes, latencies, errors by kind)."""
+    that ended now; first_tokens: for loads in finished_recving that brought the whole prompt's
+    KV and the first token sampled after it (see sluice/core/kv_connector.py); load_errors: why
+    loads failed; stats: counters since the last report (bytes, latencies, errors by kind)."""
 
     finished_sending: set[str] = msgspec.field(default_factory=set)
     finished_recving: set[str] = msgspec.field(default_factory=set)
     invalid_block_ids: set[int] = msgspec.field(default_factory=set)
+    first_tokens: dict[str, FirstToken] = msgspec.field(default_factory=dict)
+    # Why a load in finished_recving failed (its blocks are in invalid_block_ids): the
+    # request's error message says so.
+    load_errors: dict[str, str] = msgspec.field(default_factory=dict)
     stats: dict[str, float] = msgspec.field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
-                    or self.stats)
+                    or self.first_tokens or self.load_errors or self.stats)
 
 
 class ModelRunnerOutput(msgspec.Struct):

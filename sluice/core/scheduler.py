@@ -23,6 +23,9 @@ a failed block truncates the request there (recompute) or fails it. A request th
 still sends from keeps its blocks (`delay_free`) until the send is reported done; one aborted
 mid-load keeps them until the load ends or `kv_load_abort_timeout_s` passes, so no block is
 reused while a transfer may still write it. That bookkeeping is sluice/core/kv_transfers.py.
+An asynchronous load may bring the whole prompt and the first token the peer sampled after it
+(prefill/decode disaggregation): the token is the request's first output, and its next step
+computes the token's KV and samples the second.
 
 Structured outputs (sluice/structured_output/manager.py, given as `structured_output`): a
 constrained request waits in the queue, passed over, until its grammar is compiled (a grammar
@@ -49,6 +52,7 @@ from sluice.core.kv_transfers import KVTransfers
 from sluice.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    FirstToken,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -159,6 +163,12 @@ class Scheduler:
         return any(request.num_output_placeholders
                    and request.sampling_params.structured_outputs is not None
                    for request in self.running)
+
+    def has_requests_to_schedule(self) -> bool:
+        """Whether a step could compute anything: False while every unfinished request waits
+        for a remote load (the engine then polls the workers instead of spinning)."""
+        num_parked = 0 if self.kv_transfers is None else self.kv_transfers.num_parked()
+        return bool(self.running) or len(self.waiting) > num_parked
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -317,13 +327,15 @@ class Scheduler:
                     request, num_local)
                 if num_external is None:
                     return None
-                # Never the last token: its logits must be computed here. A load in the step
-                # itself also stops at the last full block before it, so the step's own KV
-                # writes never share a block with a load still in flight.
-                limit = request.num_tokens - 1
+                # A load in the step itself never covers the last token (its logits must be
+                # computed here) and stops at the last full block before it, so the step's own
+                # KV writes never share a block with a load still in flight. An asynchronous
+                # load may cover the whole prompt: its last token is computed again when the
+                # load ends, unless the load brings the first output token (_take_first_token).
+                limit = request.num_tokens
                 if not load_async:
                     block_size = self.kv_cache_manager.block_size
-                    limit = limit // block_size * block_size
+                    limit = (limit - 1) // block_size * block_size
                 num_external = max(0, min(num_external, limit - num_local))
                 load_async = load_async and num_external > 0
         request_num_computed = request.num_computed_tokens + num_local + num_external
@@ -372,6 +384,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=block_ids,
                 num_computed_tokens=request_num_computed,
+                output_token_ids=list(request.output_token_ids),
             ))
         request.status = RequestStatus.RUNNING
         plan.add(request, num_new, is_partial)
@@ -383,9 +396,11 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         failed_loads: set[str] = set()
         if self.kv_transfers is not None and runner_output.kv_connector_output is not None:
-            failed_loads = self.kv_transfers.update(
+            failed_loads, first_tokens = self.kv_transfers.update(
                 runner_output.kv_connector_output,
                 lambda request, message: self._fail_request(request, message, outputs))
+            for req_id, first_token in first_tokens:
+                self._take_first_token(self.requests[req_id], first_token, outputs)
             self.kv_transfers.end_sync_loads(scheduler_output, failed_loads)
         spec_token_ids = runner_output.spec_token_ids
         any_constrained = self._has_constrained_requests()
@@ -427,6 +442,8 @@ class Scheduler:
             logprobs = runner_output.logprobs.get(req_id)
             if logprobs is not None:
                 logprobs = logprobs[: len(new_token_ids)]
+            if self.connector is not None and request.kv_transfer_params is not None:
+                self.connector.update_request_output(request, new_token_ids, logprobs)
             kv_transfer_params = None
             if request.is_finished():
                 # Preempted while its token was in flight, it waits in the queue.
@@ -458,6 +475,34 @@ class Scheduler:
         return False
 
     # ---- KV connector ----------------------------------------------------------------
+
+    def _take_first_token(self, request: Request, first_token: FirstToken,
+                          outputs: list[EngineCoreOutput]) -> None:
+        """An asynchronous load that brought the whole prompt's KV and the first token the
+        peer sampled after it: the token is the request's first output (sent now); the
+        request waits at its place in the queue with the prompt computed, and its next step
+        computes the token's KV and samples the second. A load cut short by failed blocks
+        keeps recomputing instead."""
+        if request.num_computed_tokens != request.num_tokens or request.num_output_tokens:
+            return
+        request.append_output_token_ids([first_token.token_id])
+        self.kv_transfers.end_async_load(request)  # num_computed_tokens: the prompt, all of it
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
+        kv_transfer_params = None
+        if self._check_stop(request, first_token.token_id):
+            self.waiting.remove(request)
+            kv_transfer_params = self._free_request(request)
+        logprobs = None
+        if first_token.logprobs is not None and request.sampling_params.logprobs is not None:
+            logprobs = [first_token.logprobs]
+        outputs.append(EngineCoreOutput(
+            req_id=request.request_id, new_token_ids=[first_token.token_id],
+            finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
+            new_logprobs=logprobs, num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
+            kv_transfer_params=kv_transfer_params))
+
 
     def _fail_request(self, request: Request, message: str,
                       outputs: list[EngineCoreOutput]) -> None:

@@ -54,6 +54,11 @@ class EngineArgs:
     kv_transfer_config: dict | str | KVTransferConfig | None = None
     # GiB of host memory for a CPU tier of the KV cache (shorthand for the OffloadingConnector).
     kv_offloading_size: float | None = None
+    # Prefill/decode disaggregation (shorthand for the PDConnector): "prefill" | "decode" | None,
+    # the prefill's bootstrap server port (0: a free one), and the transfer backend.
+    disaggregation_mode: str | None = None
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
     # Accepted for compatibility with vLLM scripts.
     trust_remote_code: bool = False
     disable_log_stats: bool = True
@@ -149,6 +154,12 @@ class EngineArgs:
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:
         config = KVTransferConfig.from_dict(self.kv_transfer_config)
+        if self.disaggregation_mode is not None:
+            config = self._disaggregation_config(config)
+        if config is not None and config.kv_connector == "PDConnector":
+            from sluice.kv_transfer.disagg.config import with_bootstrap_port_chosen
+
+            config = with_bootstrap_port_chosen(config)
         size = self.kv_offloading_size
         if size is None:
             return config
@@ -161,6 +172,25 @@ class EngineArgs:
                 f"names {config.kv_connector!r})")
         return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                 kv_connector_extra_config={"cpu_bytes_to_use": int(size * 2**30)})
+
+    def _disaggregation_config(self, config: KVTransferConfig | None) -> KVTransferConfig:
+        """--disaggregation-mode prefill|decode as the PDConnector's kv_transfer_config. A
+        decode instance fails a request whose KV does not arrive (the router retries it on
+        another prefill) rather than computing the prompt itself."""
+        mode = self.disaggregation_mode
+        roles = {"prefill": "kv_producer", "decode": "kv_consumer"}
+        if mode not in roles:
+            raise ValueError(f"disaggregation_mode must be 'prefill' or 'decode', got {mode!r}")
+        if config is not None:
+            raise ValueError(f"disaggregation_mode ({mode!r}) is a shorthand for a "
+                             f"kv_transfer_config with the PDConnector; give one or the other, "
+                             f"not both (kv_transfer_config names {config.kv_connector!r})")
+        extra = {"transfer_backend": self.disaggregation_transfer_backend,
+                 "bootstrap_port": self.disaggregation_bootstrap_port}
+        return KVTransferConfig(kv_connector="PDConnector", kv_role=roles[mode],
+                                kv_connector_extra_config=extra,
+                                kv_load_failure_policy="fail" if mode == "decode"
+                                else "recompute")
 
     def _async_scheduling(self) -> bool:
         if self.async_scheduling is not None:

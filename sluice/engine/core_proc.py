@@ -91,8 +91,8 @@ def make_scheduler_stats(engine_core: EngineCore) -> SchedulerStats:
         spec_num_accepted_tokens=spec.num_accepted_tokens,
         spec_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
         num_scheduled_tokens_total=scheduler.num_scheduled_tokens_total,
-        kv_connector_stats=(scheduler.connector.get_stats()
-                            if scheduler.connector is not None else {}),
+        kv_connector=(scheduler.connector.get_stats() if scheduler.connector is not None
+                      else {}),
     )
 
 
@@ -128,9 +128,10 @@ class EngineCoreProc:
         core = self.engine_core
         while self._parent_alive():
             has_work = core.has_unfinished_requests()
-            # Only KV transfers pending (nothing to compute): step, but do not spin.
+            # Only KV transfers pending (nothing to compute, requests parked while their KV
+            # loads): step, but do not spin.
             waiting_on_transfers = (has_work and core.in_flight is None
-                                    and not core.scheduler.has_unfinished_requests())
+                                    and not core.scheduler.has_requests_to_schedule())
             changed = self._process_input(
                 block=not has_work or waiting_on_transfers,
                 timeout_ms=_TRANSFER_POLL_MS if has_work else _IDLE_POLL_MS)
@@ -202,6 +203,9 @@ class EngineCoreProc:
                 result = core.kv_cache_manager.reset_prefix_cache()
             elif call.name == "check_integrity":
                 core.kv_cache_manager.check_integrity()
+                check_connector = getattr(core.scheduler.connector, "check_integrity", None)
+                if check_connector is not None:
+                    check_connector()
                 result = True
             else:
                 return UtilityReply(call_id=call.call_id,

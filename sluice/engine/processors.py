@@ -123,6 +123,8 @@ class InputProcessor:
         if params.max_tokens is not None:
             max_tokens = min(params.max_tokens, max_tokens)
         max_tokens = max(max_tokens, 1)
+        if isinstance(kv_transfer_params, dict) and kv_transfer_params.get("do_remote_decode"):
+            max_tokens = 1  # the prefill half of a disaggregated request: prompt + first token
         arrival = time.time() if arrival_time is None else arrival_time
         requests = []
         for index in range(params.n):

@@ -44,9 +44,9 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     # Tokens run through the model (prompt tokens not served from a cache, outputs, drafts).
     num_scheduled_tokens_total: int = 0
-    # The KV connector's counters (KVConnectorScheduler.get_stats), cumulative; the global
-    # pool's are named pool_* (sluice/kv_transfer/pool/connector.py).
-    kv_connector_stats: dict[str, float] = msgspec.field(default_factory=dict)
+    # The KV connector's cumulative counters (KVConnectorScheduler.get_stats), if one is on;
+    # the global pool's are named pool_* (sluice/kv_transfer/pool/connector.py).
+    kv_connector: dict[str, float] = msgspec.field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -57,7 +57,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     @property
     def kv_pool_hit_rate(self) -> float:
         """Blocks found in the global KV pool / blocks looked up there (0 before a lookup)."""
-        stats = self.kv_connector_stats
+        stats = self.kv_connector
         asked = stats.get("pool_lookup_blocks", 0.0)
         return stats.get("pool_hit_blocks", 0.0) / asked if asked else 0.0
 
@@ -251,7 +251,7 @@ class StatsLogger:
 
     def _kv_pool_text(self, stats: SchedulerStats) -> str:
         """", KV pool hit rate X%" over the interval's lookups; empty without any."""
-        now, last = stats.kv_connector_stats, self._logged_stats.kv_connector_stats
+        now, last = stats.kv_connector, self._logged_stats.kv_connector
         asked = now.get("pool_lookup_blocks", 0.0) - last.get("pool_lookup_blocks", 0.0)
         if asked <= 0:
             return ""

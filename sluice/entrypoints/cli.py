@@ -1,4 +1,4 @@
-"""The `sluice` command: generate, serve, make-model, bench."""
+"""The `sluice` command: generate, serve, router, make-model, bench."""
 
 from __future__ import annotations
 
@@ -67,6 +67,12 @@ _ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
      '"kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000}}\''),
     ("kv-offloading-size", float, "GiB of host memory for a CPU tier of the KV cache (the "
                                   "OffloadingConnector)"),
+    ("disaggregation-mode", str, "prefill | decode: this instance's half of prefill/decode "
+                                 "disaggregation (the PDConnector; a router pairs them)"),
+    ("disaggregation-bootstrap-port", int, "a prefill instance's bootstrap server port "
+                                           "(0: a free one, logged)"),
+    ("disaggregation-transfer-backend", str, "mooncake (Mooncake Transfer Engine) | fake "
+                                             "(loopback ZMQ, for tests)"),
 ]
 
 
@@ -225,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
+    from sluice.router import server as router_server
+
+    router_server.add_parser(sub)
+
     make = sub.add_parser("make-model", help="write a random-weight model folder")
     make.add_argument("dir")
     make.add_argument("--arch", default="qwen3", help="qwen3 | llama | qwen2")
@@ -245,9 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
         structured,
         throughput,
     )
+    from sluice.bench import pd as bench_pd
     from sluice.bench import serve as bench_serve
 
     bench_serve.add_parser(bench_sub)
+    bench_pd.add_parser(bench_sub)
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
     profile_steps.add_parser(bench_sub)

@@ -30,7 +30,12 @@ import zmq
 from sluice.channel import Encoder
 from sluice.config import EngineConfig
 from sluice.core.kv_connector import KVCacheSpec
-from sluice.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from sluice.core.outputs import (
+    FirstToken,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from sluice.errors import EngineDeadError
 from sluice.executor.base import Executor
 from sluice.executor.messages import (
@@ -102,6 +107,8 @@ class MultiprocExecutor(Executor):
         # req_id -> ranks that reported it so far (finished sending / receiving).
         self._sending_reports: dict[str, int] = defaultdict(int)
         self._recving_reports: dict[str, int] = defaultdict(int)
+        # First tokens of loads not yet finished on every rank (handed on with the load's end).
+        self._first_tokens: dict[str, FirstToken] = {}
         self._dead_error: str | None = None
         self._workers = self._start_workers()
         self._finalizer = weakref.finalize(self, self._workers.release)
@@ -254,10 +261,14 @@ class MultiprocExecutor(Executor):
                 self._sending_reports[req_id] += 1
             for req_id in report.finished_recving:
                 self._recving_reports[req_id] += 1
+            self._first_tokens.update(report.first_tokens)
+            merged.load_errors.update(report.load_errors)
         for counts, done in ((self._sending_reports, merged.finished_sending),
                              (self._recving_reports, merged.finished_recving)):
             for req_id in [r for r, n in counts.items() if n == self.world_size]:
                 del counts[req_id]
                 done.add(req_id)
+        for req_id in merged.finished_recving & self._first_tokens.keys():
+            merged.first_tokens[req_id] = self._first_tokens.pop(req_id)
         output.kv_connector_output = merged
         return output

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 _BUILTIN_CONNECTORS: dict[str, str] = {
     "KVPoolConnector": "sluice.kv_transfer.pool.connector",
     "OffloadingConnector": "sluice.kv_transfer.offloading",
+    "PDConnector": "sluice.kv_transfer.disagg.connector",
 }
 
 

@@ -11,6 +11,8 @@ sluice/core/kv_connector.py. Per step the runner calls, in this order:
     wait_for_save()                    the step's saves are issued; later work is ordered after
     get_finished(finished_req_ids)     requests whose send / async load ended
     get_block_ids_with_load_errors()   blocks whose load failed (their requests do not sample)
+    get_first_tokens()                 first tokens that ended loads (see core/kv_connector.py)
+    get_load_errors()                  why the failed loads failed
     get_stats()                        counters since the last step, for metrics
     clear_connector_metadata()
 
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from sluice.attention.metadata import AttentionMetadata
     from sluice.config import KVTransferConfig
     from sluice.core.kv_connector import KVCacheSpec
+    from sluice.core.outputs import FirstToken
 
 
 class KVConnectorWorker(ABC):
@@ -102,6 +105,15 @@ class KVConnectorWorker(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (reported once each)."""
         return set()
+
+    def get_load_errors(self) -> dict[str, str]:
+        """For failed loads reported in the last get_finished: why, by request id."""
+        return {}
+
+    def get_first_tokens(self) -> dict[str, FirstToken]:
+        """For loads reported in the last get_finished that brought the whole prompt: the
+        first output token the peer sampled, by request id."""
+        return {}
 
     def get_stats(self) -> dict[str, float]:
         """Counters since the last call (bytes moved, latencies, errors)."""

@@ -268,7 +268,8 @@ class ModelRunner:
         invalid = connector.get_block_ids_with_load_errors()
         output.kv_connector_output = KVConnectorOutput(
             finished_sending=set(finished_sending), finished_recving=set(finished_recving),
-            invalid_block_ids=set(invalid), stats=connector.get_stats())
+            invalid_block_ids=set(invalid), first_tokens=connector.get_first_tokens(),
+            load_errors=connector.get_load_errors(), stats=connector.get_stats())
         connector.clear_connector_metadata()
         if not invalid or step is None:
             return set()
@@ -319,16 +320,24 @@ class ModelRunner:
             if params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
+                if not params.greedy:
+                    # Tokens drawn elsewhere from this seed (a prefill instance's first
+                    # token): draw as many here, so the next draw is a colocated engine's.
+                    for _ in new.output_token_ids:
+                        torch.empty(self.hf_config.vocab_size, device=self.device).exponential_(
+                            generator=generator)
             row = self.block_tables.add_row()
             self.block_tables.append(row, new.block_ids)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids),
+                token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=params,
                 generator=generator,
                 row=row,
                 num_computed_tokens=new.num_computed_tokens,
+                # A first token sampled elsewhere counts as a draw (seeded rows key on it).
+                num_sampled=len(new.output_token_ids),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]

@@ -11,7 +11,12 @@ import pytest
 from sluice.config import KVTransferConfig, SchedulerConfig
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.kv_connector import KVCacheSpec, KVConnectorScheduler
-from sluice.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from sluice.core.outputs import (
+    FirstToken,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from sluice.core.request import Request, RequestStatus
 from sluice.core.scheduler import Scheduler
 from sluice.sampling_params import SamplingParams
@@ -133,16 +138,51 @@ def test_async_load_parks_the_request_until_the_load_is_reported_done() -> None:
     assert a.num_cached_tokens == 8
 
 
-def test_a_load_never_covers_the_last_token_so_its_logits_are_computed() -> None:
+def test_an_async_load_of_the_whole_prompt_without_a_first_token_recomputes_its_last() -> None:
     scheduler, connector = make()
     connector.script["a"] = [(12, True)]  # the whole prompt
     scheduler.add_request(request("a", 12))
     run(scheduler, scheduler.schedule())
-    assert connector.allocs["a"][1] == 11
+    assert connector.allocs["a"][1] == 12
     out = scheduler.schedule()
     run(scheduler, out, KVConnectorOutput(finished_recving={"a"}))
     out = scheduler.schedule()
+    assert out.num_scheduled_tokens["a"] == 1  # the last token's logits are computed here
+    new = next(r for r in out.scheduled_new_reqs if r.req_id == "a")
+    assert new.num_computed_tokens == 11 and new.output_token_ids == []
+
+
+def test_an_async_load_that_brings_the_first_token_continues_from_it() -> None:
+    scheduler, connector = make()
+    connector.script["a"] = [(12, True)]
+    scheduler.add_request(request("a", 12, max_tokens=3))
+    run(scheduler, scheduler.schedule())
+    first = FirstToken(token_id=99, logprobs={99: (-0.25, 1)})
+    outputs = run(scheduler, scheduler.schedule(),
+                  KVConnectorOutput(finished_recving={"a"}, first_tokens={"a": first}))
+    [output] = outputs
+    assert output.new_token_ids == [99] and output.finish_reason is None
+    assert output.new_logprobs is None  # the request did not ask for logprobs
+    out = scheduler.schedule()
+    # The prompt is computed; the step computes the first token's KV and samples the second.
     assert out.num_scheduled_tokens["a"] == 1
+    new = next(r for r in out.scheduled_new_reqs if r.req_id == "a")
+    assert new.num_computed_tokens == 12 and new.output_token_ids == [99]
+    outputs = run(scheduler, out)
+    assert [o.new_token_ids for o in outputs] == [[7]]
+    assert scheduler.requests["a"].output_token_ids == [99, 7]
+
+
+def test_a_first_token_that_ends_the_request_frees_it_with_no_step() -> None:
+    scheduler, connector = make()
+    connector.script["a"] = [(12, True)]
+    scheduler.add_request(request("a", 12, max_tokens=1))
+    run(scheduler, scheduler.schedule())
+    outputs = run(scheduler, scheduler.schedule(), KVConnectorOutput(
+        finished_recving={"a"}, first_tokens={"a": FirstToken(token_id=5)}))
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([5], "length")]
+    assert connector.finished == ["a"] and all_blocks_back(scheduler)
+    assert scheduler.schedule().num_scheduled_tokens == {}
 
 
 def test_a_synchronous_load_stops_at_the_last_full_block_before_the_last_token() -> None:

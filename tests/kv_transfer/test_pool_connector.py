@@ -205,7 +205,7 @@ def test_pool_counters_reach_metrics_and_the_stats_line() -> None:
 
     pool = {"pool_lookups": 2, "pool_lookup_blocks": 20, "pool_hit_blocks": 10,
             "pool_load_bytes": 4096, "pool_errors.load.missing": 1, "pool_available": 1}
-    listener(IterationStats(timestamp=0.0), SchedulerStats(kv_connector_stats=pool,
+    listener(IterationStats(timestamp=0.0), SchedulerStats(kv_connector=pool,
                                                            num_scheduled_tokens_total=50))
     text = listener.render().decode()
     for line in ('sluice:kv_pool_lookups_total{model_name="tiny"} 2.0',
@@ -217,7 +217,7 @@ def test_pool_counters_reach_metrics_and_the_stats_line() -> None:
         assert line in text, line
     logger = StatsLogger()
     logger(IterationStats(timestamp=0.0, num_prompt_tokens=10),
-           SchedulerStats(num_running=1, kv_connector_stats=pool))
+           SchedulerStats(num_running=1, kv_connector=pool))
     assert "KV pool hit rate 50.0%" in logger.log()
 
 

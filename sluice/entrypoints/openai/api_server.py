@@ -2,9 +2,9 @@
 
 Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /v1/models/{id}; POST /tokenize,
 /detokenize; GET /health (200 while the engine runs, else 503), /metrics (Prometheus text),
-/version, and /debug/engine (the engine-core and worker pids and the scheduler's state now,
-asked of the core: for tests and operators; `num_free_blocks == num_blocks` once every request
-is done; `?check_integrity=true` also checks the KV cache's invariants).
+/version, and /debug/engine (the engine-core and worker pids, the scheduler's state now and
+the KV cache's integrity check, asked of the core: for tests and operators;
+`num_free_blocks == num_blocks` once every request is done).
 
 A gate in front of every route counts requests in flight, checks `Authorization: Bearer KEY`
 on /v1 and /debug paths when an API key is set (401 otherwise), and, once draining, answers
@@ -308,19 +308,18 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/debug/engine")
-    async def debug_engine(check_integrity: bool = False) -> dict[str, Any]:
+    async def debug_engine() -> dict[str, Any]:
         info: dict[str, Any] = {"engine_core_pid": engine.engine_core_pid,
                                 "worker_pids": engine.worker_pids,
                                 "dead_error": engine.dead_error, "num_blocks": engine.num_blocks,
                                 "scheduler": None, "in_flight": state.in_flight}
         if info["dead_error"] is None:
             info["scheduler"] = msgspec.structs.asdict(await engine.get_stats())
-            if check_integrity:  # the KV cache's invariants: "ok" or the broken one
-                try:
-                    await engine.check_integrity()
-                    info["integrity"] = "ok"
-                except RuntimeError as exc:
-                    info["integrity"] = str(exc)
+            try:  # the KV cache's invariants (every block accounted for), checked now
+                await engine.call_utility("check_integrity")
+                info["integrity"] = "ok"
+            except RuntimeError as exc:
+                info["integrity"] = str(exc)
         return info
 
     def model_card(name: str) -> ModelCard:

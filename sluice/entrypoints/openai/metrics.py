@@ -128,10 +128,10 @@ class PrometheusStatsListener:
                                      - last.num_preemptions_total))
         self.scheduled_tokens.inc(max(0, stats.num_scheduled_tokens_total
                                       - last.num_scheduled_tokens_total))
-        if "pool_lookups" in stats.kv_connector_stats or self._kv_pool is not None:
+        if "pool_lookups" in stats.kv_connector or self._kv_pool is not None:
             if self._kv_pool is None:
                 self._kv_pool = _KVPoolMetrics(self.registry, self._model_name)
-            self._kv_pool.record(stats.kv_connector_stats, last.kv_connector_stats)
+            self._kv_pool.record(stats.kv_connector, last.kv_connector)
         self._record_spec_decode(stats, last)
         self._last_scheduler_stats = stats
 

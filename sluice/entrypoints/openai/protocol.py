@@ -103,7 +103,6 @@ _SAMPLING_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "spaces_between_special_tokens": (lambda v: v is None or v is True, _NOT_YET),
     "cache_salt": (_is_none, _NOT_YET),
     "priority": (_is_falsy, _NOT_YET + " (one scheduling policy: first come, first served)"),
-    "kv_transfer_params": (_is_none, _NOT_YET),
     "vllm_xargs": (_is_none, _NOT_YET),
 }
 
@@ -168,6 +167,7 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: Any = None
     cache_salt: Any = None
     priority: Any = None
+    # For the engine's KV connector (vLLM's field); checked by OpenAIServing.kv_transfer_params.
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
 

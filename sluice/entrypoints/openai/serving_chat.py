@@ -230,6 +230,7 @@ class OpenAIServingChat:
                  else [tool.model_dump(exclude_none=True) for tool in request.tools])
         token_ids = await serving.tokenize_chat(request, tools)
         serving.check_context(len(token_ids), max_tokens)
+        kv_transfer_params = serving.kv_transfer_params(request, 1)
         opens_reasoning = False
         reasoning_parser = self.reasoning_parser
         if params.structured_outputs is not None:
@@ -247,7 +248,7 @@ class OpenAIServingChat:
         serving.log_request(request_id, None, token_ids, params)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         stream = serving.engine.generate({"prompt_token_ids": token_ids}, params, request_id,
-                                         kind)
+                                         kind, kv_transfer_params=kv_transfer_params)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(

@@ -133,6 +133,7 @@ class OpenAIServingCompletion:
             else f"prompt[{i}]") for i, p in enumerate(_prompts(request.prompt))]
         for _, token_ids in prompts:
             serving.check_context(len(token_ids), None if prompt_only else request.max_tokens)
+        kv_transfer_params = serving.kv_transfer_params(request, len(prompts))
 
         request_id = random_id("cmpl")
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
@@ -141,7 +142,8 @@ class OpenAIServingCompletion:
             sub_id = f"{request_id}-{i}"
             serving.log_request(sub_id, text, token_ids, params)
             streams.append(serving.engine.generate(
-                {"prompt": text, "prompt_token_ids": token_ids}, params, sub_id, kind))
+                {"prompt": text, "prompt_token_ids": token_ids}, params, sub_id, kind,
+                kv_transfer_params=kv_transfer_params))
         prompt_texts = [text for text, _ in prompts]
         num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
         shape = _Shape(n=params.n, logprobs=request.logprobs, echo=request.echo,

@@ -31,6 +31,7 @@ from sluice.entrypoints.openai.errors import OpenAIError, error_body
 from sluice.entrypoints.openai.protocol import ChatInputs, SamplingFields, unsupported_field
 from sluice.entrypoints.openai.structured import structured_outputs_from_request
 from sluice.entrypoints.openai.text_inputs import TextInputs, lone_surrogate
+from sluice.kv_transfer.disagg import params as pd_params
 from sluice.sampling_params import SamplingParams, StructuredOutputsParams
 from sluice.structured_output.grammar import GrammarError
 
@@ -276,6 +277,22 @@ class OpenAIServing:
             raise OpenAIError(f"{source}: {exc}", 400, source) from None
         except ValueError as exc:
             raise OpenAIError.from_value_error(exc, set(type(request).model_fields)) from None
+
+    def kv_transfer_params(self, request: SamplingFields, num_prompts: int
+                           ) -> dict[str, Any] | None:
+        """The request's kv_transfer_params for the engine's KV connector (an object or
+        null). The prefill/decode instruction in them (sluice/kv_transfer/disagg/params.py)
+        names one transfer: one prompt and one sample only."""
+        params = request.kv_transfer_params
+        try:
+            instruction = pd_params.parse(params)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), 400, "kv_transfer_params") from None
+        if instruction is not None and (num_prompts != 1 or request.n != 1):
+            raise OpenAIError("kv_transfer_params for prefill/decode disaggregation name one "
+                              f"transfer: one prompt and n = 1, got {num_prompts} prompt(s) "
+                              f"and n = {request.n}", 400, "kv_transfer_params")
+        return params
 
     def log_request(self, request_id: str, prompt: str | None, token_ids: list[int],
                     params: SamplingParams) -> None:

@@ -1,0 +1,121 @@
+"""The typed frames of prefill/decode disaggregation (msgspec, versioned, tagged: see
+sluice/channel.py). ZMQ control frames between the ranks of a prefill and a decode instance,
+the fake backend's data frames, and the JSON bodies of the bootstrap server.
+
+    decode rank -> prefill rank   TransferRequest  (where to write one room's KV, and until when)
+                                  AbortRoom        (the decode request ended: stop, report back)
+    prefill rank -> decode rank   TransferStatus   (Transferring; then Success with the first
+                                                    token and its logprobs, or Failed + why)
+    fake backend                  FakeWrite + raw payload frame -> FakeWriteAck
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from sluice.channel import Message, MessageDecoder
+
+# token id -> (logprob, rank), as sluice.core.outputs.PositionLogprobs
+Logprobs = dict[int, tuple[float, int]]
+
+
+class TransferRequest(Message, tag="pd.transfer_request"):
+    room: int
+    decode_rank: int
+    # Where the prefill rank sends TransferStatus frames ("tcp://host:port").
+    status_address: str
+    # The decode rank's transfer endpoint (Mooncake: "host:rpc_port"; fake: "tcp://host:port").
+    session: str
+    backend: str
+    # Decode's KV layout, checked against the prefill's before anything is written.
+    block_size: int
+    kv_dtype: str
+    bytes_per_block_layer: int  # K and V of one block of one layer
+    layer_addresses: list[int]  # base address of each layer's [2, nb, bs, h, d] tensor
+    num_blocks: int  # nb of decode's tensors (V starts nb blocks after K)
+    # Send the prefill's blocks [first_block, first_block + len(block_ids)) of the prompt into
+    # these decode blocks (decode already holds the blocks before first_block: prefix cache).
+    first_block: int
+    block_ids: list[int]
+    num_prompt_tokens: int
+    # The prefill must not start (or go on) writing after this many seconds from receipt:
+    # decode frees the blocks after its own, later, deadline.
+    lease_s: float
+
+
+class AbortRoom(Message, tag="pd.abort_room"):
+    room: int
+    decode_rank: int
+    reason: str
+
+
+class TransferStatus(Message, tag="pd.transfer_status"):
+    room: int
+    prefill_rank: int
+    state: int  # a KVPoll value
+    first_token: int | None = None
+    first_logprobs: Logprobs | None = None
+    error: str | None = None
+
+
+class FakeWrite(Message, tag="pd.fake_write"):
+    """Header of one batch of writes; the payload frame that follows is the bytes of every
+    write, concatenated in order."""
+
+    batch_id: int
+    addresses: list[int]
+    lengths: list[int]
+
+
+class FakeWriteAck(Message, tag="pd.fake_write_ack"):
+    batch_id: int
+    error: str | None = None  # None: every byte written
+
+
+class FakePing(Message, tag="pd.fake_ping"):
+    batch_id: int
+
+
+class RankRoute(msgspec.Struct, forbid_unknown_fields=True):
+    """One prefill rank as it registers with its bootstrap server (PUT /route, JSON)."""
+
+    rank: int
+    world_size: int
+    control_address: str  # "tcp://host:port": where decode ranks send TransferRequest
+    backend: str
+    block_size: int
+    kv_dtype: str
+    bytes_per_block_layer: int
+    num_layers: int
+    engine_id: str
+
+
+class Route(msgspec.Struct):
+    """GET /route: every rank of the prefill instance (200 only once all registered)."""
+
+    world_size: int
+    ranks: list[RankRoute]
+    instance_id: str  # new at every start of the bootstrap server
+
+
+class Health(msgspec.Struct):
+    """GET /health: a prefill instance that restarted has another instance_id."""
+
+    instance_id: str
+
+
+ControlFrame = TransferRequest | AbortRoom | TransferStatus
+FakeFrame = FakeWrite | FakePing
+
+
+def control_decoder() -> MessageDecoder:
+    return MessageDecoder(ControlFrame, "PD control", "the prefill and decode instances")
+
+
+def fake_decoder() -> MessageDecoder:
+    return MessageDecoder(FakeFrame, "PD fake transfer", "the prefill and decode instances")
+
+
+def fake_ack_decoder() -> MessageDecoder:
+    return MessageDecoder(FakeWriteAck, "PD fake transfer ack",
+                          "the prefill and decode instances")

@@ -1,0 +1,257 @@
+"""Real prefill/decode clusters on loopback, for tests and benchmarks: `sluice serve` prefill and
+decode instances and a `sluice router`, each its own process group on ports picked free, with
+logs in a folder.
+
+    cluster = start_cluster(model, engine_flags, backend="fake")   # 1 prefill, 1 decode, router
+    openai.OpenAI(base_url=f"{cluster.router.url}/v1", ...)
+    cluster.prefills[0].kill()                                      # SIGKILL the whole group
+    cluster.stop()                                                  # SIGTERM, then SIGKILL
+
+Prefill and decode instances start at once (then the router, once they answer), so a cluster
+costs about one server start-up. Every process is started with `setpriv --pdeathsig KILL`
+where util-linux has it, in a session of its own: a test run that dies still takes its servers
+with it, and `kill` ends the server and its engine-core and worker processes together, as a
+crash of its machine would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sluice.testing.servers import HOST, ServerError, free_port
+
+
+class Instance:
+    """One server process (an engine instance or a router) on a known port."""
+
+    def __init__(self, name: str, argv: list[str], port: int, workdir: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.port = port
+        self.log_path = workdir / f"{name}.log"
+        self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.bootstrap_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> None:
+        argv = self.argv
+        setpriv = shutil.which("setpriv")
+        if setpriv:
+            argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                  f"{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise ServerError(f"{self.name} not healthy within {timeout_s:g} s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the process group (the server, its engine core, its workers) and reap."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM (a server drains), then SIGKILL of whatever is left of the group."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        code = self.proc.poll()
+        self.kill()
+        return code
+
+    def engine_info(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/debug/engine", timeout=10)
+        response.raise_for_status()
+        return response.json()
+
+    def log_tail(self, num_bytes: int = 6000) -> str:
+        try:
+            return self.log_path.read_bytes()[-num_bytes:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def __repr__(self) -> str:
+        return f"<{self.name} {self.url} pid={self.proc.pid if self.proc else None}>"
+
+
+def serve_argv(model: str, port: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "sluice", "serve", "--model", model, "--host", HOST,
+            "--port", str(port), *flags]
+
+
+def pd_flags(role: str, backend: str, bootstrap_port: int | None = None,
+             **extra: object) -> list[str]:
+    """Flags of one half: --disaggregation-* when `extra` is empty, else the same as a
+    --kv-transfer-config (vLLM's shape) with the extra PDConfig fields."""
+    if not extra:
+        flags = ["--disaggregation-mode", role, "--disaggregation-transfer-backend", backend]
+        if bootstrap_port is not None:
+            flags += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        return flags
+    config_extra: dict[str, Any] = {"transfer_backend": backend, **extra}
+    if bootstrap_port is not None:
+        config_extra["bootstrap_port"] = bootstrap_port
+    config = {"kv_connector": "PDConnector",
+              "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+              "kv_connector_extra_config": config_extra}
+    if role == "decode":
+        config["kv_load_failure_policy"] = "fail"
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+@dataclass
+class PDCluster:
+    prefills: list[Instance]
+    decodes: list[Instance]
+    router: Instance | None
+    workdir: Path
+    extra: list[Instance] = field(default_factory=list)
+
+    @property
+    def instances(self) -> list[Instance]:
+        return [*self.prefills, *self.decodes, *([self.router] if self.router else []),
+                *self.extra]
+
+    def stop(self) -> None:
+        for instance in reversed(self.instances):
+            instance.stop()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def start_instances(instances: list[Instance], timeout_s: float = 180.0) -> None:
+    """Start them all at once, then wait for each (stopping all if one fails)."""
+    try:
+        for instance in instances:
+            instance.start()
+        for instance in instances:
+            instance.wait_ready(timeout_s)
+    except BaseException:
+        for instance in instances:
+            instance.stop(5.0)
+        raise
+
+
+def start_cluster(model: str, engine_flags: list[str], backend: str = "fake",
+                  num_prefills: int = 1, num_decodes: int = 1,
+                  prefill_env: list[dict[str, str]] | None = None,
+                  prefill_extra: dict[str, object] | None = None,
+                  decode_extra: dict[str, object] | None = None,
+                  router_flags: list[str] | None = None, workdir: Path | None = None,
+                  with_router: bool = True, prefill_flags: list[str] | None = None,
+                  decode_flags: list[str] | None = None, one_at_a_time: bool = False,
+                  timeout_s: float = 180.0) -> PDCluster:
+    """Prefill and decode instances of `model` with `engine_flags` (and each role's own flags),
+    and a router over them. `one_at_a_time`: start each instance once the one before is up
+    (instances sharing a GPU size their memory from what is free when they start)."""
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="sluice-pd-"))
+    prefills, decodes = [], []
+    for i in range(num_prefills):
+        port, bootstrap_port = free_port(), free_port()
+        flags = pd_flags("prefill", backend, bootstrap_port, **(prefill_extra or {}))
+        env = (prefill_env or [{}] * num_prefills)[i]
+        instance = Instance(f"prefill{i}", serve_argv(model, port, *engine_flags,
+                                                      *(prefill_flags or []), *flags),
+                            port, workdir, env)
+        instance.bootstrap_port = bootstrap_port
+        prefills.append(instance)
+    for i in range(num_decodes):
+        port = free_port()
+        flags = pd_flags("decode", backend, **(decode_extra or {}))
+        decodes.append(Instance(f"decode{i}", serve_argv(model, port, *engine_flags,
+                                                         *(decode_flags or []), *flags),
+                                port, workdir))
+    if one_at_a_time:
+        started: list[Instance] = []
+        try:
+            for instance in [*prefills, *decodes]:
+                start_instances([instance], timeout_s)
+                started.append(instance)
+        except BaseException:
+            for instance in started:
+                instance.stop(5.0)
+            raise
+    else:
+        start_instances([*prefills, *decodes], timeout_s)
+    cluster = PDCluster(prefills, decodes, None, workdir)
+    if with_router:
+        try:
+            cluster.router = start_router(prefills, decodes, workdir, router_flags or [])
+        except BaseException:
+            cluster.stop()
+            raise
+    return cluster
+
+
+def start_router(prefills: list[Instance], decodes: list[Instance], workdir: Path,
+                 flags: list[str], name: str = "router") -> Instance:
+    port = free_port()
+    argv = [sys.executable, "-m", "sluice", "router", "--host", HOST, "--port", str(port)]
+    for prefill in prefills:
+        argv += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+    for decode in decodes:
+        argv += ["--decode", decode.url]
+    router = Instance(name, [*argv, *flags], port, workdir)
+    start_instances([router], timeout_s=60.0)
+    return router
+
+
+def wait_blocks_back(instance: Instance, timeout_s: float = 20.0) -> dict[str, Any]:
+    """Poll /debug/engine until every KV block is free and the cache's integrity holds;
+    returns the last answer (AssertionError naming the state if it never happens)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = instance.engine_info()
+        scheduler = info["scheduler"]
+        if (info.get("integrity") == "ok" and scheduler["num_running"] == 0
+                and scheduler["num_waiting"] == 0
+                and scheduler["num_free_blocks"] == scheduler["num_blocks"]):
+            return info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{instance.name}: blocks not all back within {timeout_s:g} s: "
+                                 f"{info}")
+        time.sleep(0.1)

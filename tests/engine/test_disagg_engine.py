@@ -1,0 +1,298 @@
+"""Prefill/decode disaggregation through two whole engines in one process (the PDConnector
+on each, real bootstrap server, real sockets, both transfer backends), stepped in turn: the
+decode instance continues from the prefill's first token without recomputing the prompt, so
+greedy (and seeded) output, logprobs included, equals one colocated engine; and every fault
+ends in a clean error or a local recompute, with every block back on both sides."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import pytest
+
+from sluice import LLM, SamplingParams
+from sluice.core.outputs import SchedulerOutput
+from tests.kv_transfer.test_disagg_transfer import require_backend
+
+BLOCK = 8
+ENGINE = dict(dtype="float32", block_size=BLOCK, max_model_len=256, seed=0, device="cpu")
+
+
+def pd_config(role: str, backend: str = "fake", **extra: object) -> dict:
+    config = {"kv_connector": "PDConnector", "kv_role": role,
+              "kv_connector_extra_config": {"transfer_backend": backend, "bootstrap_port": 0,
+                                            "heartbeat_interval_s": 0.2,
+                                            "heartbeat_misses": 2, **extra}}
+    if role == "kv_consumer":
+        config["kv_load_failure_policy"] = extra.pop("policy", "fail")
+        config["kv_connector_extra_config"].pop("policy", None)
+    return config
+
+
+class Pair:
+    """A prefill and a decode engine, and the loop that steps both."""
+
+    def __init__(self, model: str, backend: str = "fake", prefill_extra: dict | None = None,
+                 decode_extra: dict | None = None, **engine: object) -> None:
+        self.prefill = LLM(model=model, kv_transfer_config=pd_config(
+            "kv_producer", backend, **(prefill_extra or {})), **{**ENGINE, **engine})
+        connector = self.prefill.llm_engine.scheduler.connector
+        self.bootstrap_port = connector.bootstrap_server.port
+        self.decode = LLM(model=model, kv_transfer_config=pd_config(
+            "kv_consumer", backend, **(decode_extra or {})), **ENGINE)
+        self.computed = count_computed_tokens(self.decode)
+        self.room = 1000
+
+    def add(self, name: str, prompt: list[int], params: SamplingParams, to_prefill: bool = True
+            ) -> int:
+        self.room += 1
+        if to_prefill:
+            self.prefill.llm_engine.add_request(
+                f"p-{name}", {"prompt_token_ids": prompt}, params,
+                kv_transfer_params={"do_remote_decode": True, "bootstrap_room": self.room})
+        self.decode.llm_engine.add_request(
+            name, {"prompt_token_ids": prompt}, params, kv_transfer_params={
+                "do_remote_prefill": True, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": self.bootstrap_port, "bootstrap_room": self.room})
+        return self.room
+
+    def run(self, timeout_s: float = 30.0) -> dict:
+        """Step both until every request is done; returns the decode's finished outputs by
+        name."""
+        finished = {}
+        deadline = time.monotonic() + timeout_s
+        engines = [self.prefill.llm_engine, self.decode.llm_engine]
+        while any(e.engine_core.has_unfinished_requests() for e in engines if e is not None):
+            assert time.monotonic() < deadline, "PD requests never finished"
+            for engine in engines:
+                if engine is None:
+                    continue
+                for output in engine.step():
+                    if output.finished and engine is self.decode.llm_engine:
+                        finished[output.request_id] = output
+            time.sleep(0.002)
+        return finished
+
+    def assert_all_blocks_back(self) -> None:
+        for llm in (self.prefill, self.decode):
+            manager = llm.llm_engine.kv_cache_manager
+            manager.check_integrity()
+            assert manager.get_num_free_blocks() == manager.block_pool.num_blocks - 1
+            llm.llm_engine.scheduler.connector.check_integrity()
+
+    def stats(self, llm: LLM) -> dict[str, float]:
+        return llm.llm_engine.scheduler.connector.get_stats()
+
+    def shutdown(self) -> None:
+        self.decode.shutdown()
+        self.prefill.shutdown()
+
+
+def count_computed_tokens(llm: LLM) -> dict[str, int]:
+    executor = llm.llm_engine.engine_core.executor
+    counts: dict[str, int] = defaultdict(int)
+    execute_model = executor.execute_model
+
+    def counting(scheduler_output: SchedulerOutput):  # noqa: ANN202
+        for req_id, num in scheduler_output.num_scheduled_tokens.items():
+            counts[req_id] += num
+        return execute_model(scheduler_output)
+
+    executor.execute_model = counting
+    return counts
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir: str) -> Iterator[LLM]:
+    llm = LLM(model=qwen3_dir, **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture
+def make_pair(qwen3_dir: str) -> Iterator:
+    pairs: list[Pair] = []
+
+    def make(**kwargs: object) -> Pair:
+        pairs.append(Pair(qwen3_dir, **kwargs))
+        return pairs[-1]
+
+    yield make
+    for pair in pairs:
+        pair.shutdown()
+
+
+def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 400) for _ in range(n)] for n in lengths]
+
+
+def expected(reference: LLM, batch: list[list[int]], params: list[SamplingParams]) -> list:
+    return [reference.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0]
+            for p, sp in zip(batch, params)]
+
+
+@pytest.mark.parametrize("backend", ["fake", "mooncake"])
+def test_decode_continues_from_the_prefills_first_token_exactly_as_colocated(
+        make_pair, reference: LLM, backend: str) -> None:
+    require_backend(backend)
+    # Shorter than a block, a block exactly, one token past one, several blocks.
+    batch = prompts(1, [3, 8, 9, 16, 37, 64])
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    want = expected(reference, batch, params)
+    pair = make_pair(backend=backend)
+    for i, (prompt, sp) in enumerate(zip(batch, params)):
+        pair.add(f"r{i}", prompt, sp)
+    got = pair.run()
+    for i, (sp, reference_output) in enumerate(zip(params, want)):
+        output = got[f"r{i}"].outputs[0]
+        assert output.token_ids == reference_output.token_ids, f"request {i}"
+        assert output.finish_reason == "length"
+        if sp.logprobs:
+            for ours, theirs in zip(output.logprobs, reference_output.logprobs):
+                assert ours.keys() == theirs.keys()
+                for token_id in ours:
+                    assert ours[token_id].logprob == pytest.approx(theirs[token_id].logprob,
+                                                                   abs=1e-5)
+        # The decode never computed the prompt: only each later token's KV, one per step.
+        assert pair.computed[f"r{i}"] == sp.max_tokens - 1
+    stats = pair.stats(pair.decode)
+    assert stats["worker_rooms_received"] == len(batch)
+    assert stats["worker_received_blocks"] == sum(-(-len(p) // BLOCK) for p in batch)
+    pair.assert_all_blocks_back()
+
+
+def test_decode_asks_only_for_the_blocks_its_prefix_cache_lacks(make_pair,
+                                                                  reference: LLM) -> None:
+    first, longer = prompts(2, [40, 30])
+    longer = first + longer  # the first 5 blocks are a prefix of it
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = expected(reference, [first, longer], [params, params])
+    pair = make_pair()
+    pair.add("first", first, params)
+    assert pair.run()["first"].outputs[0].token_ids == want[0].token_ids
+    pair.add("longer", longer, params)
+    output = pair.run()["longer"]
+    assert output.outputs[0].token_ids == want[1].token_ids
+    stats = pair.stats(pair.decode)
+    # 70 tokens: 9 blocks, the first 5 found in the decode's own prefix cache.
+    assert stats["local_hit_blocks"] == 5
+    assert stats["requested_blocks"] == 5 + 9 - 5
+    assert pair.stats(pair.prefill)["worker_sent_blocks"] == 5 + 4
+    pair.assert_all_blocks_back()
+
+
+def test_a_first_token_that_ends_the_request_ends_it_on_the_decode_side(
+        make_pair, reference: LLM) -> None:
+    [prompt] = prompts(3, [20])
+    greedy = reference.generate([{"prompt_token_ids": prompt}],
+                                SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    first = greedy[0].outputs[0].token_ids[0]
+    params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[first])
+    pair = make_pair()
+    pair.add("stops", prompt, params)
+    output = pair.run()["stops"].outputs[0]
+    assert output.token_ids == [first] and output.finish_reason == "stop"
+    assert output.stop_reason == first
+    assert pair.computed["stops"] == 0  # ended before any step on the decode side
+    pair.assert_all_blocks_back()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_transfer_is_an_error_before_the_first_token_or_a_local_recompute(
+        make_pair, reference: LLM, monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    monkeypatch.setenv("SLUICE_PD_FAULT_TRANSFER_FAIL_PROB", "1")
+    [prompt] = prompts(4, [30])
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    pair = make_pair(decode_extra={"policy": policy})
+    pair.add("doomed", prompt, params)
+    output = pair.run()["doomed"].outputs[0]
+    if policy == "fail":
+        assert output.token_ids == [] and output.finish_reason == "error"
+        assert "PD transfer failed" in output.stop_reason and "injected" in output.stop_reason
+    else:  # the decode instance computes the prompt itself
+        assert output.token_ids == expected(reference, [prompt], [params])[0].token_ids
+        assert pair.computed["doomed"] == 30 + 4
+    pair.assert_all_blocks_back()
+
+
+def test_a_lost_prefill_fails_the_decode_request_within_the_heartbeat_bound(
+        make_pair) -> None:
+    [prompt] = prompts(5, [30])
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    pair = make_pair()
+    pair.add("orphan", prompt, params, to_prefill=False)  # the prefill never gets it
+    for _ in range(50):  # let the decode ask
+        pair.decode.llm_engine.step()
+        time.sleep(0.01)
+    pair.prefill.shutdown()  # its bootstrap server and KV manager are gone
+    lost = time.monotonic()
+    prefill, pair.prefill = pair.prefill, None
+    try:
+        output = _run_decode(pair, "orphan")
+    finally:
+        pair.prefill = prefill
+    bound = pair.decode.llm_engine.scheduler.connector.pd.heartbeat_bound_s
+    assert time.monotonic() - lost <= bound + 0.5
+    assert output.outputs[0].finish_reason == "error"
+    assert "lost" in output.outputs[0].stop_reason
+    manager = pair.decode.llm_engine.kv_cache_manager
+    manager.check_integrity()
+    assert manager.get_num_free_blocks() == manager.block_pool.num_blocks - 1
+
+
+def _run_decode(pair: Pair, name: str, timeout_s: float = 10.0):  # noqa: ANN202
+    engine = pair.decode.llm_engine
+    deadline = time.monotonic() + timeout_s
+    while engine.engine_core.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        for output in engine.step():
+            if output.finished and output.request_id == name:
+                result = output
+        time.sleep(0.002)
+    return result
+
+
+def test_an_abort_mid_transfer_frees_every_block_on_both_sides(
+        make_pair, reference: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLUICE_PD_FAULT_SEND_DELAY_S", "0.5")
+    doomed, other = prompts(6, [50, 20])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    pair = make_pair()
+    pair.add("doomed", doomed, params)
+    deadline = time.monotonic() + 10
+    while pair.stats(pair.prefill).get("send_rooms", 0) < 1:  # prefill done, write delayed
+        assert time.monotonic() < deadline
+        pair.prefill.llm_engine.step()
+        pair.decode.llm_engine.step()
+    pair.decode.llm_engine.abort_request("doomed")
+    pair.add("other", other, params)  # runs meanwhile, in other blocks
+    got = pair.run()
+    assert got["other"].outputs[0].token_ids == expected(reference, [other],
+                                                          [params])[0].token_ids
+    assert pair.stats(pair.prefill)["worker_rooms_failed"] == 1
+    pair.assert_all_blocks_back()
+
+
+def test_a_decode_request_that_never_receives_lets_the_prefill_free_its_blocks_at_once(
+        make_pair, reference: LLM) -> None:
+    # prompt_logprobs need every prompt position's logits: the decode computes the prompt
+    # itself, never asks for the room, and says so, so the prefill need not wait out its lease.
+    [prompt] = prompts(7, [40])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    pair = make_pair(prefill_extra={"send_lease_s": 60.0})
+    pair.add("local", prompt, params)
+    started = time.monotonic()
+    output = pair.run(timeout_s=10)["local"]
+    assert output.outputs[0].token_ids == expected(reference, [prompt], [params])[0].token_ids
+    assert pair.computed["local"] == 40 + 3
+    assert time.monotonic() - started < 5
+    pair.assert_all_blocks_back()

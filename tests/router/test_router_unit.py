@@ -1,0 +1,82 @@
+"""The router's pieces without engines: the policies' choices, what it refuses, how it reads a
+decode's stream, the command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.entrypoints.cli import build_parser
+from sluice.router.policies import CacheAware, LeastLoaded, RoundRobin
+from sluice.router.proxy import _carries_token, _failed_before_first_token, prompt_key, refusal
+from sluice.router.server import RouterArgs, _prefill_arg
+from sluice.router.workers import Worker
+
+
+def workers(*loads: int) -> list[Worker]:
+    return [Worker(f"http://127.0.0.1:{9000 + i}", "prefill", 8998, healthy=True,
+                   in_flight=load)
+            for i, load in enumerate(loads)]
+
+
+def test_round_robin_and_least_loaded() -> None:
+    pool = workers(0, 0, 0)
+    policy = RoundRobin()
+    assert [policy.pick(pool, "").url[-4:] for _ in range(4)] == ["9000", "9001", "9002", "9000"]
+    pool = workers(3, 1, 1)
+    least = LeastLoaded()
+    assert {least.pick(pool, "").url[-4:] for _ in range(4)} == {"9001", "9002"}
+
+
+def test_cache_aware_sends_a_shared_prefix_where_it_went_unless_that_one_is_swamped() -> None:
+    pool = workers(0, 0, 0)
+    policy = CacheAware(chunk_chars=8, match_threshold=0.5, balance_slack=2)
+    long_prefix = "system: you are a helpful assistant. " * 4
+    first = policy.pick(pool, long_prefix + "question one")
+    first.in_flight += 1
+    # Same prefix, most of the prompt: the same instance, though it is the busiest.
+    assert policy.pick(pool, long_prefix + "question two") is first
+    # An unrelated prompt goes to the least loaded.
+    assert policy.pick(pool, "entirely different text here") is not first
+    first.in_flight += 5  # too busy now: affinity yields to balance
+    assert policy.pick(pool, long_prefix + "question three") is not first
+
+
+def test_refusals_name_what_the_pd_router_cannot_do() -> None:
+    assert refusal("/v1/completions", {"prompt": "x", "n": 2}).startswith("n and best_of")
+    assert "prompt_logprobs" in refusal("/v1/completions", {"prompt": "x",
+                                                            "prompt_logprobs": 1})
+    assert "echo with logprobs" in refusal("/v1/completions", {"prompt": "x", "echo": True,
+                                                               "logprobs": 1})
+    assert "one prompt" in refusal("/v1/completions", {"prompt": ["a", "b"]})
+    assert "router's to set" in refusal("/v1/chat/completions", {"kv_transfer_params": {}})
+    assert refusal("/v1/completions", {"prompt": [1, 2, 3], "echo": True}) is None
+    assert refusal("/v1/chat/completions", {"messages": [], "n": 1}) is None
+    assert prompt_key("/v1/completions", {"prompt": [1, 2]}) == "1 2"
+    assert prompt_key("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"}]}) == "user:hi"
+
+
+def test_the_stream_commits_at_the_first_token_and_an_early_error_is_the_retry_signal() -> None:
+    assert not _carries_token({"index": 0, "delta": {"role": "assistant", "content": ""}})
+    assert not _carries_token({"index": 0, "text": "", "finish_reason": None})
+    assert _carries_token({"index": 0, "text": "Hi", "finish_reason": None})
+    assert _carries_token({"index": 0, "delta": {"content": "Hi"}})
+    assert _carries_token({"index": 0, "text": "", "finish_reason": "length"})
+    assert _failed_before_first_token({"finish_reason": "error"}, 0)
+    assert not _failed_before_first_token({"finish_reason": "error"}, 3)
+    assert not _failed_before_first_token({"finish_reason": "stop"}, 0)
+
+
+def test_command_line_takes_sgl_routers_flag_shapes() -> None:
+    ns = build_parser().parse_args([
+        "router", "--port", "0", "--prefill", "http://127.0.0.1:8100", "9001",
+        "--prefill", "http://127.0.0.1:8101", "--decode", "http://127.0.0.1:8200",
+        "--policy", "cache_aware"])
+    assert [_prefill_arg(v) for v in ns.prefill] == [("http://127.0.0.1:8100", 9001),
+                                                    ("http://127.0.0.1:8101", 8998)]
+    with pytest.raises(ValueError, match="bootstrap port must be an integer"):
+        _prefill_arg(["http://h:1", "x"])
+    with pytest.raises(ValueError, match="at least one --prefill and one --decode"):
+        RouterArgs(prefills=(), decodes=("http://127.0.0.1:1",))
+    with pytest.raises(ValueError, match="http"):
+        RouterArgs(prefills=(("127.0.0.1:1", 8998),), decodes=("http://127.0.0.1:1",))
