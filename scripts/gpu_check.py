@@ -3,7 +3,9 @@ models, under every GPU optimisation (Triton attention, CUDA graphs, compiled op
 scheduling) and with them switched off one at a time, with and without prefix caching and
 with small prefill chunks (64-token steps replay the CUDA graphs of mixed steps); and with
 speculative decoding (n-gram, a draft model, an EAGLE head; verification CUDA graphs and eager);
-with the model in a worker process; with the CPU KV tier, saved and then loaded.
+with the model in a worker process; with the CPU KV tier, saved and then loaded; and, on a
+machine of two or more GPUs, tensor parallelism (NCCL; the all-reduces inside the CUDA graphs,
+the fused ops and folded norms per rank), with graphs on and off.
 Exits non-zero on any mismatch.
 
     PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR] [--only PREFIX,...]
@@ -55,6 +57,33 @@ CONFIGS = {
     # layer that does not wait for its load, reads the wrong KV.
     "cpu_kv_tier_device_lagging": {"kv_offloading_size": 0.05},
 }
+# Tensor parallelism over NCCL, one GPU per rank (issue 18 runs these): every optimisation on
+# (CUDA graphs with the all-reduces captured, fused ops and folded norms, the Triton GEMM of
+# small batches, async scheduling), then with them off one at a time.
+TP_CONFIGS = {
+    "default": {},
+    "enforce_eager": {"enforce_eager": True},
+    "sync_scheduling": {"async_scheduling": False},
+    "chunks_of_64": {"max_num_batched_tokens": 64},
+    "no_prefix_caching": {"enable_prefix_caching": False},
+    "preemption": {"num_gpu_blocks_override": 24, "max_num_batched_tokens": 64,
+                   "max_model_len": 256},
+}
+
+
+def tp_configs(num_gpus: int, eagle: str | None) -> dict[str, dict]:
+    """TP_CONFIGS at every size up to the GPUs (2, 4, 8), and speculation at TP = 2."""
+    configs: dict[str, dict] = {}
+    for size in (2, 4, 8):
+        if size <= num_gpus:
+            configs.update({f"tp{size}_{name}": {"tensor_parallel_size": size, **kwargs}
+                            for name, kwargs in TP_CONFIGS.items()})
+    if num_gpus >= 2 and eagle is not None:
+        configs["tp2_spec_eagle"] = {"tensor_parallel_size": 2, "speculative_config": {
+            "method": "eagle", "model": eagle, "num_speculative_tokens": 3}}
+    return configs
+
+
 # ~1 ms of an H200's clock
 LAG_CYCLES = 2_000_000
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -129,7 +158,8 @@ def main() -> None:
     result: dict[str, object] = {"command": " ".join(["python scripts/gpu_check.py",
                                                       *sys.argv[1:]]),
                                  "gpu": torch.cuda.get_device_name(0),
-                                 "torch": torch.__version__}
+                                 "torch": torch.__version__,
+                                 "num_gpus": torch.cuda.device_count()}
     rng = random.Random(0)
     for arch in ("qwen3", "llama", "qwen2"):
         model = make_tiny_model(os.path.join(work, arch), arch=arch)
@@ -138,9 +168,12 @@ def main() -> None:
         reference = greedy_ids(LLM(model=model, dtype="float32", device="cpu",
                                    max_num_batched_tokens=64), prompts)
         configs = dict(CONFIGS)
+        eagle = None
         if arch != "qwen2":
             eagle = make_tiny_eagle(model, os.path.join(work, arch + "-eagle"))
             configs.update(spec_configs(model, eagle))
+        if torch.cuda.device_count() >= 2:
+            configs.update(tp_configs(torch.cuda.device_count(), eagle))
         for name, kwargs in configs.items():
             if only and not name.startswith(only):
                 continue

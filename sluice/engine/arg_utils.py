@@ -14,7 +14,8 @@ from sluice.config import (
     SchedulerConfig,
     verify_positive,
 )
-from sluice.model.hf_config import load_hf_config
+from sluice.distributed.tp import check_tp_size
+from sluice.model.hf_config import HFModelConfig, load_hf_config
 from sluice.model.hub import resolve_model_path
 from sluice.spec_decode.config import SpeculativeConfig
 
@@ -80,9 +81,7 @@ class EngineArgs:
         model = resolve_model_path(model)  # a hub id: its snapshot in the HF cache
         hf_config = load_hf_config(model)
 
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size must be 1 for now, got {self.tensor_parallel_size}")
+        self._check_tensor_parallel_size(hf_config)
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend or (
@@ -192,11 +191,31 @@ class EngineArgs:
                                 kv_load_failure_policy="fail" if mode == "decode"
                                 else "recompute")
 
-    def _async_scheduling(self) -> bool:
-        if self.async_scheduling is not None:
-            return self.async_scheduling
+    def _check_tensor_parallel_size(self, hf_config: HFModelConfig) -> None:
+        """ValueErrors naming both numbers: the model's heads (and MLP) must split over the
+        ranks, and on CUDA every rank needs a GPU of its own."""
+        tp_size = self.tensor_parallel_size
+        verify_positive("tensor_parallel_size", tp_size)
+        if tp_size == 1:
+            return
+        check_tp_size(tp_size, hf_config.num_attention_heads, hf_config.num_key_value_heads,
+                      hf_config.intermediate_size)
+        if self._on_cuda():
+            import torch
+
+            num_gpus = torch.cuda.device_count()
+            if tp_size > num_gpus:
+                raise ValueError(f"tensor_parallel_size ({tp_size}) exceeds the visible GPUs "
+                                 f"({num_gpus}): one GPU per rank")
+
+    def _on_cuda(self) -> bool:
         if self.device == "auto":
             import torch
 
             return torch.cuda.is_available()
         return self.device.startswith("cuda")
+
+    def _async_scheduling(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self._on_cuda()

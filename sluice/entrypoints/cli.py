@@ -59,7 +59,7 @@ _ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
     ("speculative-config", speculative_config_arg,
      'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
      "(methods: ngram | draft_model | eagle)"),
-    ("tensor-parallel-size", int, "ranks the model is split over (1 for now)"),
+    ("tensor-parallel-size", int, "ranks (worker processes, one GPU each) the model is split over"),
     ("distributed-executor-backend", str, "uni (the model in the engine's process) | mp (a "
                                           "worker process per rank); default: uni at TP 1"),
     ("kv-transfer-config", kv_transfer_config_arg,
@@ -231,9 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    from sluice.router import server as router_server
+    from sluice.router import cli as router_cli
 
-    router_server.add_parser(sub)
+    router_cli.add_parser(sub)
 
     make = sub.add_parser("make-model", help="write a random-weight model folder")
     make.add_argument("dir")

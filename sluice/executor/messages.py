@@ -24,6 +24,9 @@ class Startup(Message, tag="startup"):
     config: EngineConfig
     rank: int
     world_size: int
+    # At tensor_parallel_size > 1: the loopback port of the executor's TCPStore, where the
+    # ranks meet to make their process group (sluice.distributed.tp); 0: no group.
+    tp_store_port: int = 0
 
 
 class DetermineNumBlocks(Message, tag="determine_num_blocks"):

@@ -7,10 +7,18 @@ Each step's SchedulerOutput is encoded once and sent to every rank; every rank a
 StepResult in step order. Rank 0's sampled tokens are the step's tokens; the connector reports
 are merged across ranks (a request's send or load is finished only once every rank reported it).
 
+Tensor parallelism (world_size == tensor_parallel_size > 1): the executor hosts a TCPStore on a
+loopback port the OS picks and sends its port in every Startup; the ranks make their process
+group there (sluice.distributed.tp). Every rank samples the step's tokens itself, from the same
+gathered logits with the same seeds; the executor checks each step that the ranks agree (a rank
+that drifted would feed the next step other tokens) and fails the engine if they do not.
+
 Faults: while waiting for replies the executor looks at its workers every 100 ms; a worker that
 exited, or said WorkerFailed, makes the wait raise EngineDeadError naming the rank and why, well
-within 5 s. Workers exit on their own when this process goes away. `shutdown` asks the workers
-to stop, then terminates and kills the stragglers.
+within 5 s, and stops every other rank at once (at TP > 1 they may be blocked in a collective
+with the dead one). A rank that fails right after a peer died (its collective broke) is not the
+cause: the error names the rank that died first. Workers exit on their own when this process goes
+away. `shutdown` asks the workers to stop, then terminates and kills the stragglers.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from sluice.core.outputs import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from sluice.distributed.tp import host_store
 from sluice.errors import EngineDeadError
 from sluice.executor.base import Executor
 from sluice.executor.messages import (
@@ -58,6 +67,8 @@ logger = logging.getLogger("sluice")
 # How often (ms) a wait for replies looks at the worker processes.
 _LIVENESS_POLL_MS = 100
 _SHUTDOWN_GRACE_S = 5.0
+# After a WorkerFailed, how long to look for a peer that exited first (the failure's cause).
+_PEER_EXIT_GRACE_S = 0.5
 
 
 @dataclass
@@ -70,6 +81,15 @@ class _Workers:
     reply_socket: zmq.Socket
     processes: list[ChildProcess]
     ipc_dir: str
+    # The tensor-parallel ranks' rendezvous (a torch.distributed.TCPStore), kept for the
+    # group's lifetime; None without tensor parallelism.
+    tp_store: object | None = None
+
+    def terminate(self) -> None:
+        """SIGTERM to every live worker, without waiting (release reaps them)."""
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
 
     def release(self) -> None:
         for process in self.processes:
@@ -78,6 +98,7 @@ class _Workers:
             socket.close(linger=0)
         self.reply_socket.close(linger=0)
         self.context.term()
+        self.tp_store = None
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
@@ -99,7 +120,11 @@ class MultiprocExecutor(Executor):
         """`world_size`: worker processes (default: the tensor-parallel size); more than the
         model's ranks runs replicas, each computing the whole step (tests use it)."""
         super().__init__(config)
+        tp_size = config.parallel_config.tensor_parallel_size
         self.world_size = world_size or config.parallel_config.world_size
+        if tp_size > 1 and self.world_size != tp_size:
+            raise ValueError(f"world_size ({self.world_size}) must equal tensor_parallel_size "
+                             f"({tp_size}): replica ranks run only whole models")
         self._encoder = Encoder()
         self._decoder = worker_reply_decoder()
         self._next_step_id = 0
@@ -113,8 +138,13 @@ class MultiprocExecutor(Executor):
         self._workers = self._start_workers()
         self._finalizer = weakref.finalize(self, self._workers.release)
         try:
+            store_port = 0
+            if tp_size > 1:
+                self._workers.tp_store = host_store(self.world_size)
+                store_port = self._workers.tp_store.port
             for rank in range(self.world_size):
-                self._send(rank, Startup(config=config, rank=rank, world_size=self.world_size))
+                self._send(rank, Startup(config=config, rank=rank, world_size=self.world_size,
+                                         tp_store_port=store_port))
             self._gather(WorkerReady, ready_timeout_s)
         except BaseException:
             self.shutdown()
@@ -227,19 +257,40 @@ class MultiprocExecutor(Executor):
             if socket.poll(_LIVENESS_POLL_MS):
                 message = self._decoder.decode(socket.recv())
                 if isinstance(message, WorkerFailed):
-                    self._dead(f"worker rank {message.rank} failed: {message.error}\n"
-                               f"{message.traceback}")
+                    failure = f"worker rank {message.rank} failed: {message.error}"
+                    exited = self._exited_peer(message.rank, _PEER_EXIT_GRACE_S)
+                    if exited is not None:  # its collective broke because a peer died
+                        self._dead(f"{self._exit_text(exited, doing)} (then {failure})")
+                    self._dead(f"{failure}\n{message.traceback}")
                 return message
-            for rank, process in enumerate(self._workers.processes):
-                if not process.is_alive():
-                    self._dead(f"worker rank {rank} (pid {process.pid}) exited with status "
-                               f"{process.exitcode} while the executor was {doing}")
+            exited = self._exited_peer(None, 0.0)
+            if exited is not None:
+                self._dead(self._exit_text(exited, doing))
             if deadline is not None and time.monotonic() > deadline:
                 self._dead(f"the workers did not answer in time while the executor was {doing}")
+
+    def _exited_peer(self, failed_rank: int | None, grace_s: float) -> int | None:
+        """The first rank other than `failed_rank` whose process has exited, looking for up to
+        `grace_s`; None if every one is running."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, process in enumerate(self._workers.processes):
+                if rank != failed_rank and not process.is_alive():
+                    return rank
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
+    def _exit_text(self, rank: int, doing: str) -> str:
+        process = self._workers.processes[rank]
+        return (f"worker rank {rank} (pid {process.pid}) exited with status "
+                f"{process.exitcode} while the executor was {doing}")
 
     def _dead(self, error: str) -> None:
         self._dead_error = error
         logger.error("%s", error)
+        # The engine is over: the other ranks may be blocked in a collective with the dead one.
+        self._workers.terminate()
         raise EngineDeadError(error)
 
     def _raise_if_dead(self) -> None:
@@ -249,6 +300,11 @@ class MultiprocExecutor(Executor):
     def _merge(self, outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         """Rank 0's output, with the connector reports of every rank combined."""
         output = outputs[0]
+        for rank, other in enumerate(outputs[1:], start=1):
+            if other.sampled_token_ids != output.sampled_token_ids:
+                self._dead(f"worker rank {rank} sampled other tokens than rank 0 "
+                           f"({other.sampled_token_ids} != {output.sampled_token_ids}): the "
+                           f"ranks no longer compute the same step")
         reports = [o.kv_connector_output for o in outputs if o.kv_connector_output is not None]
         if len(outputs) == 1 or not reports:
             return output

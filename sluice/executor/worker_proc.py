@@ -8,6 +8,13 @@ their tokens are on the host: while a step is in flight the loop alternates betw
 device) and the step's completion; it spins rather than sleeps there, since a decode step takes
 about a millisecond. Any exception ends the process after a WorkerFailed frame; it exits quietly
 when the engine's process is gone. SIGINT is ignored: the executor decides when to stop.
+
+At tensor_parallel_size > 1 the worker first joins its tensor-parallel group (the executor's
+store port comes in Startup). A rank may then block inside a collective, where the loop cannot
+look at its parent: a watchdog thread ends the process as soon as the engine's process is gone,
+the group's timeout bounds a collective whose peers are alive but stuck, and a collective whose
+peer died fails at once (gloo) or is ended by the executor, which stops every rank once one is
+gone.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections import deque
 from typing import Any
@@ -25,6 +34,7 @@ import torch
 import zmq
 
 from sluice.channel import Encoder, MessageDecoder
+from sluice.distributed.tp import SINGLE_RANK, destroy_tp_group, init_tp_group
 from sluice.executor.messages import (
     DetermineNumBlocks,
     ExecuteModel,
@@ -73,12 +83,17 @@ class WorkerProc:
         self.rank = startup.rank
         config = startup.config
         _share_cpus(config.model_config.device, startup.world_size)
+        device = torch.device("cpu")
         if config.model_config.device.startswith("cuda") or (
                 config.model_config.device == "auto" and torch.cuda.is_available()):
             torch.cuda.set_device(self.rank % max(1, torch.cuda.device_count()))
+            device = torch.device("cuda", torch.cuda.current_device())
         self.decoder = worker_request_decoder(metadata_type(config.kv_transfer_config))
+        tp = SINGLE_RANK
+        if startup.tp_store_port:
+            tp = init_tp_group(self.rank, startup.world_size, startup.tp_store_port, device)
         self.worker = Worker(config, rank=self.rank,
-                             connector_factory=worker_connector_factory(config))
+                             connector_factory=worker_connector_factory(config), tp=tp)
         self._reply(WorkerReady(rank=self.rank, pid=os.getpid()))
         return True
 
@@ -136,11 +151,20 @@ def _share_cpus(device: str, world_size: int) -> None:
     torch.set_num_threads(max(1, (num_cpus - 1) // world_size))
 
 
+def _exit_when_parent_is_gone(parent_pid: int) -> None:
+    """Runs in a daemon thread: the main thread may be blocked in a collective."""
+    while parent_alive(parent_pid):
+        time.sleep(_IDLE_POLL_MS / 1000)
+    os._exit(0)
+
+
 def run_worker(request_address: str, reply_address: str, rank: int, parent_pid: int,
                log_level: int) -> None:
     """The process's entry point. Exits 0 on Shutdown or when the parent is gone, 1 on an
     error (after telling the executor)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_parent_is_gone, args=(parent_pid,), daemon=True,
+                     name="parent-watchdog").start()
     logging.basicConfig(format=f"%(asctime)s %(levelname)s [worker {rank}] %(message)s")
     logger.setLevel(log_level)
     context = zmq.Context()
@@ -167,6 +191,8 @@ def run_worker(request_address: str, reply_address: str, rank: int, parent_pid: 
         request_socket.close(linger=0)
         reply_socket.close(linger=_CLOSE_LINGER_MS)
         context.term()
+        if status == 0:
+            destroy_tp_group()
     sys.exit(status)
 
 

@@ -1,13 +1,13 @@
-"""Building blocks of the decoder models: norm, rotary embedding, activation, linear layers.
+"""Building blocks of the decoder models: norm, rotary embedding, activation (the linear layers
+are in sluice.model.linear, the embedding and LM head in sluice.model.embed_head).
 
 The small ops (`rms_norm`, `add_rms_norm`, `qk_norm_rope`, `silu_and_mul`) are plain torch
 functions held in module attributes, so a runner can swap in fused kernels with the same
 semantics for all layers (sluice.worker.compile).
 
 Parameters are created with `torch.empty` (the loader fills them) on the current default device and
-dtype. Every parameter carries `weight_loader(param, loaded_weight, shard_id)`: layers that merge
-several checkpoint tensors into one parameter (q/k/v, gate/up) place each shard themselves, so the
-model files stay a plain description of the network and tensor parallelism can later slice here.
+dtype, each with its `weight_loader` (sluice.model.weights): these are replicated on every
+tensor-parallel rank (the per-head q/k norms too: every head's weight is the same [head_dim]).
 """
 
 from __future__ import annotations
@@ -19,28 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _check_shape(target: torch.Tensor, loaded_weight: torch.Tensor, what: str) -> None:
-    if target.shape != loaded_weight.shape:
-        raise ValueError(
-            f"shape mismatch for {what}: parameter expects {list(target.shape)}, "
-            f"checkpoint has {list(loaded_weight.shape)}"
-        )
-
-
-def default_weight_loader(
-    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
-) -> None:
-    if shard_id is not None:
-        raise ValueError(f"parameter is not merged, got shard id {shard_id!r}")
-    _check_shape(param, loaded_weight, "parameter")
-    param.data.copy_(loaded_weight)
-
-
-def _new_param(*shape: int) -> nn.Parameter:
-    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
-    param.weight_loader = default_weight_loader
-    return param
+from sluice.model.weights import new_param
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,7 +49,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _new_param(hidden_size)
+        self.weight = new_param(hidden_size)
         # Plain functions, so a runner may swap in one compiled (fused) version for all layers.
         self.norm_op = rms_norm
         self.add_norm_op = add_rms_norm
@@ -206,92 +185,3 @@ class SiluAndMul(nn.Module):
         if residual is None:
             return self.op(x)
         return self.op(x, residual, residual_eps)
-
-
-class Linear(nn.Module):
-    """y = x W^T (+ b); W: [output_size, input_size]."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.weight = _new_param(output_size, input_size)
-        self.bias = _new_param(output_size) if bias else None
-        # (x, weight) -> x W^T; the Triton GEMM of small batches on CUDA (install_fused_ops)
-        self.gemm_op = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemm_op is not None and self.bias is None:
-            return self.gemm_op(x, self.weight)
-        return F.linear(x, self.weight, self.bias)
-
-
-class MergedLinear(Linear):
-    """Several linear maps of the same input stacked along the output, e.g. gate_up_proj.
-    Shard i (an int) fills output rows [sum(output_sizes[:i]), sum(output_sizes[:i+1]))."""
-
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
-        self.weight.weight_loader = self.weight_loader
-        if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader
-
-    def shard_range(self, shard_id: Any) -> tuple[int, int]:
-        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
-            raise ValueError(
-                f"shard id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}"
-            )
-        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
-
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any
-    ) -> None:
-        offset, size = self.shard_range(shard_id)
-        target = param.data.narrow(0, offset, size)
-        _check_shape(target, loaded_weight, f"shard {shard_id!r}")
-        target.copy_(loaded_weight)
-
-
-class QKVLinear(MergedLinear):
-    """q, k and v projections in one matmul. Weight: [(H + 2 * KVH) * D, hidden]; shard ids
-    "q", "k", "v". Output [T, (H + 2 * KVH) * D]: split it by `q_size`, `kv_size`."""
-
-    _SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
-
-    def __init__(
-        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool
-    ) -> None:
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias)
-        self.q_size = q_size
-        self.kv_size = kv_size
-
-    def shard_range(self, shard_id: Any) -> tuple[int, int]:
-        if shard_id not in self._SHARD_INDEX:
-            raise ValueError(f"shard id must be one of ['q', 'k', 'v'], got {shard_id!r}")
-        return super().shard_range(self._SHARD_INDEX[shard_id])
-
-
-class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = _new_param(vocab_size, hidden_size)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [T] -> [T, hidden]."""
-        return F.embedding(input_ids, self.weight)
-
-
-class LMHead(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = _new_param(vocab_size, hidden_size)
-
-    def forward(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] in float32 (upcast=False: in the weight
-        dtype, for a sampler that reads them once as they are instead of paying a pass over
-        [N, vocab] for the copy). The matmul runs in the weight dtype as in HF (an fp32 copy of
-        a large vocab matrix per step would cost more than it buys)."""
-        logits = F.linear(hidden, self.weight)
-        return logits.float() if upcast else logits

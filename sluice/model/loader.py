@@ -1,7 +1,8 @@
 """Build a model on its device and stream Hugging Face safetensors weights into it.
 
 Weights go tensor by tensor from `safe_open` into the parameters' `weight_loader`s, so peak host
-memory is one tensor, not the checkpoint.
+memory is one tensor, not the checkpoint; each loader reads only its part of the file (a
+tensor-parallel rank its rows or columns: sluice.model.weights.CheckpointTensor).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from safetensors import safe_open
 from torch import nn
 
 from sluice.attention.backend import AttentionBackend
+from sluice.distributed.tp import SINGLE_RANK, TPGroup
 from sluice.model.attention import name_attention_layers
 from sluice.model.hf_config import HFModelConfig
-from sluice.model.layers import default_weight_loader
 from sluice.model.registry import get_model_class
+from sluice.model.weights import CheckpointTensor, LoadedWeight, default_weight_loader
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -42,15 +44,17 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     attn_backend: AttentionBackend,
+    tp: TPGroup = SINGLE_RANK,
 ) -> nn.Module:
-    """The model of `hf_config.architectures`, in eval mode, weights from `model_dir`."""
+    """The model of `hf_config.architectures`, in eval mode, weights from `model_dir`; at
+    tp.size > 1 this rank's shard of it."""
     files = safetensors_files(model_dir)
     model_class = get_model_class(hf_config.architectures)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_class(hf_config, attn_backend)
+            model = model_class(hf_config, attn_backend, tp)
     finally:
         torch.set_default_dtype(previous_dtype)
     name_attention_layers(model)
@@ -84,18 +88,19 @@ def safetensors_files(model_dir: str) -> list[str]:
     return paths
 
 
-def iterate_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of `files`, floating point ones cast to `dtype`."""
+def iterate_weights(files: list[str],
+                    dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(HF name, tensor not read yet) for every tensor of `files`, floating point ones to be
+    cast to `dtype`; each is valid until the iteration moves past its file."""
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                tensor = f.get_tensor(name)
-                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                yield name, CheckpointTensor(f, name, dtype)
 
 
 def load_packed_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, LoadedWeight]],
     packed_modules: dict[str, tuple[str, str | int]],
     skip: tuple[str, ...] = (),
 ) -> None:

@@ -30,8 +30,10 @@ from torch import nn
 from sluice.attention.backend import AttentionBackend
 from sluice.attention.metadata import AttentionMetadata
 from sluice.model.attention import name_attention_layers
+from sluice.model.embed_head import VocabParallelEmbedding
 from sluice.model.hf_config import HFModelConfig, parse_hf_config
-from sluice.model.layers import Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
+from sluice.model.layers import RMSNorm, RotaryEmbedding
+from sluice.model.linear import Linear
 from sluice.model.loader import iterate_weights, load_packed_weights, safetensors_files
 from sluice.model.models.llama import PACKED_MODULES, LlamaMLP
 
@@ -61,7 +63,7 @@ class EagleHead(nn.Module):
         config: HFModelConfig,
         build_attention: Callable[[RotaryEmbedding], nn.Module],
         fc_bias: bool,
-        shared_embed_tokens: VocabEmbedding | None = None,
+        shared_embed_tokens: VocabParallelEmbedding | None = None,
     ) -> None:
         """shared_embed_tokens: the target's table, used as is when the checkpoint has none."""
         super().__init__()
@@ -70,7 +72,7 @@ class EagleHead(nn.Module):
         self.embed_tokens = (
             shared_embed_tokens
             if shared_embed_tokens is not None
-            else VocabEmbedding(config.vocab_size, config.hidden_size)
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         )
         self.fc = Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
         rotary_emb = RotaryEmbedding(

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from sluice.model.layers import Linear, RMSNorm, SiluAndMul
+from sluice.model.layers import RMSNorm, SiluAndMul
+from sluice.model.linear import Linear
 from sluice.model.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 
 

@@ -11,6 +11,7 @@ import torch
 
 from sluice.attention.kv_layout import bytes_per_block
 from sluice.config import CacheConfig, SchedulerConfig
+from sluice.distributed.tp import kv_heads_per_rank
 from sluice.model.hf_config import HFModelConfig
 
 # Kept free on a GPU for activations, logits and the allocator's fragmentation.
@@ -25,15 +26,17 @@ def determine_num_blocks(
     device: torch.device,
     gpu_bytes_available: int = 0,
     extra_bytes_per_block: int = 0,
+    tp_size: int = 1,
 ) -> int:
-    """Blocks that fit the memory budget (or the override). On a GPU, `gpu_bytes_available` is
-    this engine's share left after its weights (see ModelRunner). `extra_bytes_per_block`: the
-    same block in other caches addressed by the same block ids (a draft model's)."""
+    """Blocks that fit the memory budget (or the override) of one rank, whose cache holds its
+    share of the KV heads (tp_size ranks). On a GPU, `gpu_bytes_available` is this engine's
+    share left after its weights (see ModelRunner). `extra_bytes_per_block`: the same block in
+    other caches addressed by the same block ids (a draft model's)."""
     if cache_config.num_gpu_blocks_override is not None:
         return cache_config.num_gpu_blocks_override
     block_bytes = extra_bytes_per_block + bytes_per_block(
-        hf_config.num_hidden_layers, cache_config.block_size, hf_config.num_key_value_heads,
-        hf_config.head_dim, dtype)
+        hf_config.num_hidden_layers, cache_config.block_size,
+        kv_heads_per_rank(hf_config.num_key_value_heads, tp_size), hf_config.head_dim, dtype)
     if device.type == "cuda":
         budget = gpu_bytes_available - _GPU_ACTIVATION_RESERVE_BYTES
     else:

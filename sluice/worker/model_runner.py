@@ -36,6 +36,7 @@ from sluice.core.outputs import (
     PositionLogprobs,
     SchedulerOutput,
 )
+from sluice.distributed.tp import SINGLE_RANK, TPGroup, kv_heads_per_rank
 from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import HFModelConfig
 from sluice.model.loader import load_model, resolve_dtype
@@ -67,8 +68,12 @@ def resolve_device(device: str) -> torch.device:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, hf_config: HFModelConfig) -> None:
+                 scheduler_config: SchedulerConfig, hf_config: HFModelConfig,
+                 tp: TPGroup = SINGLE_RANK) -> None:
+        """tp: this rank's tensor-parallel group; the model is this rank's shard of it, its KV
+        cache this rank's heads (tensor parallelism: sluice/distributed/tp.py)."""
         self.model_config = model_config
+        self.tp = tp
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.hf_config = hf_config
@@ -93,7 +98,7 @@ class ModelRunner:
             gpu_share = min(free, int(total * cache_config.gpu_memory_utilization))
             allocated_before = torch.cuda.memory_allocated(self.device)
         self.model = load_model(model_config.model, hf_config, self.dtype, self.device,
-                                self.attn_backend)
+                                self.attn_backend, tp)
         self.spec: SpecDecoder | None = None
         if scheduler_config.speculative_config is not None:
             self.spec = SpecDecoder(self, scheduler_config.speculative_config)
@@ -161,14 +166,16 @@ class ModelRunner:
         extra = self.spec.kv_bytes_per_block() if self.spec is not None else 0
         return determine_num_blocks(self.cache_config, self.scheduler_config, self.hf_config,
                                     self.dtype, self.device, self.gpu_bytes_available,
-                                    extra_bytes_per_block=extra)
+                                    extra_bytes_per_block=extra, tp_size=self.tp.size)
 
     def initialize_kv_cache(self, num_blocks: int, with_connector: bool = False) -> None:
         """Allocate and bind the cache, warm up, capture the graphs (with the per-layer events
         of a KV connector when `with_connector`: sluice/worker/layer_events.py)."""
         hf = self.hf_config
         self.kv_caches = allocate_kv_caches(list(attention_layers(self.model)), num_blocks,
-                                            self.block_size, hf.num_key_value_heads,
+                                            self.block_size,
+                                            kv_heads_per_rank(hf.num_key_value_heads,
+                                                              self.tp.size),
                                             hf.head_dim, self.dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches)
         self.num_blocks = num_blocks

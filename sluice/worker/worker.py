@@ -4,6 +4,10 @@ The executor (sluice/executor/) drives workers through the same calls whether th
 engine's process or each in their own: `determine_num_blocks` (what fits this rank), then
 `initialize_kv_cache` with the number every rank agreed on (the minimum), then
 `execute_model` once per step, in order; `kv_cache_spec` describes the cache to connectors.
+
+At tensor_parallel_size N > 1 there are N workers, one per process, each given its TPGroup by
+the process that made the group (sluice.executor.worker_proc): its model runner holds its shard
+of the model and its cache its share of the KV heads; the block ids are the same on every rank.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from sluice.config import EngineConfig
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.core.outputs import SchedulerOutput
+from sluice.distributed.tp import SINGLE_RANK, TPGroup, kv_heads_per_rank
 from sluice.worker.kv_connector import KVConnectorWorker
 from sluice.worker.model_runner import ModelRunner
 from sluice.worker.step_handle import StepHandle
@@ -26,11 +31,15 @@ ConnectorFactory = Callable[[KVCacheSpec], KVConnectorWorker]
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0,
-                 connector_factory: ConnectorFactory | None = None) -> None:
+                 connector_factory: ConnectorFactory | None = None,
+                 tp: TPGroup = SINGLE_RANK) -> None:
+        """rank: this worker among the executor's; tp: its tensor-parallel group (the same
+        rank, or SINGLE_RANK for a whole-model worker)."""
         self.config = config
         self.rank = rank
+        self.tp = tp
         self.model_runner = ModelRunner(config.model_config, config.cache_config,
-                                        config.scheduler_config, config.hf_config)
+                                        config.scheduler_config, config.hf_config, tp)
         self.connector_factory = connector_factory
         self.connector: KVConnectorWorker | None = None
 
@@ -57,11 +66,11 @@ class Worker:
             model=self.config.model_config.model,
             dtype=str(runner.dtype).removeprefix("torch."),
             block_size=self.config.cache_config.block_size,
-            num_kv_heads=hf_config.num_key_value_heads,
+            num_kv_heads=kv_heads_per_rank(hf_config.num_key_value_heads, self.tp.size),
             head_dim=hf_config.head_dim,
             layer_names=tuple(runner.kv_caches),
-            tp_rank=self.rank,
-            tp_size=self.config.parallel_config.tensor_parallel_size,
+            tp_rank=self.tp.rank,
+            tp_size=self.tp.size,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:

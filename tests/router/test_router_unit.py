@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from sluice.entrypoints.cli import build_parser
+from sluice.router.cli import _prefill_arg
 from sluice.router.policies import CacheAware, LeastLoaded, RoundRobin
 from sluice.router.proxy import _carries_token, _failed_before_first_token, prompt_key, refusal
-from sluice.router.server import RouterArgs, _prefill_arg
+from sluice.router.server import RouterArgs
 from sluice.router.workers import Worker
 
 

@@ -295,6 +295,45 @@ def test_killing_a_worker_behind_the_server_gives_503_and_leaves_no_process(
     assert not _alive(core_pid) and not _alive(worker_pid)
 
 
+def test_killing_a_tensor_parallel_rank_gives_503_and_leaves_no_process(
+        make_server: Callable[..., ServerProcess]) -> None:
+    server = make_server("--tensor-parallel-size", "2", "--served-model-name", "m")
+    info = server.engine_info()
+    pids = info["worker_pids"]
+    assert len(set(pids)) == 2
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    result: dict[str, object] = {}
+
+    def stream() -> None:
+        try:
+            for _ in client.completions.create(model="m", prompt="victim", max_tokens=1000,
+                                               stream=True, extra_body={"ignore_eos": True}):
+                result.setdefault("first", time.monotonic())
+        except openai.APIError as exc:
+            result["error"] = exc
+        result["ended"] = time.monotonic()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while "first" not in result:
+        assert time.monotonic() < deadline and reader.is_alive()
+        time.sleep(0.01)
+    os.kill(pids[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    reader.join(10)
+    assert f"worker rank 1 (pid {pids[1]}) exited" in str(result.get("error")), result
+    assert result["ended"] - killed_at < 5.0
+    health = httpx.get(f"{server.base_url}/health")
+    assert health.status_code == 503 and "worker rank 1" in health.text
+    # Rank 0 (which may have been blocked in a collective with rank 1) is gone too.
+    while _alive(pids[0]):
+        assert time.monotonic() - killed_at < 5.0, "rank 0 outlived its peer by 5 s"
+        time.sleep(0.02)
+    assert server.stop() == 0
+    assert not any(_alive(pid) for pid in [info["engine_core_pid"], *pids])
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

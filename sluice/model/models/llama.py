@@ -2,6 +2,10 @@
 
 Pre-norm decoder: x -> RMSNorm -> attention -> + x -> RMSNorm -> SwiGLU MLP -> + x. The residual
 sum is carried between layers and fused into the next RMSNorm.
+
+Tensor parallelism (`tp`, sluice.model.linear): each rank holds its query / key-value heads and
+its slice of the MLP's intermediate features; o_proj and down_proj all-reduce their partial sums,
+so the residual stream ([T, hidden]) is whole and the same on every rank between them.
 """
 
 from __future__ import annotations
@@ -13,20 +17,18 @@ from torch import nn
 
 from sluice.attention.backend import AttentionBackend
 from sluice.attention.metadata import AttentionMetadata
+from sluice.distributed.tp import SINGLE_RANK, TPGroup
 from sluice.model.attention import Attention
+from sluice.model.embed_head import ParallelLMHead, VocabParallelEmbedding
 from sluice.model.hf_config import HFModelConfig
-from sluice.model.layers import (
-    Linear,
-    LMHead,
-    MergedLinear,
-    QKVLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    SiluAndMul,
-    VocabEmbedding,
-    qk_norm_rope,
+from sluice.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, qk_norm_rope
+from sluice.model.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
 )
 from sluice.model.loader import load_packed_weights
+from sluice.model.weights import LoadedWeight
 
 # HF module name -> (sluice merged module, shard id)
 PACKED_MODULES: dict[str, tuple[str, str | int]] = {
@@ -39,11 +41,13 @@ PACKED_MODULES: dict[str, tuple[str, str | int]] = {
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], tp=tp)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
         # (gate_up, down weight) -> down(silu_and_mul(gate_up)) in one op; install_fused_ops
         self.act_down_op = None
 
@@ -51,7 +55,7 @@ class LlamaMLP(nn.Module):
         """x: [T, hidden] -> [T, hidden]."""
         gate_up = self.gate_up_proj(x)
         if self.act_down_op is not None:
-            return self.act_down_op(gate_up, self.down_proj.weight)
+            return self.down_proj.all_reduce(self.act_down_op(gate_up, self.down_proj.weight))
         return self.down_proj(self.act_fn(gate_up))
 
     def add_to_residual(self, residual: torch.Tensor, norm_eps: float) -> None:
@@ -59,7 +63,7 @@ class LlamaMLP(nn.Module):
         gate_up_proj (LlamaModel.fold_norms): its 1 / rms scales gate and up inside the
         activation, and the down projection accumulates into residual (one GEMM, no add)."""
         activation = self.act_fn(self.gate_up_proj(residual), residual, norm_eps)
-        residual.addmm_(activation, self.down_proj.weight.t())
+        self.down_proj.add_to(residual, activation)
 
 
 def qk_norm_rope_leaving_kv_store(
@@ -95,16 +99,20 @@ class LlamaAttention(nn.Module):
         attn_backend: AttentionBackend,
         qkv_bias: bool,
         o_bias: bool,
+        tp: TPGroup = SINGLE_RANK,
     ) -> None:
         super().__init__()
-        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = config.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, num_heads, num_kv_heads, head_dim, qkv_bias)
-        self.o_proj = Linear(num_heads * head_dim, config.hidden_size, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.num_attention_heads,
+                                          config.num_key_value_heads, head_dim, qkv_bias, tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim,
+                                        config.hidden_size, bias=o_bias, tp=tp)
         self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table
-        self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, attn_backend)
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        # This rank's heads (all of them at TP = 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5,
+                              attn_backend)
         # A plain function, so a runner may swap in one fused kernel for all layers, which may
         # also store k and v into the paged KV cache (see qk_norm_rope_leaving_kv_store).
         self.qk_norm_rope_op = qk_norm_rope_leaving_kv_store
@@ -141,15 +149,15 @@ class LlamaAttention(nn.Module):
             residual, norm_eps,
         )
         v = qkv[:, self.q_size + self.kv_size :]
-        residual.addmm_(self.attn(q, k, v, attn_metadata, kv_stored=kv_stored),
-                        self.o_proj.weight.t())
+        self.o_proj.add_to(residual, self.attn(q, k, v, attn_metadata, kv_stored=kv_stored))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, self_attn: nn.Module, config: HFModelConfig) -> None:
+    def __init__(self, self_attn: nn.Module, config: HFModelConfig,
+                 tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -179,7 +187,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp.add_to_residual(residual, self.post_attention_layernorm.eps)
 
 
-def _fold_norm_weight(norm: RMSNorm, linear: Linear) -> None:
+def _fold_norm_weight(norm: RMSNorm, linear: MergedColumnParallelLinear) -> None:
     """linear.weight[:, j] *= norm.weight[j] (in float32, rounded once), norm.weight = 1; in
     slices of rows, so a large weight needs no float32 copy of itself."""
     gain = norm.weight.float()
@@ -195,14 +203,15 @@ class LlamaModel(nn.Module):
         self,
         config: HFModelConfig,
         build_attention: Callable[[RotaryEmbedding], nn.Module],
+        tp: TPGroup = SINGLE_RANK,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(build_attention(rotary_emb), config)
+            LlamaDecoderLayer(build_attention(rotary_emb), config, tp)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -258,20 +267,21 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     packed_modules = PACKED_MODULES
 
-    def __init__(self, config: HFModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: HFModelConfig, attn_backend: AttentionBackend,
+                 tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_builder(config, attn_backend))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.model = LlamaModel(config, self.attention_builder(config, attn_backend, tp), tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
     def attention_builder(
-        config: HFModelConfig, attn_backend: AttentionBackend
+        config: HFModelConfig, attn_backend: AttentionBackend, tp: TPGroup = SINGLE_RANK
     ) -> Callable[[RotaryEmbedding], nn.Module]:
         bias = config.attention_bias
-        return lambda rotary_emb: LlamaAttention(config, rotary_emb, attn_backend, bias, bias)
+        return lambda rotary_emb: LlamaAttention(config, rotary_emb, attn_backend, bias, bias, tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
@@ -284,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
         upcast=False."""
         return self.lm_head(hidden, upcast)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         skip = ("rotary_emb.inv_freq",)
         if self.config.tie_word_embeddings:
             skip += ("lm_head.weight",)  # some tied checkpoints still carry a copy
@@ -296,8 +306,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def attention_builder(
-        config: HFModelConfig, attn_backend: AttentionBackend
+        config: HFModelConfig, attn_backend: AttentionBackend, tp: TPGroup = SINGLE_RANK
     ) -> Callable[[RotaryEmbedding], nn.Module]:
         return lambda rotary_emb: LlamaAttention(
-            config, rotary_emb, attn_backend, qkv_bias=True, o_bias=False
+            config, rotary_emb, attn_backend, qkv_bias=True, o_bias=False, tp=tp
         )

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from sluice.attention.backend import AttentionBackend
+from sluice.distributed.tp import SINGLE_RANK, TPGroup
 from sluice.model.hf_config import HFModelConfig
 from sluice.model.layers import RMSNorm, RotaryEmbedding
 from sluice.model.models.llama import LlamaAttention, LlamaForCausalLM
@@ -15,11 +16,13 @@ from sluice.model.models.llama import LlamaAttention, LlamaForCausalLM
 
 class Qwen3Attention(LlamaAttention):
     def __init__(
-        self, config: HFModelConfig, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend
+        self, config: HFModelConfig, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend,
+        tp: TPGroup = SINGLE_RANK,
     ) -> None:
         bias = config.attention_bias
-        super().__init__(config, rotary_emb, attn_backend, qkv_bias=bias, o_bias=bias)
-        # Over head_dim, per head; applied by qk_norm_rope_op, which reads their weights.
+        super().__init__(config, rotary_emb, attn_backend, qkv_bias=bias, o_bias=bias, tp=tp)
+        # Over head_dim, per head; applied by qk_norm_rope_op, which reads their weights. One
+        # weight for every head, so each rank holds all of it and norms its own heads.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
@@ -30,6 +33,6 @@ class Qwen3Attention(LlamaAttention):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def attention_builder(
-        config: HFModelConfig, attn_backend: AttentionBackend
+        config: HFModelConfig, attn_backend: AttentionBackend, tp: TPGroup = SINGLE_RANK
     ) -> Callable[[RotaryEmbedding], nn.Module]:
-        return lambda rotary_emb: Qwen3Attention(config, rotary_emb, attn_backend)
+        return lambda rotary_emb: Qwen3Attention(config, rotary_emb, attn_backend, tp)
