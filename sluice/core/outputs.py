@@ -30,7 +30,8 @@ from sluice.sampling_params import SamplingParams
 # 4: structured outputs and logit_bias in SamplingParams, grammar_bitmask in SchedulerOutput.
 # 5: a connector's load may bring the request's first token (KVConnectorOutput.first_tokens,
 #    NewRequestData.output_token_ids), connector counters in SchedulerStats.
-SCHEMA_VERSION = 5
+# 6: SchedulerStats carries the scheduled-token total.
+SCHEMA_VERSION = 6
 
 # A connector's per-step plan (its own msgspec struct type).
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")

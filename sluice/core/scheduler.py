@@ -106,6 +106,7 @@ class Scheduler:
         # Ended since the last schedule(): the runner drops their state next step.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        self.num_scheduled_tokens_total = 0  # tokens run through the model, for metrics
         # The connector's transfers: loads in flight, delayed frees, aborted loads.
         self.kv_transfers = (KVTransfers(connector, kv_transfer_config, kv_cache_manager)
                              if connector is not None else None)
@@ -197,6 +198,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=plan.spec_tokens,
         )
         self.finished_req_ids = set()
+        self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         if self.connector is not None:
             for req_id in plan.num_scheduled_tokens:
                 self.kv_cache_manager.update_block_hashes(self.requests[req_id])

@@ -42,7 +42,10 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
-    # The KV connector's cumulative counters (KVConnectorScheduler.get_stats), if one is on.
+    # Tokens run through the model (prompt tokens not served from a cache, outputs, drafts).
+    num_scheduled_tokens_total: int = 0
+    # The KV connector's cumulative counters (KVConnectorScheduler.get_stats), if one is on;
+    # the global pool's are named pool_* (sluice/kv_transfer/pool/connector.py).
     kv_connector: dict[str, float] = msgspec.field(default_factory=dict)
 
     @property
@@ -50,6 +53,13 @@ class SchedulerStats(msgspec.Struct, frozen=True):
         if self.prefix_cache_queries == 0:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @property
+    def kv_pool_hit_rate(self) -> float:
+        """Blocks found in the global KV pool / blocks looked up there (0 before a lookup)."""
+        stats = self.kv_connector
+        asked = stats.get("pool_lookup_blocks", 0.0)
+        return stats.get("pool_hit_blocks", 0.0) / asked if asked else 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -231,12 +241,22 @@ class StatsLogger:
                     f"running {stats.num_running} reqs, waiting {stats.num_waiting} reqs, "
                     f"KV cache usage {100 * stats.kv_cache_usage:.1f}%, "
                     f"prefix cache hit rate {100 * stats.prefix_cache_hit_rate:.1f}%")
+            line += self._kv_pool_text(stats)
             line += self._spec_decode_text(stats)
             logger.info(line)
         self._logged_stats = stats
         self._last_log_time = now
         self._num_prompt_tokens = self._num_generation_tokens = 0
         return line
+
+    def _kv_pool_text(self, stats: SchedulerStats) -> str:
+        """", KV pool hit rate X%" over the interval's lookups; empty without any."""
+        now, last = stats.kv_connector, self._logged_stats.kv_connector
+        asked = now.get("pool_lookup_blocks", 0.0) - last.get("pool_lookup_blocks", 0.0)
+        if asked <= 0:
+            return ""
+        found = now.get("pool_hit_blocks", 0.0) - last.get("pool_hit_blocks", 0.0)
+        return f", KV pool hit rate {100 * found / asked:.1f}%"
 
     def _spec_decode_text(self, stats: SchedulerStats) -> str:
         """", spec decode acceptance rate X%, mean acceptance length Y" over the interval;

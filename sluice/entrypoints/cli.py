@@ -246,7 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     # Each benchmark module adds its own subcommand: module.add_parser(bench_sub).
-    from sluice.bench import kv_tier, latency, profile_steps, spec_decode, structured, throughput
+    from sluice.bench import (
+        kv_pool,
+        kv_tier,
+        latency,
+        profile_steps,
+        spec_decode,
+        structured,
+        throughput,
+    )
     from sluice.bench import pd as bench_pd
     from sluice.bench import serve as bench_serve
 
@@ -257,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile_steps.add_parser(bench_sub)
     spec_decode.add_parser(bench_sub)
     kv_tier.add_parser(bench_sub)
+    kv_pool.add_parser(bench_sub)
     structured.add_parser(bench_sub)
     return parser
 

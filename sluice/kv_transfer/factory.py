@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 # name -> module that defines a class of that name
 _BUILTIN_CONNECTORS: dict[str, str] = {
+    "KVPoolConnector": "sluice.kv_transfer.pool.connector",
     "OffloadingConnector": "sluice.kv_transfer.offloading",
     "PDConnector": "sluice.kv_transfer.disagg.connector",
 }

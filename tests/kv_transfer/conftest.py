@@ -47,6 +47,16 @@ def mooncake_master() -> Iterator[servers.MooncakeMaster]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def mooncake_segment_owner(mooncake_master: servers.MooncakeMaster
+                           ) -> Iterator[servers.ServerProcess]:
+    """A process owning pool memory on the session's master, for engine instances that own
+    none (tests may kill it: they restart it before they end)."""
+    with servers.start_mooncake_segment_owner(mooncake_master.address,
+                                              MOONCAKE_SEGMENT) as owner:
+        yield owner
+
+
 def url_and_options(kind: str, request: pytest.FixtureRequest) -> tuple[str, dict]:
     """The URL and options of a backend of `kind` on the session's server."""
     if kind == "local":

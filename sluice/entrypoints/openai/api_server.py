@@ -277,7 +277,10 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
     completion = OpenAIServingCompletion(serving)
     chat = OpenAIServingChat(serving)
     spec = engine.scheduler_config.speculative_config
-    metrics = PrometheusStatsListener(names[0], 0 if spec is None else spec.num_speculative_tokens)
+    kv_transfer = engine.config.kv_transfer_config
+    metrics = PrometheusStatsListener(
+        names[0], 0 if spec is None else spec.num_speculative_tokens,
+        kv_pool=kv_transfer is not None and kv_transfer.kv_connector == "KVPoolConnector")
     engine.add_stats_listener(metrics)
     state = ServerState()
 

@@ -28,9 +28,12 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class PrometheusStatsListener:
-    def __init__(self, model_name: str, num_speculative_tokens: int = 0) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0,
+                 kv_pool: bool = False) -> None:
         """`num_speculative_tokens` (k, 0 without speculation): the per-position counter shows
-        positions 0..k-1 from the start (later positions appear when they first count)."""
+        positions 0..k-1 from the start (later positions appear when they first count).
+        `kv_pool`: the global KV pool's metrics show from the start (else from its first
+        counters)."""
         self.registry = CollectorRegistry()
         registry, labels = self.registry, ["model_name"]
 
@@ -55,6 +58,9 @@ class PrometheusStatsListener:
         self.prefix_cache_hits = counter("prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted by the engine.")
+        self.scheduled_tokens = counter(
+            "scheduled_tokens", "Tokens run through the model: prompt tokens not served from a "
+            "cache (local or the KV pool), output tokens, draft tokens.")
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         success = Counter("sluice:request_success", "Finished requests, by finish reason.",
@@ -90,6 +96,7 @@ class PrometheusStatsListener:
             "spec_decode_mean_acceptance_length",
             "Tokens emitted per verified draft (1 + accepted drafts) since the engine started.")
         self._last_scheduler_stats = SchedulerStats()
+        self._kv_pool = _KVPoolMetrics(registry, model_name) if kv_pool else None
 
     def __call__(self, iteration: IterationStats, scheduler_stats: SchedulerStats | None) -> None:
         if scheduler_stats is not None:
@@ -119,6 +126,12 @@ class PrometheusStatsListener:
         self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.num_preemptions.inc(max(0, stats.num_preemptions_total
                                      - last.num_preemptions_total))
+        self.scheduled_tokens.inc(max(0, stats.num_scheduled_tokens_total
+                                      - last.num_scheduled_tokens_total))
+        if "pool_lookups" in stats.kv_connector or self._kv_pool is not None:
+            if self._kv_pool is None:
+                self._kv_pool = _KVPoolMetrics(self.registry, self._model_name)
+            self._kv_pool.record(stats.kv_connector, last.kv_connector)
         self._record_spec_decode(stats, last)
         self._last_scheduler_stats = stats
 
@@ -139,3 +152,60 @@ class PrometheusStatsListener:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+# The global KV pool's counters (sluice/kv_transfer/pool): stats name -> (metric, help).
+_KV_POOL_COUNTERS = {
+    "pool_lookups": ("kv_pool_lookups", "Lookups of waiting requests' blocks in the KV pool."),
+    "pool_lookup_blocks": ("kv_pool_lookup_blocks", "Blocks looked up in the KV pool."),
+    "pool_hit_blocks": ("kv_pool_hit_blocks",
+                        "Blocks found in the KV pool (the leading run of each lookup)."),
+    "pool_lookup_seconds": ("kv_pool_lookup_seconds", "Time spent in KV pool lookups."),
+    "pool_loads": ("kv_pool_loads", "Steps that loaded blocks from the KV pool (per rank)."),
+    "pool_load_blocks": ("kv_pool_load_blocks", "Blocks loaded from the KV pool."),
+    "pool_load_bytes": ("kv_pool_load_bytes", "Bytes loaded from the KV pool."),
+    "pool_load_seconds": ("kv_pool_load_seconds",
+                          "Time from a step's load start to its last block in the cache."),
+    "pool_saves": ("kv_pool_saves", "Steps whose blocks were put into the KV pool (per rank)."),
+    "pool_save_blocks": ("kv_pool_save_blocks", "Blocks stored in the KV pool."),
+    "pool_save_existing_blocks": ("kv_pool_save_existing_blocks",
+                                  "Blocks not stored because the KV pool had them already."),
+    "pool_save_bytes": ("kv_pool_save_bytes", "Bytes stored in the KV pool."),
+    "pool_save_seconds": ("kv_pool_save_seconds",
+                          "Time of the KV pool puts (existence check and put)."),
+}
+
+
+class _KVPoolMetrics:
+    """`sluice:kv_pool_*`: the pool connector's cumulative counters as Prometheus counters
+    (each increase added), errors by operation and kind, and whether the pool is reachable."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        self.counters = {
+            key: Counter(f"sluice:{name}", doc, labels, registry=registry).labels(model_name)
+            for key, (name, doc) in _KV_POOL_COUNTERS.items()}
+        self._errors = Counter("sluice:kv_pool_errors",
+                               "KV pool errors by operation (lookup: calls; load, save: blocks) "
+                               "and kind (unavailable, timeout, missing, failed, dropped).",
+                               ["model_name", "op", "kind"], registry=registry)
+        self._model_name = model_name
+        self.available = Gauge("sluice:kv_pool_available",
+                               "1 while the scheduler reaches the KV pool, else 0.", labels,
+                               registry=registry).labels(model_name)
+        self.outages = Counter("sluice:kv_pool_outages",
+                               "Times the scheduler lost the KV pool.", labels,
+                               registry=registry).labels(model_name)
+
+    def record(self, stats: dict[str, float], last: dict[str, float]) -> None:
+        for key, counter in self.counters.items():
+            counter.inc(max(0.0, stats.get(key, 0.0) - last.get(key, 0.0)))
+        for key, value in stats.items():
+            if key.startswith("pool_errors."):
+                _, op, kind = key.split(".", 2)
+                self._errors.labels(self._model_name, op, kind).inc(
+                    max(0.0, value - last.get(key, 0.0)))
+        if "pool_available" in stats:
+            self.available.set(stats["pool_available"])
+        self.outages.inc(max(0.0, stats.get("pool_outages", 0.0)
+                             - last.get("pool_outages", 0.0)))

@@ -133,6 +133,13 @@ class PoolBackend(ABC):
             time.sleep(0.01)
         return True
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Bound later calls by `timeout_s` instead (a client set up with a generous timeout,
+        then used for quick lookups that must not hold anyone up)."""
+        if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+
     @property
     def buffer(self) -> memoryview | None:
         """The registered staging buffer as bytes, or None before `register_buffer`."""

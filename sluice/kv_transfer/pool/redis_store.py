@@ -42,12 +42,22 @@ class RedisBackend(PoolBackend):
         if redis is None:
             raise ImportError("the redis pool backend needs redis-py: "
                               "pip install 'redis[hiredis]' (or sluice[pool])")
-        self._client = redis.Redis(
-            host=host, port=port, db=db, password=password,
+        self.host, self.port, self.db, self._password = host, port, db, password
+        self._client = self._make_client()
+        self._call(self._client.ping, time.monotonic() + self.timeout_s)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        super().set_timeout(timeout_s)
+        # The socket timeouts are fixed per client: a new one (it connects on its first call).
+        old, self._client = self._client, self._make_client()
+        old.close()
+
+    def _make_client(self):  # noqa: ANN202 (redis.Redis, an optional import)
+        return redis.Redis(
+            host=self.host, port=self.port, db=self.db, password=self._password,
             socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
             retry=Retry(NoBackoff(), 0),
             single_connection_client=False)
-        self._call(self._client.ping, time.monotonic() + self.timeout_s)
 
     def _call(self, fn, deadline: float, *args):
         self._check_deadline(deadline)

@@ -1,0 +1,47 @@
+"""`sluice bench kv-pool` runs end to end on the CPU with the tiny model: each backend's pool hit
+is a real hit (the benchmark checks `num_cached_tokens` and the loaded bytes), and the report
+carries the command, the machine and the ratios against the recompute of the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sluice.entrypoints.cli import main
+from sluice.testing import servers
+
+ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "16", "--max-model-len", "256",
+        "--prompt-lens", "48,96", "--num-iters", "1", "--staging-bytes", str(1 << 20)]
+
+
+def test_kv_pool_bench_reports_each_backend_against_recompute(
+        qwen3_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    backends = ["local"] + [name for name, missing in (("redis", servers.redis_missing()),
+                                                        ("mooncake", servers.mooncake_missing()))
+                            if missing is None]
+    out = tmp_path / "kv-pool.json"
+    assert main(["bench", "kv-pool", "--model", qwen3_dir, *ARGS, "--backends",
+                 ",".join(backends), "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("command: sluice") and "\nmachine: " in printed
+    assert "pool/recomp" in printed
+    record = json.loads(out.read_text())
+    assert [(r["backend"], r["prompt_len"]) for r in record["rows"]] == [
+        (b, n) for b in backends for n in (48, 96)]
+    for row in record["rows"]:
+        full_blocks = (row["prompt_len"] - 1) // 16
+        assert row["load_bytes"] == full_blocks * record["bytes_per_block"]
+        assert row["load_gb_s"] > 0 and row["effective_load_gb_s"] > 0
+        ttft = row["ttft_ms"]
+        assert row["pool_hit_vs_recompute"] == pytest.approx(ttft["pool_hit"] / ttft["recompute"])
+
+
+def test_kv_pool_bench_refuses_a_connector_of_its_own(qwen3_dir: str,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "kv-pool", "--model", qwen3_dir, *ARGS, "--kv-offloading-size",
+                 "1"]) == 2
+    assert "configures the pool connector itself" in capsys.readouterr().err
+    assert main(["bench", "kv-pool", "--model", qwen3_dir, *ARGS, "--backends", "memcached"]) == 2
+    assert "--backends must name some of local, redis, mooncake" in capsys.readouterr().err
