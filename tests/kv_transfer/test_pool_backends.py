@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -384,14 +383,14 @@ def test_stalled_server_times_calls_out_and_recovers(remote: str, prefix: str) -
         keys = [f"{prefix}{i}" for i in range(4)]
         data = payloads(4)
         assert put_all(staged, keys, data) == [True] * 4
-        os.kill(server.pid, signal.SIGSTOP)
+        server.pause()
         try:
             _fails_fast(backend, staged, keys)
             # Mooncake's native call goes on after the timeout: the backend says so and refuses
             # calls; Redis dropped the connection, nothing goes on.
             assert backend.busy == (remote == "mooncake")
         finally:
-            os.kill(server.pid, signal.SIGCONT)
+            server.resume()
         _works_again(backend, staged, prefix, within_s=15.0)
         assert not backend.busy
         ok, got = get_all(staged, keys)  # nothing was lost: the server only paused

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -488,7 +487,7 @@ def test_stalled_pool_costs_each_lookup_its_bound_and_one_warning(
         assert token_ids(llm.generate(batch[:1], greedy(), use_tqdm=False)) == expected[:1]
         wait_for_saves(llm)
         llm.llm_engine.kv_cache_manager.reset_prefix_cache()
-        os.kill(server.pid, signal.SIGSTOP)
+        server.pause()
         try:
             with caplog.at_level(logging.WARNING, logger="sluice"):
                 for i in range(3):  # the saved prompt and two new ones, one at a time
@@ -508,7 +507,7 @@ def test_stalled_pool_costs_each_lookup_its_bound_and_one_warning(
             assert counters["pool_available"] == 0 and counters["pool_outages"] == 1
             assert counters["pool_errors.lookup.timeout"] >= 1
         finally:
-            os.kill(server.pid, signal.SIGCONT)
+            server.resume()
         deadline = time.monotonic() + 15
         while True:  # the next lookup after retry_interval_s finds the pool again
             out = llm.generate(batch[:1], greedy(), use_tqdm=False)
