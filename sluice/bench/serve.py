@@ -88,6 +88,9 @@ class ServeBenchConfig:
     num_warmups: int
     disable_tqdm: bool
     api_key: str | None
+    # More servers of the same model: each request goes to one of base_url and these, drawn at
+    # random (seeded apart from the workload, so the prompts and arrivals stay the same).
+    more_base_urls: tuple[str, ...] = ()
 
     @property
     def chat(self) -> bool:
@@ -99,7 +102,7 @@ class ServeBenchConfig:
 
 
 def config_from_args(ns: argparse.Namespace) -> ServeBenchConfig:
-    base_url = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
+    base_urls = [url.rstrip("/") for url in ns.base_url or [f"http://{ns.host}:{ns.port}"]]
     if not ns.endpoint.rstrip("/").endswith("completions"):
         raise ValueError(f"--endpoint must be /v1/completions or /v1/chat/completions, "
                          f"got {ns.endpoint!r}")
@@ -119,7 +122,8 @@ def config_from_args(ns: argparse.Namespace) -> ServeBenchConfig:
     if any(not 0 <= p <= 100 for p in percentiles):
         raise ValueError(f"--metric-percentiles must be in [0, 100], got {percentiles}")
     return ServeBenchConfig(
-        base_url=base_url, endpoint="/" + ns.endpoint.lstrip("/"), model=ns.model,
+        base_url=base_urls[0], more_base_urls=tuple(base_urls[1:]),
+        endpoint="/" + ns.endpoint.lstrip("/"), model=ns.model,
         tokenizer=ns.tokenizer, dataset_name=ns.dataset_name, num_prompts=ns.num_prompts,
         random_input_len=ns.random_input_len, random_output_len=ns.random_output_len,
         random_range_ratio=ns.random_range_ratio, shared_prefix_len=ns.shared_prefix_len,
@@ -203,11 +207,13 @@ async def run_benchmark(config: ServeBenchConfig) -> dict[str, Any]:
         tokenizer = None if tokenizer_id is None else load_tokenizer(tokenizer_id)
         print(f"tokenizer: {tokenizer_id or 'none (token counts from the server usage)'}")
         samples = sample_requests(config, tokenizer, rng)
-        inputs = [RequestInput(api_url=config.base_url + config.endpoint, model=model_id,
+        urls = [config.base_url, *config.more_base_urls]
+        picks = np.random.default_rng(config.seed + 1).integers(len(urls), size=len(samples))
+        inputs = [RequestInput(api_url=urls[pick] + config.endpoint, model=model_id,
                                prompt=s.prompt, prompt_len=s.prompt_len,
                                output_len=s.expected_output_len, ignore_eos=config.ignore_eos,
                                temperature=config.temperature, chat=config.chat)
-                  for s in samples]
+                  for s, pick in zip(samples, picks.tolist())]
         if config.num_warmups:
             print(f"Warming up with {config.num_warmups} requests...")
             await asyncio.gather(*[send_request(client, inputs[0])
@@ -262,6 +268,9 @@ def command_line(ns: argparse.Namespace) -> str:
             words.append(flag)
         elif value is False:
             words.append("--no-" + flag[2:])
+        elif isinstance(value, list) and dest == "base_url":  # repeated flag
+            for url in value:
+                words += [flag, url]
         elif isinstance(value, list):
             words += [flag, *map(str, value)]
         elif dest == "api_key":
@@ -308,7 +317,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action = parser.add_argument(flag, **kwargs)
         flags.append((flag, action.dest))
 
-    add("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
+    add("--base-url", action="append", default=None,
+        help="server URL (default: http://HOST:PORT); repeat for several servers of one model: "
+             "each request goes to one of them at random")
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
     add("--endpoint", default="/v1/completions", help="/v1/completions | /v1/chat/completions")

@@ -248,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Each benchmark module adds its own subcommand: module.add_parser(bench_sub).
     from sluice.bench import (
         kv_pool,
+        kv_pool_serve,
         kv_tier,
         latency,
         profile_steps,
@@ -266,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec_decode.add_parser(bench_sub)
     kv_tier.add_parser(bench_sub)
     kv_pool.add_parser(bench_sub)
+    kv_pool_serve.add_parser(bench_sub)
     structured.add_parser(bench_sub)
     return parser
 

@@ -1,0 +1,203 @@
+"""`sluice bench kv-pool-serve`: two `sluice serve` instances sharing a global KV pool against two
+that share nothing, under the same shared-prefix serving load (issue 15's serving measurement).
+
+    sluice bench kv-pool-serve --backend mooncake --num-prompts 200 --shared-prefix-len 4096 \\
+        --shared-prefix-groups 10 --suffix-len 256 --output-len 64 --request-rate 4 \\
+        --output benchmarks/kv-pool-serve.json
+
+The load is `sluice bench serve`'s shared-prefix dataset (groups of prompts sharing a long
+prefix, as a system prompt and history are shared by the turns of many chats), each request sent
+to one of the two instances at random, as a load balancer that knows nothing of prefixes does.
+Without a pool each instance computes every prefix it meets once (its own prefix cache); with one,
+a prefix computed by either is loaded by the other. Each setting starts its instances afresh
+(and, with the pool, a fresh `redis-server` or `mooncake_master` with a process owning the
+store's memory, on loopback); the workload, seed and instance flags are the same. It prints mean
+and P99 TTFT, TPOT and the throughput of both settings with their ratio (pool / no pool), and the
+instances' pool counters, and saves everything as JSON with the command and the machine.
+
+With two or more GPUs visible, instance i runs on GPU i; with one, both share it
+(`--gpu-memory-utilization` each, started one after the other). On a CPU with a tiny model it is a
+smoke test: `--device cpu --model PATH --dtype float32` and small lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from sluice.bench.serve import ServeBenchConfig, machine_line, run_benchmark
+
+_METRICS = ("ttft", "tpot", "itl")
+_SUMMARY = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
+            "request_throughput", "output_throughput", "total_token_throughput", "completed")
+
+
+def _pool_config(ns: argparse.Namespace, stack: ExitStack) -> dict[str, Any]:
+    """The KVPoolConnector config of a fresh server of `ns.backend` (started here)."""
+    from sluice.testing import servers
+
+    extra: dict[str, Any] = {"backend": ns.backend, "staging_bytes": ns.staging_bytes}
+    if ns.backend == "redis":
+        if missing := servers.redis_missing():
+            raise ValueError(f"cannot start the redis backend: {missing}")
+        extra["url"] = stack.enter_context(servers.start_redis(
+            maxmemory=str(ns.pool_bytes), maxmemory_policy="allkeys-lru")).url
+    else:
+        if missing := servers.mooncake_missing():
+            raise ValueError(f"cannot start the mooncake backend: {missing}")
+        master = stack.enter_context(servers.start_mooncake_master())
+        stack.enter_context(servers.start_mooncake_segment_owner(master.address, ns.pool_bytes))
+        extra.update(url=master.url, global_segment_size=0)
+    return {"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
+
+
+def _num_gpus(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _instances(ns: argparse.Namespace, flags: list[str], workdir: Path) -> list[Any]:
+    from sluice.testing.pd_cluster import Instance, serve_argv
+    from sluice.testing.servers import free_port
+
+    own_gpus = _num_gpus(ns.device) >= 2
+    instances = []
+    for i in range(2):
+        port = free_port()
+        env = {"CUDA_VISIBLE_DEVICES": str(i)} if own_gpus else {}
+        instances.append(Instance(f"instance{i}", serve_argv(ns.model, port, *flags), port,
+                                  workdir, env))
+    return instances
+
+
+def _run_setting(ns: argparse.Namespace, name: str, pooled: bool, workdir: Path
+                 ) -> dict[str, Any]:
+    from sluice.bench.serve_metrics import parse_goodput
+    from sluice.testing.pd_cluster import start_instances
+
+    flags = ["--device", ns.device, "--max-model-len", str(ns.max_model_len),
+             "--served-model-name", "bench", "--gpu-memory-utilization",
+             str(ns.gpu_memory_utilization), *shlex.split(ns.engine_args or "")]
+    if ns.dtype:
+        flags += ["--dtype", ns.dtype]
+    with ExitStack() as stack:
+        if pooled:
+            flags += ["--kv-transfer-config", json.dumps(_pool_config(ns, stack))]
+        instances = _instances(ns, flags, workdir / name)
+        (workdir / name).mkdir(parents=True, exist_ok=True)
+        # One after the other: instances sharing a GPU size their cache from what is free.
+        for instance in instances:
+            start_instances([instance], ns.start_timeout)
+            stack.callback(instance.stop)
+        print(f"--- {name}: {', '.join(i.url for i in instances)}", flush=True)
+        config = ServeBenchConfig(
+            base_url=instances[0].url, more_base_urls=(instances[1].url,),
+            endpoint="/v1/completions", model="bench", tokenizer=ns.tokenizer,
+            dataset_name="shared-prefix", num_prompts=ns.num_prompts,
+            random_input_len=ns.suffix_len, random_output_len=ns.output_len,
+            random_range_ratio=0.0, shared_prefix_len=ns.shared_prefix_len,
+            shared_prefix_groups=ns.shared_prefix_groups, request_rate=ns.request_rate,
+            burstiness=1.0, max_concurrency=ns.max_concurrency, seed=ns.seed,
+            goodput=parse_goodput(ns.goodput or []), ignore_eos=True, temperature=0.0,
+            percentile_metrics=_METRICS, metric_percentiles=(99.0,), num_warmups=0,
+            disable_tqdm=True, api_key=None)
+        result = asyncio.run(run_benchmark(config))
+        counters = [instance.engine_info()["scheduler"] for instance in instances]
+    summary = {key: result.get(key, math.nan) for key in _SUMMARY}
+    summary["instances"] = [{key: c.get(key) for key in (
+        "kv_connector", "prefix_cache_queries", "prefix_cache_hits", "num_scheduled_tokens_total",
+        "num_preemptions_total")} for c in counters]
+    return summary
+
+
+def _table(base: dict[str, Any], pool: dict[str, Any]) -> str:
+    lines = [f"{'metric':<26}{'no pool':>12}{'pool':>12}{'pool/no':>10}"]
+    for key in _SUMMARY:
+        a, b = base.get(key, math.nan), pool.get(key, math.nan)
+        ratio = b / a if a and not math.isnan(a) else math.nan
+        lines.append(f"{key:<26}{a:>12.2f}{b:>12.2f}{ratio:>10.3f}")
+    return "\n".join(lines)
+
+
+def main(ns: argparse.Namespace) -> int:
+    for flag in ("num_prompts", "shared_prefix_groups", "shared_prefix_len", "suffix_len",
+                 "output_len"):
+        if getattr(ns, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
+    if ns.model is None:
+        from sluice.bench.workloads import benchmark_model_dir, cache_root
+
+        ns.model = benchmark_model_dir(cache_root(dict(os.environ)))
+    command = shlex.join(["sluice", "bench", "kv-pool-serve", *sys.argv[3:]])
+    print(command)
+    print(machine_line())
+    workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-kv-pool-serve-"))
+    result: dict[str, Any] = {"command": command, "machine": machine_line(), "model": ns.model,
+                              "backend": ns.backend, "gpus": _num_gpus(ns.device),
+                              "workload": {k: getattr(ns, k) for k in (
+                                  "num_prompts", "shared_prefix_len", "shared_prefix_groups",
+                                  "suffix_len", "output_len", "request_rate", "seed")}}
+    result["no_pool"] = _run_setting(ns, "no_pool", False, workdir)
+    result["pool"] = _run_setting(ns, "pool", True, workdir)
+    print(_table(result["no_pool"], result["pool"]))
+    for setting in ("no_pool", "pool"):
+        for i, counters in enumerate(result[setting]["instances"]):
+            pool = counters["kv_connector"] or {}
+            print(f"{setting} instance{i}: tokens computed "
+                  f"{counters['num_scheduled_tokens_total']}, local prefix hits "
+                  f"{counters['prefix_cache_hits']} of {counters['prefix_cache_queries']} "
+                  f"tokens, pool lookups {pool.get('pool_lookups', 0):.0f}, pool hit blocks "
+                  f"{pool.get('pool_hit_blocks', 0):.0f}")
+    if ns.output:
+        Path(ns.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.output).write_text(json.dumps(result, indent=1))
+        print(f"results saved to {ns.output}")
+    complete = all(result[s]["completed"] == ns.num_prompts for s in ("no_pool", "pool"))
+    return 0 if complete else 1
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "kv-pool-serve", help="two instances sharing a global KV pool vs two without, serving",
+        description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None,
+                        help="model folder (default: the Qwen3-0.6B architecture, random bf16)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                        help="each instance's share of its GPU (default: 0.4, so two fit one)")
+    parser.add_argument("--engine-args", default="", help="more `sluice serve` flags, quoted")
+    parser.add_argument("--backend", default="mooncake", choices=("mooncake", "redis"))
+    parser.add_argument("--pool-bytes", type=int, default=16 << 30,
+                        help="the started store's memory (default: 16 GiB)")
+    parser.add_argument("--staging-bytes", type=int, default=1 << 30,
+                        help="each instance's host staging buffer (default: 1 GiB)")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--shared-prefix-len", type=int, default=4096)
+    parser.add_argument("--shared-prefix-groups", type=int, default=10)
+    parser.add_argument("--suffix-len", type=int, default=256,
+                        help="tokens of each prompt after its shared prefix")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=4.0)
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start-timeout", type=float, default=900.0)
+    parser.add_argument("--output", default=None, help="JSON file for the results")
+    parser.set_defaults(func=main)
+    return parser
