@@ -3,7 +3,10 @@ models, under every GPU optimisation (Triton attention, CUDA graphs, compiled op
 scheduling) and with them switched off one at a time, with and without prefix caching and
 with small prefill chunks (64-token steps replay the CUDA graphs of mixed steps); and with
 speculative decoding (n-gram, a draft model, an EAGLE head; verification CUDA graphs and eager);
-with the model in a worker process; with the CPU KV tier, saved and then loaded; and, on a
+with the model in a worker process; with the CPU KV tier and the global KV pool (in-process,
+Redis and Mooncake Store where their servers are installed: started on loopback), saved and then
+loaded; through a prefill, a decode and a router (PD over the Mooncake Transfer Engine, TCP,
+`--only pd`, where Mooncake is installed); and, on a
 machine of two or more GPUs, tensor parallelism (NCCL; the all-reduces inside the CUDA graphs,
 the fused ops and folded norms per rank), with graphs on and off.
 Exits non-zero on any mismatch.
@@ -57,6 +60,61 @@ CONFIGS = {
     # layer that does not wait for its load, reads the wrong KV.
     "cpu_kv_tier_device_lagging": {"kv_offloading_size": 0.05},
 }
+# The global KV pool: saves after graph replays and eager steps, then (the GPU prefix cache
+# emptied) every full block loaded from the pool; one setting per backend whose server is here.
+POOL_BACKENDS = ("local", "redis", "mooncake")
+
+
+def pool_configs(stack: contextlib.ExitStack) -> dict[str, dict]:
+    from sluice.testing import servers
+
+    configs = {}
+    for backend in POOL_BACKENDS:
+        extra: dict[str, object] = {"backend": backend, "staging_bytes": 64 << 20}
+        if backend == "redis":
+            if servers.redis_missing():
+                continue
+            extra["url"] = stack.enter_context(servers.start_redis()).url
+        elif backend == "mooncake":
+            if servers.mooncake_missing():
+                continue
+            master = stack.enter_context(servers.start_mooncake_master())
+            stack.enter_context(servers.start_mooncake_segment_owner(master.address, 256 << 20))
+            extra.update(url=master.url, global_segment_size=0)
+        configs[f"pool_{backend}"] = {"kv_transfer_config": {
+            "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}}
+    return configs
+
+
+def pd_equals_cpu(model: str, prompts: list[dict], reference: list[list[int]]) -> dict:
+    """A prefill, a decode and a router (sluice serve processes on this GPU, KV over the
+    Mooncake Transfer Engine on TCP): the completions' text equals the CPU reference's."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from sluice.testing.pd_cluster import start_cluster
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    flags = ["--device", "cuda", "--dtype", "float32", "--gpu-memory-utilization", "0.2"]
+    cluster = start_cluster(model, flags, backend="mooncake", one_at_a_time=True)
+    try:
+        texts = []
+        for prompt in prompts:
+            response = httpx.post(f"{cluster.router.url}/v1/completions", timeout=120, json={
+                "model": model, "prompt": prompt["prompt_token_ids"], "max_tokens": 32,
+                "temperature": 0, "ignore_eos": True})
+            response.raise_for_status()
+            texts.append(response.json()["choices"][0]["text"])
+        expected = [tokenizer.decode(ids) for ids in reference]
+        decode = cluster.decodes[0].engine_info()
+        return {"pd_mooncake_equals_cpu": texts == expected,
+                "pd_mooncake_decode_integrity": decode["integrity"],
+                "pd_mooncake_prefill_integrity": cluster.prefills[0].engine_info()["integrity"]}
+    finally:
+        cluster.close()
+
+
 # Tensor parallelism over NCCL, one GPU per rank (issue 18 runs these): every optimisation on
 # (CUDA graphs with the all-reduces captured, fused ops and folded norms, the Triton GEMM of
 # small batches, async scheduling), then with them off one at a time.
@@ -161,13 +219,20 @@ def main() -> None:
                                  "torch": torch.__version__,
                                  "num_gpus": torch.cuda.device_count()}
     rng = random.Random(0)
+    stack = contextlib.ExitStack()
+    pools = pool_configs(stack) if not only or any(p.startswith("pool") for p in only) else {}
     for arch in ("qwen3", "llama", "qwen2"):
         model = make_tiny_model(os.path.join(work, arch), arch=arch)
         prompts = [{"prompt_token_ids": [rng.randrange(3, 600) for _ in range(n)]}
                    for n in (5, 40, 130, 17)]
         reference = greedy_ids(LLM(model=model, dtype="float32", device="cpu",
                                    max_num_batched_tokens=64), prompts)
-        configs = dict(CONFIGS)
+        configs = {**CONFIGS, **pools}
+        if arch == "qwen3" and "pd" in only:
+            from sluice.testing.servers import mooncake_missing
+
+            if mooncake_missing() is None:
+                result.update(pd_equals_cpu(model, prompts, reference))
         eagle = None
         if arch != "qwen2":
             eagle = make_tiny_eagle(model, os.path.join(work, arch + "-eagle"))
@@ -198,6 +263,15 @@ def main() -> None:
                 stats = llm.llm_engine.scheduler.connector.get_stats()
                 result[f"{arch}_{name}_loaded_blocks"] = stats["loaded_blocks"]
                 result[f"{arch}_{name}_loaded_some"] = stats["loaded_blocks"] > 0
+            if name.startswith("pool_"):
+                # Again, from the pool: every full block of every prompt loads.
+                worker = llm.llm_engine.engine_core.executor.worker.connector
+                assert worker.wait_for_pending_saves(120.0)
+                assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+                result[f"{arch}_{name}_loaded_equals_cpu"] = greedy_ids(llm, prompts) == reference
+                stats = llm.llm_engine.scheduler.connector.get_stats()
+                result[f"{arch}_{name}_hit_blocks"] = stats.get("pool_hit_blocks", 0)
+                result[f"{arch}_{name}_loaded_some"] = stats.get("pool_hit_blocks", 0) > 0
             if name in ("default", "chunks_of_64"):
                 graphs = llm.llm_engine.engine_core.executor.model_runner.graph_runner
                 replays = graphs.mixed_graphs.num_replays if graphs.mixed_graphs else 0
@@ -211,6 +285,7 @@ def main() -> None:
                 result[f"{arch}_one_prompt_at_a_time_equals_cpu"] = greedy_ids(
                     llm, prompts, one_at_a_time=True) == reference
             llm.shutdown()
+    stack.close()
     print(json.dumps(result, indent=1), flush=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
