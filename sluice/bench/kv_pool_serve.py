@@ -185,8 +185,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="mooncake", choices=("mooncake", "redis"))
     parser.add_argument("--pool-bytes", type=int, default=16 << 30,
                         help="the started store's memory (default: 16 GiB)")
-    parser.add_argument("--staging-bytes", type=int, default=1 << 30,
-                        help="each instance's host staging buffer (default: 1 GiB)")
+    parser.add_argument("--staging-bytes", type=int, default=4 << 30,
+                        help="each instance's host staging buffer (default: 4 GiB; its save "
+                             "half must hold the saves of the steps whose puts are in flight)")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--shared-prefix-len", type=int, default=4096)
     parser.add_argument("--shared-prefix-groups", type=int, default=10)

@@ -178,8 +178,7 @@ class PoolBackend(ABC):
         keys, offsets, sizes, value_sizes = self._check_slots(keys, offsets, sizes)
         view = self._buffer
         assert view is not None
-        for key, offset, size in zip(keys, offsets, sizes):
-            framing.seal(view, offset, size, key)
+        framing.seal_all(view, offsets, sizes, keys)
         return self._chunked(self._put, keys, offsets, value_sizes)
 
     def batch_get(self, keys: Sequence[str], offsets: Sequence[int],
@@ -190,8 +189,7 @@ class PoolBackend(ABC):
         received = self._chunked(self._get, keys, offsets, value_sizes)
         view = self._buffer
         assert view is not None
-        return [framing.is_intact(view, offset, size, key, got)
-                for key, offset, size, got in zip(keys, offsets, sizes, received)]
+        return framing.intact_all(view, offsets, sizes, keys, received)
 
     def close(self) -> None:
         """Release the connection (idempotent). The staging buffer is the caller's to free."""

@@ -10,13 +10,19 @@ checksum covers the key too, so a value that lands under the wrong key fails it.
 Backends move whole values (`value_size(n)` bytes) between the store and the registered staging
 buffer, so the caller leaves `TRAILER_SIZE` bytes after each payload: `seal` writes the trailer
 there before a put, `is_intact` checks it after a get. zlib's crc32 (stdlib, about 3.5 GB/s on
-one core here, GIL released) keeps the format independent of optional packages.
+one core here, GIL released) keeps the format independent of optional packages; a batch of
+values is checked on several threads (`seal_all`, `intact_all`), since one core's 3.5 GB/s was
+most of a pool load's time on the GPU (1.8 GB/s end to end for the in-process backend).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import struct
+import threading
 import zlib
+from collections.abc import Callable, Sequence
 
 TRAILER = struct.Struct("<II")  # (crc32 of key + payload, payload length)
 TRAILER_SIZE = TRAILER.size
@@ -53,3 +59,34 @@ def is_intact(view: memoryview, offset: int, size: int, key: str, received: int)
 def frame(key: str, payload: bytes) -> bytes:
     """The stored form of `payload` under `key` (for writing values without a staging buffer)."""
     return payload + TRAILER.pack(checksum(key, payload), len(payload))
+
+
+# Values of a KV block are megabytes: one task each is cheap beside its checksum.
+_NUM_THREADS = max(1, min(8, os.cpu_count() or 1))
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _map(fn: Callable, *columns: Sequence) -> list:
+    global _executor
+    rows = list(zip(*columns))
+    if _NUM_THREADS == 1 or len(rows) < 2:
+        return [fn(*row) for row in rows]
+    with _executor_lock:
+        if _executor is None:
+            _executor = concurrent.futures.ThreadPoolExecutor(
+                _NUM_THREADS, thread_name_prefix="sluice-pool-crc")
+    return list(_executor.map(lambda row: fn(*row), rows))
+
+
+def seal_all(view: memoryview, offsets: Sequence[int], sizes: Sequence[int],
+             keys: Sequence[str]) -> None:
+    """`seal` each payload, on several threads."""
+    _map(lambda offset, size, key: seal(view, offset, size, key), offsets, sizes, keys)
+
+
+def intact_all(view: memoryview, offsets: Sequence[int], sizes: Sequence[int],
+               keys: Sequence[str], received: Sequence[int]) -> list[bool]:
+    """`is_intact` of each value, on several threads."""
+    return _map(lambda offset, size, key, got: is_intact(view, offset, size, key, got),
+                offsets, sizes, keys, received)

@@ -116,6 +116,7 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         self.client: PoolClient | None = None
         self.mover: StagingMover | None = None
         self._save_slots = SlotAllocator(range(self.num_load_slots, self.num_slots))
+        self._warned_staging_full = False
         self._load_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="sluice-pool-load")
         self._save_thread = concurrent.futures.ThreadPoolExecutor(
@@ -234,6 +235,15 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         slots = self._save_slots.allocate(len(block_ids))
         # Lookups stop at the first missing block: keep the first ones.
         self._add_stat("pool_errors.save.dropped", len(block_ids) - len(slots))
+        if len(slots) < len(block_ids) and not self._warned_staging_full:
+            self._warned_staging_full = True
+            logger.warning(
+                "KVPoolConnector: %d of this step's %d saved blocks dropped: the save half of "
+                "the host staging buffer is full (staging_bytes=%d; a step's saves need up to "
+                "%d bytes per token it computes, and the half must hold the puts still in "
+                "flight: raise kv_connector_extra_config.staging_bytes to about 4 x "
+                "max_num_batched_tokens x that)", len(block_ids) - len(slots), len(block_ids),
+                self.settings.staging_bytes, self.stride // self.kv_cache_spec.block_size)
         if not slots:
             return
         num = len(slots)
