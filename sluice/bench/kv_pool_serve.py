@@ -34,7 +34,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from sluice.bench.serve import ServeBenchConfig, machine_line, run_benchmark
+from sluice.bench.serve import ServeBenchConfig, machine_line, model_tokenizer, run_benchmark
 
 _METRICS = ("ttft", "tpot", "itl")
 _SUMMARY = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
@@ -105,7 +105,7 @@ def _run_setting(ns: argparse.Namespace, name: str, pooled: bool, workdir: Path
         print(f"--- {name}: {', '.join(i.url for i in instances)}", flush=True)
         config = ServeBenchConfig(
             base_url=instances[0].url, more_base_urls=(instances[1].url,),
-            endpoint="/v1/completions", model="bench", tokenizer=ns.tokenizer,
+            endpoint="/v1/completions", model="bench", tokenizer=model_tokenizer(ns),
             dataset_name="shared-prefix", num_prompts=ns.num_prompts,
             random_input_len=ns.suffix_len, random_output_len=ns.output_len,
             random_range_ratio=0.0, shared_prefix_len=ns.shared_prefix_len,

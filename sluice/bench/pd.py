@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from sluice.bench.serve import ServeBenchConfig, machine_line, run_benchmark
+from sluice.bench.serve import ServeBenchConfig, machine_line, model_tokenizer, run_benchmark
 from sluice.bench.serve_metrics import parse_goodput
 from sluice.testing.pd_cluster import Instance, serve_argv, start_cluster, start_instances
 from sluice.testing.servers import free_port
@@ -61,7 +61,7 @@ def _rates(text: str) -> list[float]:
 def _load(base_url: str, model: str, input_len: int, output_len: int, rate: float,
           ns: argparse.Namespace) -> dict[str, Any]:
     config = ServeBenchConfig(
-        base_url=base_url, endpoint="/v1/completions", model=model, tokenizer=ns.tokenizer,
+        base_url=base_url, endpoint="/v1/completions", model=model, tokenizer=model_tokenizer(ns),
         dataset_name="random", num_prompts=ns.num_prompts, random_input_len=input_len,
         random_output_len=output_len, random_range_ratio=0.0, shared_prefix_len=0,
         shared_prefix_groups=1, request_rate=rate, burstiness=1.0,
@@ -92,7 +92,8 @@ def _loads(base_url: str, model: str, ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def _prefill_counters(prefill: Instance) -> dict[str, float]:
-    return prefill.engine_info()["scheduler"]["kv_connector"]
+    # (Generous: under a long transfer the prefill's engine answers late.)
+    return prefill.engine_info(timeout_s=120.0)["scheduler"]["kv_connector"]
 
 
 def _transfer(router: Instance, prefill: Instance, model: str, vocab: int,

@@ -136,6 +136,17 @@ def config_from_args(ns: argparse.Namespace) -> ServeBenchConfig:
         num_warmups=ns.num_warmups, disable_tqdm=ns.disable_tqdm, api_key=ns.api_key)
 
 
+def model_tokenizer(ns: argparse.Namespace) -> str | None:
+    """--tokenizer, else the model folder when it has a tokenizer: the prompts are then sized in
+    the model's tokens (a server's model name such as "bench" names no folder)."""
+    if ns.tokenizer:
+        return ns.tokenizer
+    folder = ns.model
+    if folder and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return folder
+    return None
+
+
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 

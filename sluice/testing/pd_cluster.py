@@ -101,8 +101,8 @@ class Instance:
         self.kill()
         return code
 
-    def engine_info(self) -> dict[str, Any]:
-        response = httpx.get(f"{self.url}/debug/engine", timeout=10)
+    def engine_info(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/debug/engine", timeout=timeout_s)
         response.raise_for_status()
         return response.json()
 
