@@ -104,7 +104,11 @@ def pd_equals_cpu(model: str, prompts: list[dict], reference: list[list[int]]) -
             response = httpx.post(f"{cluster.router.url}/v1/completions", timeout=120, json={
                 "model": model, "prompt": prompt["prompt_token_ids"], "max_tokens": 32,
                 "temperature": 0, "ignore_eos": True})
-            response.raise_for_status()
+            if response.status_code != 200:
+                for instance in cluster.instances:
+                    print(f"--- {instance.name} log:\n{instance.log_tail(4000)}", flush=True)
+                return {"pd_mooncake_equals_cpu": False,
+                        "pd_mooncake_error": f"{response.status_code} {response.text[:1000]}"}
             texts.append(response.json()["choices"][0]["text"])
         expected = [tokenizer.decode(ids) for ids in reference]
         decode = cluster.decodes[0].engine_info()
@@ -219,6 +223,7 @@ def main() -> None:
                                  "torch": torch.__version__,
                                  "num_gpus": torch.cuda.device_count()}
     rng = random.Random(0)
+    pd = None
     stack = contextlib.ExitStack()
     pools = pool_configs(stack) if not only or any(p.startswith("pool") for p in only) else {}
     for arch in ("qwen3", "llama", "qwen2"):
@@ -229,10 +234,7 @@ def main() -> None:
                                    max_num_batched_tokens=64), prompts)
         configs = {**CONFIGS, **pools}
         if arch == "qwen3" and "pd" in only:
-            from sluice.testing.servers import mooncake_missing
-
-            if mooncake_missing() is None:
-                result.update(pd_equals_cpu(model, prompts, reference))
+            pd = (model, prompts, reference)
         eagle = None
         if arch != "qwen2":
             eagle = make_tiny_eagle(model, os.path.join(work, arch + "-eagle"))
@@ -286,6 +288,11 @@ def main() -> None:
                     llm, prompts, one_at_a_time=True) == reference
             llm.shutdown()
     stack.close()
+    if pd is not None:
+        from sluice.testing.servers import mooncake_missing
+
+        if mooncake_missing() is None:
+            result.update(pd_equals_cpu(*pd))
     print(json.dumps(result, indent=1), flush=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
