@@ -72,6 +72,22 @@ PRESETS: dict[str, dict] = {
         "dtype": "bfloat16",
         "weight_std": 0.04,
     },
+    # The Qwen3-8B architecture (tensor-parallel scaling runs: a model big enough to split).
+    "qwen3-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "max_position_embeddings": 40960,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "dtype": "bfloat16",
+        "weight_std": 0.02,
+    },
 }
 
 # Per-architecture config.json fields beyond the sizes, as the published checkpoints carry them.
