@@ -80,6 +80,7 @@ class KVCacheSpec:
     tp_rank: int = 0
     tp_size: int = 1
     layout: str = "2.nb.bs.h.d"  # names the layout above in keys that must never mix layouts
+    max_tokens_per_step: int = 0  # max_num_batched_tokens (0: unknown): a step's KV at most
 
     @property
     def num_layers(self) -> int:

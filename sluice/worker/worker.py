@@ -71,6 +71,7 @@ class Worker:
             layer_names=tuple(runner.kv_caches),
             tp_rank=self.tp.rank,
             tp_size=self.tp.size,
+            max_tokens_per_step=self.config.scheduler_config.max_num_batched_tokens,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:

@@ -42,6 +42,9 @@ SLOT_ALIGN = 256
 MIN_SLOTS = 4  # two to load into, two to save from
 
 
+MIN_STAGING_BYTES = 256 << 20
+
+
 @dataclass(frozen=True)
 class PoolSettings:
     backend: str = "local"
@@ -49,7 +52,8 @@ class PoolSettings:
     on_backend_error: str = "fail"
     timeout_s: float = 5.0  # each worker call (a chunk of loads, one step's saves)
     lookup_timeout_s: float = 0.25  # the scheduler's existence query: a miss after that
-    staging_bytes: int = 256 << 20  # host staging per worker (pinned on CUDA)
+    # Host staging per worker (pinned on CUDA); None: sized from the step (`staging_size`).
+    staging_bytes: int | None = None
     retry_interval_s: float = 1.0  # a client that failed is tried again after this
     model_id: str | None = None  # names the model in keys (default: the model as given)
     backend_options: dict[str, Any] = field(default_factory=dict)
@@ -93,7 +97,8 @@ class PoolSettings:
                                  f"number of seconds in (0, 3600), got {value!r}")
             object.__setattr__(settings, name, float(value))
         staging = extra.get("staging_bytes", settings.staging_bytes)
-        if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
+        if staging is not None and (isinstance(staging, bool) or not isinstance(staging, int)
+                                    or staging <= 0):
             raise ValueError(f"KVPoolConnector: kv_connector_extra_config.staging_bytes must be "
                              f"a positive integer number of bytes, got {staging!r}")
         object.__setattr__(settings, "staging_bytes", staging)
@@ -103,12 +108,23 @@ class PoolSettings:
                              f"non-empty string, got {settings.model_id!r}")
         return settings
 
+    def staging_size(self, spec: KVCacheSpec) -> int:
+        """`staging_bytes`, or by default room for a step's loads (the load half) and two steps'
+        saves (the save half: one step's puts may still be in flight), at least 256 MiB. On an
+        H100 a 256 MiB default dropped 70% of an 8,192-token step's saves (Qwen3-0.6B: 0.94 GB
+        of KV per such step)."""
+        if self.staging_bytes is not None:
+            return self.staging_bytes
+        per_step = spec.max_tokens_per_step * slot_stride(spec) // spec.block_size
+        return max(MIN_STAGING_BYTES, 4 * per_step)
+
     def num_staging_slots(self, spec: KVCacheSpec) -> int:
         """Slots of the host staging buffer (at least MIN_SLOTS, else a ValueError)."""
-        slots = self.staging_bytes // slot_stride(spec)
+        staging = self.staging_size(spec)
+        slots = staging // slot_stride(spec)
         if slots < MIN_SLOTS:
             raise ValueError(
-                f"KVPoolConnector: kv_connector_extra_config.staging_bytes ({self.staging_bytes})"
+                f"KVPoolConnector: kv_connector_extra_config.staging_bytes ({staging})"
                 f" holds {slots} KV blocks; it needs at least {MIN_SLOTS} "
                 f"({MIN_SLOTS * slot_stride(spec)} bytes: a block of {spec.num_layers} layers "
                 f"is {spec.bytes_per_block} bytes)")

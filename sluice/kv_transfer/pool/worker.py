@@ -243,7 +243,8 @@ class KVPoolConnectorWorker(KVConnectorWorker):
                 "%d bytes per token it computes, and the half must hold the puts still in "
                 "flight: raise kv_connector_extra_config.staging_bytes to about 4 x "
                 "max_num_batched_tokens x that)", len(block_ids) - len(slots), len(block_ids),
-                self.settings.staging_bytes, self.stride // self.kv_cache_spec.block_size)
+                self.settings.staging_size(self.kv_cache_spec),
+                self.stride // self.kv_cache_spec.block_size)
         if not slots:
             return
         num = len(slots)
