@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sluice.bench.datasets import length_range, sample_random, sample_shared_prefix
-from sluice.bench.serve import arrival_times, config_from_args
+from sluice.bench.serve import arrival_times, command_line, config_from_args
 from sluice.bench.serve_metrics import (
     RequestTiming,
     compute_metrics,
@@ -291,6 +291,12 @@ def test_cli_flags_use_vllm_names_and_defaults(tmp_path: Path) -> None:
     assert config.ignore_eos and config.temperature == 0.0
     assert config.percentile_metrics == ("ttft", "tpot", "itl")
     assert config.metric_percentiles == (99.0,)
+    assert config.more_base_urls == ()
+    two = parser.parse_args(["bench", "serve", "--base-url", "http://a:1/",
+                             "--base-url", "http://b:2"])
+    assert (config_from_args(two).base_url, config_from_args(two).more_base_urls) == (
+        "http://a:1", ("http://b:2",))
+    assert "--base-url http://a:1/ --base-url http://b:2" in command_line(two)
     bad = parser.parse_args(["bench", "serve", "--percentile-metrics", "ttft,foo"])
     with pytest.raises(ValueError, match="foo"):
         config_from_args(bad)
