@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
 from typing import Any
 
 import msgspec
@@ -211,3 +212,21 @@ class InjectingWorker(OffloadingConnectorWorker):
 class InjectingConnector:
     Scheduler = InjectingScheduler
     Worker = InjectingWorker
+
+
+# ---- helpers of the connector tests ----
+
+
+def count_computed_tokens(llm: Any) -> dict[str, int]:
+    """Tokens the model computes per request id, seen where the step messages leave."""
+    executor = llm.llm_engine.engine_core.executor
+    counts: dict[str, int] = defaultdict(int)
+    execute_model = executor.execute_model
+
+    def counting(scheduler_output: SchedulerOutput):  # noqa: ANN202
+        for req_id, num in scheduler_output.num_scheduled_tokens.items():
+            counts[req_id] += num
+        return execute_model(scheduler_output)
+
+    executor.execute_model = counting
+    return counts

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 
 from sluice.router.workers import Worker
@@ -21,9 +22,10 @@ from sluice.router.workers import Worker
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
 
-class Policy:
+class Policy(ABC):
+    @abstractmethod
     def pick(self, workers: list[Worker], prompt: str) -> Worker:
-        raise NotImplementedError
+        """The worker for this prompt, of `workers` (healthy, non-empty)."""
 
 
 class RoundRobin(Policy):

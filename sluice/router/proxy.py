@@ -148,6 +148,16 @@ class _Pair:
     decode: Worker
     room: int
 
+    def begin(self) -> None:
+        """An attempt starts on both instances (the policies count what is in flight)."""
+        for worker in (self.prefill, self.decode):
+            worker.in_flight += 1
+            worker.num_requests += 1
+
+    def end(self) -> None:
+        self.prefill.in_flight -= 1
+        self.decode.in_flight -= 1
+
 
 class Proxy:
     def __init__(self, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy,
@@ -264,10 +274,7 @@ class Proxy:
     async def _attempt_full(self, path: str, body: dict[str, Any], pair: _Pair) -> Response:
         prefill_body, decode_body = self._bodies(body, pair)
         p, d = pair.prefill, pair.decode
-        p.in_flight += 1
-        d.in_flight += 1
-        p.num_requests += 1
-        d.num_requests += 1
+        pair.begin()
         p_task = asyncio.ensure_future(self._prefill(p, path, prefill_body))
         d_task = asyncio.ensure_future(self.client.post(f"{d.url}{path}", json=decode_body))
         try:
@@ -298,18 +305,14 @@ class Proxy:
             return JSONResponse(data)
         finally:
             await _cancel(p_task, d_task)
-            p.in_flight -= 1
-            d.in_flight -= 1
+            pair.end()
 
     async def _attempt_stream(self, path: str, body: dict[str, Any], pair: _Pair
                               ) -> _DecodeStream:
         """Open the decode's stream and read it up to its first token."""
         prefill_body, decode_body = self._bodies(body, pair)
         p, d = pair.prefill, pair.decode
-        p.in_flight += 1
-        d.in_flight += 1
-        p.num_requests += 1
-        d.num_requests += 1
+        pair.begin()
         p_task = asyncio.ensure_future(self._prefill(p, path, prefill_body))
         response: httpx.Response | None = None
         line_task: asyncio.Future | None = None
@@ -364,8 +367,7 @@ class Proxy:
                 await _cancel(p_task, line_task)
                 if response is not None:
                     await response.aclose()
-                p.in_flight -= 1
-                d.in_flight -= 1
+                pair.end()
 
 
 async def _cancel(*tasks: asyncio.Future | None) -> None:
@@ -409,8 +411,7 @@ class _DecodeStream:
         finally:
             await _cancel(self.p_task)
             await self.response.aclose()
-            self.pair.prefill.in_flight -= 1
-            self.pair.decode.in_flight -= 1
+            self.pair.end()
 
     def _patched(self, line: str) -> str:
         if '"usage"' not in line:

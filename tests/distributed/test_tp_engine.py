@@ -22,6 +22,7 @@ from sluice.engine.arg_utils import EngineArgs
 from sluice.errors import EngineDeadError
 from sluice.executor.multiproc import MultiprocExecutor
 from sluice.spec_decode.eagle_model import make_tiny_eagle
+from tests.engine.test_executor import alive, worker_pids
 
 # 32-token prefill chunks; 19 usable blocks of 8 tokens cannot hold every request at once.
 BASE = dict(dtype="float32", block_size=8, max_model_len=152, max_num_batched_tokens=32, seed=0)
@@ -53,17 +54,6 @@ def assert_all_blocks_back(llm: LLM) -> None:
     assert not llm.llm_engine.scheduler.has_unfinished_requests()
 
 
-def worker_pids(llm: LLM) -> list[int]:
-    return llm.llm_engine.engine_core.executor.worker_pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not reaped yet) is not running
-        return f.read().split()[2] != "Z"
 
 
 _REFERENCES: dict[str, list[list[int]]] = {}

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import random
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
 
 from sluice import LLM, SamplingParams
-from sluice.core.outputs import SchedulerOutput
+from tests.connectors import count_computed_tokens
 from tests.kv_transfer.test_disagg_transfer import require_backend
 
 BLOCK = 8
@@ -89,20 +88,6 @@ class Pair:
     def shutdown(self) -> None:
         self.decode.shutdown()
         self.prefill.shutdown()
-
-
-def count_computed_tokens(llm: LLM) -> dict[str, int]:
-    executor = llm.llm_engine.engine_core.executor
-    counts: dict[str, int] = defaultdict(int)
-    execute_model = executor.execute_model
-
-    def counting(scheduler_output: SchedulerOutput):  # noqa: ANN202
-        for req_id, num in scheduler_output.num_scheduled_tokens.items():
-            counts[req_id] += num
-        return execute_model(scheduler_output)
-
-    executor.execute_model = counting
-    return counts
 
 
 @pytest.fixture(scope="module")

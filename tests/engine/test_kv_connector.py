@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import random
 import time
-from collections import defaultdict
 
 import pytest
 
 from sluice import LLM, SamplingParams
-from sluice.core.outputs import SchedulerOutput
+from tests.connectors import count_computed_tokens
 
 BLOCK = 16
 PROMPT_LEN = 160  # 10 blocks
@@ -44,21 +43,6 @@ def reference(qwen3_dir: str) -> LLM:
 def injecting(**extra: object) -> dict:
     return {"kv_connector": "InjectingConnector", "kv_connector_module_path": "tests.connectors",
             "kv_connector_extra_config": {"cpu_bytes_to_use": TIER_BYTES, **extra}}
-
-
-def count_computed_tokens(llm: LLM) -> dict[str, int]:
-    """Tokens the model computes per request id, seen where the step messages leave."""
-    executor = llm.llm_engine.engine_core.executor
-    counts: dict[str, int] = defaultdict(int)
-    execute_model = executor.execute_model
-
-    def counting(scheduler_output: SchedulerOutput):  # noqa: ANN202
-        for req_id, num in scheduler_output.num_scheduled_tokens.items():
-            counts[req_id] += num
-        return execute_model(scheduler_output)
-
-    executor.execute_model = counting
-    return counts
 
 
 def drain(llm: LLM, timeout_s: float = 10.0) -> None:

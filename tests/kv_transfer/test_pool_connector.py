@@ -13,19 +13,18 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import defaultdict
 from typing import Any
 
 import pytest
 
 from sluice import LLM, SamplingParams
 from sluice.core.kv_connector import KVCacheSpec
-from sluice.core.outputs import SchedulerOutput
 from sluice.engine.stats import SchedulerStats, StatsLogger
 from sluice.entrypoints.openai.metrics import PrometheusStatsListener
 from sluice.kv_transfer.pool.settings import PoolSettings, key_prefix, slot_stride
 from sluice.kv_transfer.pool.worker import SlotAllocator
 from sluice.testing import servers
+from tests.connectors import count_computed_tokens
 from tests.kv_transfer.conftest import require
 
 BLOCK = 16
@@ -93,21 +92,6 @@ def scheduler_half(llm: LLM) -> Any:
 
 def wait_for_saves(llm: LLM) -> None:
     assert worker_half(llm).wait_for_pending_saves(10.0), "saves did not finish"
-
-
-def count_computed_tokens(llm: LLM) -> dict[str, int]:
-    """Tokens the model computes per request id, seen where the step messages leave."""
-    executor = llm.llm_engine.engine_core.executor
-    counts: dict[str, int] = defaultdict(int)
-    execute_model = executor.execute_model
-
-    def counting(scheduler_output: SchedulerOutput):  # noqa: ANN202
-        for req_id, num in scheduler_output.num_scheduled_tokens.items():
-            counts[req_id] += num
-        return execute_model(scheduler_output)
-
-    executor.execute_model = counting
-    return counts
 
 
 def assert_all_blocks_back(llm: LLM) -> None:

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from tests.engine.test_executor import alive
 from tests.server.conftest import ServerProcess
 
 KEY = "sk-test-key"
@@ -260,12 +261,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(
     assert "SIGTERM: draining 1 request(s) in flight" in log and "server stopped" in log
 
 
-def test_killing_a_worker_behind_the_server_gives_503_and_leaves_no_process(
-        make_server: Callable[..., ServerProcess]) -> None:
-    server = make_server("--distributed-executor-backend", "mp", "--served-model-name", "m")
-    info = server.engine_info()
-    (worker_pid,) = info["worker_pids"]
-    core_pid = info["engine_core_pid"]
+def _stream_past_first_token(server: ServerProcess) -> tuple[threading.Thread, dict[str, object]]:
+    """A long streamed completion of model "m" on a thread, returned once its first token is
+    in; `result` gets "error" (the openai.APIError, if any) and "ended" (when it ended)."""
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     result: dict[str, object] = {}
 
@@ -284,6 +282,16 @@ def test_killing_a_worker_behind_the_server_gives_503_and_leaves_no_process(
     while "first" not in result:
         assert time.monotonic() < deadline and reader.is_alive()
         time.sleep(0.01)
+    return reader, result
+
+
+def test_killing_a_worker_behind_the_server_gives_503_and_leaves_no_process(
+        make_server: Callable[..., ServerProcess]) -> None:
+    server = make_server("--distributed-executor-backend", "mp", "--served-model-name", "m")
+    info = server.engine_info()
+    (worker_pid,) = info["worker_pids"]
+    core_pid = info["engine_core_pid"]
+    reader, result = _stream_past_first_token(server)
     os.kill(worker_pid, signal.SIGKILL)
     killed_at = time.monotonic()
     reader.join(10)
@@ -292,7 +300,7 @@ def test_killing_a_worker_behind_the_server_gives_503_and_leaves_no_process(
     health = httpx.get(f"{server.base_url}/health")
     assert health.status_code == 503 and "worker rank 0" in health.text
     assert server.stop() == 0
-    assert not _alive(core_pid) and not _alive(worker_pid)
+    assert not alive(core_pid) and not alive(worker_pid)
 
 
 def test_killing_a_tensor_parallel_rank_gives_503_and_leaves_no_process(
@@ -301,24 +309,7 @@ def test_killing_a_tensor_parallel_rank_gives_503_and_leaves_no_process(
     info = server.engine_info()
     pids = info["worker_pids"]
     assert len(set(pids)) == 2
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-    result: dict[str, object] = {}
-
-    def stream() -> None:
-        try:
-            for _ in client.completions.create(model="m", prompt="victim", max_tokens=1000,
-                                               stream=True, extra_body={"ignore_eos": True}):
-                result.setdefault("first", time.monotonic())
-        except openai.APIError as exc:
-            result["error"] = exc
-        result["ended"] = time.monotonic()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    deadline = time.monotonic() + 30
-    while "first" not in result:
-        assert time.monotonic() < deadline and reader.is_alive()
-        time.sleep(0.01)
+    reader, result = _stream_past_first_token(server)
     os.kill(pids[1], signal.SIGKILL)
     killed_at = time.monotonic()
     reader.join(10)
@@ -327,20 +318,13 @@ def test_killing_a_tensor_parallel_rank_gives_503_and_leaves_no_process(
     health = httpx.get(f"{server.base_url}/health")
     assert health.status_code == 503 and "worker rank 1" in health.text
     # Rank 0 (which may have been blocked in a collective with rank 1) is gone too.
-    while _alive(pids[0]):
+    while alive(pids[0]):
         assert time.monotonic() - killed_at < 5.0, "rank 0 outlived its peer by 5 s"
         time.sleep(0.02)
     assert server.stop() == 0
-    assert not any(_alive(pid) for pid in [info["engine_core_pid"], *pids])
+    assert not any(alive(pid) for pid in [info["engine_core_pid"], *pids])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie (not reaped yet) is not running either
-        return f.read().split()[2] != "Z"
 
 
 def test_a_worker_that_dies_while_the_server_is_idle_gives_503_within_5_s(

@@ -112,9 +112,9 @@ class PoolBackend(ABC):
     def _check_ready(self) -> None:  # noqa: B027 (optional hook)
         """Raise `PoolUnavailable` if calls cannot start now (before any slot is touched)."""
 
+    @abstractmethod
     def count_keys(self, prefix: str = "") -> int:
         """How many keys starting with `prefix` the store holds (tests, metrics)."""
-        raise NotImplementedError(f"{self.backend_name} cannot count its keys")
 
     # ---- the interface ----
 
