@@ -35,6 +35,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache`), e.g. between two timed
+        runs of the same prompts. False, and nothing reset, while requests hold blocks."""
+        return self.llm_engine.kv_cache_manager.reset_prefix_cache()
+
     def get_spec_decoding_stats(self) -> SpecDecodingStats | None:
         """Speculative decoding's counters since the engine started (drafts, draft tokens,
         accepted tokens, accepted tokens per draft position; `acceptance_rate` and

@@ -146,3 +146,14 @@ def test_fully_cached_prompt_still_computes_its_last_token(qwen3_dir: str) -> No
     assert again == first
     assert outputs[0].num_cached_tokens == 24  # three blocks; the last block holds the last token
     assert_integrity_and_all_free(llm)
+
+
+def test_reset_prefix_cache_forgets_the_prompts(qwen3_dir: str) -> None:
+    llm = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256)
+    prompt = list(range(10, 42))
+    first, _ = sluice_greedy(llm, [prompt], max_tokens=3)
+    assert llm.reset_prefix_cache()
+    again, outputs = sluice_greedy(llm, [prompt], max_tokens=3)
+    assert again == first
+    assert outputs[0].num_cached_tokens == 0  # a cold run, as the first was
+    assert_integrity_and_all_free(llm)
