@@ -63,7 +63,8 @@ def main(ns: argparse.Namespace) -> int:
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
               for m in workload.max_tokens]
-    llm.generate(prompts[:4], [SamplingParams(max_tokens=8)] * 4, use_tqdm=False)  # warm-up
+    warm_up = prompts[:4]
+    llm.generate(warm_up, [SamplingParams(max_tokens=8)] * len(warm_up), use_tqdm=False)
 
     engine = llm.llm_engine
     core = engine.engine_core

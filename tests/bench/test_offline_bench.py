@@ -170,6 +170,17 @@ def test_bench_latency_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> None:
     assert "ITL (ms/token)" in result.stdout and "TTFT (ms)" in result.stdout
 
 
+def test_bench_profile_of_one_request_on_cpu(tiny_dir: str, tmp_path: Path) -> None:
+    # One request: fewer than the four of the warm-up.
+    out_json = tmp_path / "profile.json"
+    result = run_sluice("bench", "profile", "--model", tiny_dir, "--device", "cpu",
+                        "--num-requests", "1", "--max-input-len", "12", "--max-output-len", "6",
+                        "--output", str(out_json))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out_json.read_text())
+    assert record["phases_s"]["engine_step_total"] > 0
+
+
 def test_bench_latency_rejects_bad_arguments(tiny_dir: str) -> None:
     result = run_sluice("bench", "latency", "--model", tiny_dir, "--device", "cpu",
                         "--output-len", "1")
