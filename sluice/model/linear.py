@@ -37,11 +37,21 @@ class Linear(nn.Module):
         self.bias = new_param(output_size) if bias else None
         # (x, weight) -> x W^T; the Triton GEMM of small batches on CUDA (install_fused_ops)
         self.gemm_op = None
+        # (x, weight, eps) -> (x W^T) / rms(x) per row, or None at sizes it does not run
+        # (the folded layers' gate_up_proj on CUDA: install_fused_ops)
+        self.inv_rms_gemm_op = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm_op is not None and self.bias is None:
             return self.gemm_op(x, self.weight)
         return F.linear(x, self.weight, self.bias)
+
+    def inv_rms_forward(self, x: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """forward(x) / rms(x) per row in one op (a norm folded into this weight,
+        LlamaModel.fold_norms), or None where no such op runs at x's size."""
+        if self.inv_rms_gemm_op is None or self.bias is not None:
+            return None
+        return self.inv_rms_gemm_op(x, self.weight, eps)
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,9 @@ class RowParallelLinear(Linear):
         self.full_input_size = input_size
         self.input_start = start
         self.weight.weight_loader = self.weight_loader
+        # (out, x, weight, accumulate, silu_mul) -> None: out (+)= x W^T in place, for add_to
+        # (the Triton GEMM's epilogue at small batches on CUDA: install_fused_ops)
+        self.add_gemm_op = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight,
                       shard_id: Any = None) -> None:
@@ -152,9 +165,11 @@ class RowParallelLinear(Linear):
             return partial
         return self.tp.all_reduce(partial)
 
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> None:
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, silu_mul: bool = False) -> None:
         """residual += x W^T summed over ranks, in place, the add inside the GEMM (cuBLAS's
-        beta), for the layers' folded path (LlamaModel.fold_norms); no bias.
+        beta, or the Triton GEMM's epilogue), for the layers' folded path
+        (LlamaModel.fold_norms); no bias. `silu_mul`: x is SwiGLU's (gate, up) and the
+        product is of silu_and_mul(x) (in the Triton GEMM's prologue where it runs).
 
         At TP > 1 the partial sums cannot each be added to the residual (it would count the
         residual N times) and reducing the output before the add would cost an add launch:
@@ -163,8 +178,14 @@ class RowParallelLinear(Linear):
         rebuilt), and one all-reduce of the residual sums them: still one GEMM and one
         all-reduce a projection, no add."""
         assert self.bias is None, "the folded path never runs a projection with a bias"
-        if self.tp.size == 1:
-            residual.addmm_(x, self.weight.t())
-            return
-        residual.addmm_(x, self.weight.t(), beta=1 if self.tp.rank == 0 else 0)
-        self.tp.all_reduce(residual)
+        accumulate = self.tp.rank == 0
+        if self.add_gemm_op is not None:
+            self.add_gemm_op(residual, x, self.weight, accumulate, silu_mul)
+        else:
+            if silu_mul:
+                from sluice.model.layers import silu_and_mul
+
+                x = silu_and_mul(x)
+            residual.addmm_(x, self.weight.t(), beta=1 if accumulate else 0)
+        if self.tp.size > 1:
+            self.tp.all_reduce(residual)

@@ -13,6 +13,12 @@ them in split order (deterministic, no second launch) and resets the tile's arri
 fly, rounded to the dtype as `silu_and_mul` rounds it: the down projection then needs no
 activation launch and no [M, K] intermediate.
 
+For the layers with their norms folded into the projections (LlamaModel.fold_norms) two
+epilogues remove the norm launches at these sizes too: `linear_add` accumulates into its output
+(the residual stream: cuBLAS's addmm with beta 1, for o_proj and down_proj), and
+`inv_rms_linear` scales each output row by 1 / rms of its input row, whose squares the program
+sums as it streams the row through its K loop (gate_up_proj reads the raw residual).
+
 Measured on the H200 (see benchmarks/README.md): with the configuration `choose_config` picks,
 within 2% of the best of 454 configurations at one and 16 rows for Qwen3-0.6B's four
 projections; above 16 rows cuBLAS is as fast or faster, and `linear` leaves those to it.
@@ -61,6 +67,7 @@ def _skinny_mm_kernel(
     counter_ptr,  # [>= tiles] int32, zero between launches (SPLIT_K > 1)
     M,
     N,
+    eps,  # INV_RMS: the folded norm's epsilon
     stride_xm,
     stride_wn,
     stride_ym,
@@ -70,6 +77,8 @@ def _skinny_mm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,  # y += x W^T (y holds the residual stream)
+    INV_RMS: tl.constexpr,  # y = (x W^T) / rms(x) per row (SPLIT_K 1: a program sees all of K)
     UPCAST: tl.constexpr,  # the CPU interpreter: its 16-bit dot products are wrong
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs: no TF32 rounding
 ):
@@ -86,6 +95,7 @@ def _skinny_mm_kernel(
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     dtype = y_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    sum_squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for _ in range(0, K_PART, BLOCK_K):
         w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         if SILU_MUL:
@@ -96,6 +106,9 @@ def _skinny_mm_kernel(
             x = (act * up).to(dtype)
         else:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        if INV_RMS:
+            x32 = x.to(tl.float32)
+            sum_squares += tl.sum(x32 * x32, axis=1)
         if UPCAST:
             w = w.to(tl.float32)
             x = x.to(tl.float32)
@@ -104,7 +117,11 @@ def _skinny_mm_kernel(
         x_ptrs += BLOCK_K
     out_mask = n_mask[:, None] & m_mask[None, :]
     y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    if INV_RMS:  # rms_norm's 1 / rms: mean of the squares over the row, in float32
+        acc = acc * (1.0 / tl.sqrt(sum_squares / K + eps))[None, :]
     if SPLIT_K == 1:
+        if ACCUMULATE:
+            acc += tl.load(y_ptrs, mask=out_mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(dtype), mask=out_mask)
     else:
         tile_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
@@ -117,6 +134,8 @@ def _skinny_mm_kernel(
             for split in range(SPLIT_K):
                 total += tl.load(partial_ptr + split * M * N + tile_offs, mask=out_mask,
                                  cache_modifier=".cg")
+            if ACCUMULATE:
+                total += tl.load(y_ptrs, mask=out_mask, other=0.0).to(tl.float32)
             tl.store(y_ptrs, total.to(dtype), mask=out_mask)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
@@ -135,13 +154,14 @@ def _counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-def choose_config(m: int, n: int, k: int, silu_mul: bool = False) -> GemmConfig | None:
+def choose_config(m: int, n: int, k: int, silu_mul: bool = False,
+                  split_k: bool = True) -> GemmConfig | None:
     """The configuration for an [m, k] x [n, k]^T product, or None to leave it to cuBLAS (more
     than MAX_ROWS rows, or K not a multiple of 16). 16-row tiles; 64-wide weight tiles,
     32-wide when fewer than 96 tiles would leave SMs idle (not with the SiLU prologue, whose
     cost grows with the number of tiles); 128 of K per iteration (less where K has no such
-    factor: tiny test models); then K split in two until about TARGET_PROGRAMS programs, each
-    over at least 256 of K."""
+    factor: tiny test models); then, unless `split_k` is False, K split in two until about
+    TARGET_PROGRAMS programs, each over at least 256 of K."""
     if m > MAX_ROWS or m < 1 or k % 16:
         return None
     block_k = next(b for b in (128, 64, 32, 16) if k % b == 0)
@@ -152,15 +172,19 @@ def choose_config(m: int, n: int, k: int, silu_mul: bool = False) -> GemmConfig 
         block_n = 32
     programs = triton.cdiv(n, block_n) * m_tiles
     split = 1
-    while (programs * split * 2 <= TARGET_PROGRAMS and split < MAX_SPLIT_K
+    while (split_k and programs * split * 2 <= TARGET_PROGRAMS and split < MAX_SPLIT_K
            and k % (2 * split * block_k) == 0 and k // (2 * split) >= 256):
         split *= 2
     return GemmConfig(block_n, block_m, block_k, 4, 5, split)
 
 
 def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
-              silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] (silu_mul: [M, 2K] gate and up), weight [N, K] -> x W^T [M, N] in x's dtype."""
+              silu_mul: bool = False, out: torch.Tensor | None = None,
+              accumulate: bool = False, inv_rms_eps: float | None = None) -> torch.Tensor:
+    """x [M, K] (silu_mul: [M, 2K] gate and up), weight [N, K] -> x W^T [M, N] in x's dtype;
+    into `out` (its first M rows) when given, added to what it holds with `accumulate`; with
+    `inv_rms_eps`, each row scaled by 1 / sqrt(mean(x_row^2) + eps) (a split-K config cannot:
+    no program sees the whole row)."""
     m = x.shape[0]
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
@@ -172,7 +196,17 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
         raise ValueError("skinny_mm needs the rows of x and of the weight contiguous")
     if k % (config.split_k * config.block_k):
         raise ValueError(f"K={k} is not a multiple of split_k * block_k of {config}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if inv_rms_eps is not None and (config.split_k > 1 or silu_mul):
+        raise ValueError(f"1 / rms needs whole plain rows: not with {config}"
+                         f"{' and SiLU-and-mul' if silu_mul else ''}")
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs an out tensor to add to")
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif (out.dim() != 2 or out.shape[0] < m or out.shape[1] != n or out.stride(1) != 1
+          or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(f"out of shape {tuple(out.shape)} ({out.dtype}) cannot take the "
+                         f"[{m}, {n}] {x.dtype} product")
     if m == 0:
         return out
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
@@ -184,13 +218,15 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
     else:
         partial = counters = out  # not read
     _skinny_mm_kernel[grid](
-        x, weight, out, partial, counters, m, n, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, out, partial, counters, m, n, 0.0 if inv_rms_eps is None else inv_rms_eps,
+        x.stride(0), weight.stride(0), out.stride(0),
         K=k, BLOCK_N=config.block_n, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
-        SPLIT_K=config.split_k, SILU_MUL=silu_mul, UPCAST=_INTERPRET,
+        SPLIT_K=config.split_k, SILU_MUL=silu_mul, ACCUMULATE=accumulate,
+        INV_RMS=inv_rms_eps is not None, UPCAST=_INTERPRET,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return out
+    return out if out.shape[0] == m else out[:m]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -211,3 +247,30 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         return F.linear(silu_and_mul(x), weight)
     return skinny_mm(x, weight, config, silu_mul=True)
+
+
+def linear_add(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, accumulate: bool = True,
+               silu_mul: bool = False) -> None:
+    """out = x W^T, or out += x W^T with `accumulate`, in place, for x [T, K] (silu_mul: x is
+    [T, 2K] gate and up, and the product is of silu_and_mul(x)): the folded layers' o_proj and
+    down_proj adding into the residual stream (RowParallelLinear.add_to). Small batches in one
+    launch here, others in cuBLAS (addmm, beta 1 or 0)."""
+    config = choose_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul=silu_mul)
+    if config is not None and x.dim() == 2 and x.stride(1) == 1:
+        skinny_mm(x, weight, config, silu_mul=silu_mul, out=out, accumulate=accumulate)
+        return
+    if silu_mul:
+        from sluice.model.triton_ops import silu_and_mul
+
+        x = silu_and_mul(x)
+    out[: x.shape[0]].addmm_(x, weight.t(), beta=1 if accumulate else 0)
+
+
+def inv_rms_linear(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """(x W^T) / rms(x) per row for a small batch x [T, K] (the folded layers' gate_up_proj on
+    the raw residual: rms_norm(x) (W diag g)^T with g in W), or None where this kernel does not
+    run (more than MAX_ROWS rows): the caller then applies 1 / rms in the SiLU kernel."""
+    config = choose_config(x.shape[0], weight.shape[0], weight.shape[1], split_k=False)
+    if config is None or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    return skinny_mm(x, weight, config, inv_rms_eps=eps)

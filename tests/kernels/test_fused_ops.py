@@ -407,7 +407,8 @@ def test_folded_norms_give_the_models_hidden_states(model_type, ops):
     qkv_before = model.model.layers[0].self_attn.qkv_proj.weight.clone()
     if ops == "fused":
         install_fused_ops(model)
-        assert model.model.folded_above_tokens == triton_gemm.MAX_ROWS
+        assert model.model.folded_above_tokens == 0  # every step, the Triton GEMM's too
+        model.model.folded_above_tokens = 16
     else:
         assert model.model.fold_norms(above_tokens=16)
     layer = model.model.layers[0]
@@ -424,11 +425,18 @@ def test_folded_norms_give_the_models_hidden_states(model_type, ops):
     model.model.folded_above_tokens = 0
     calls = []
     real_forward = type(layer).add_to_residual
+    inv_rms_calls = []
+    if ops == "fused":  # at these rows gate_up's GEMM applies 1 / rms, the down GEMM the SiLU
+        real_op = triton_gemm.inv_rms_linear
+        for each in model.model.layers:
+            each.mlp.gate_up_proj.inv_rms_gemm_op = (
+                lambda *args: inv_rms_calls.append(1) or real_op(*args))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(type(layer), "add_to_residual",
                       lambda self, *args: calls.append(1) or real_forward(self, *args))
         got = prefill_then_decode(model, config)
     assert len(calls) == 2 * config.num_hidden_layers
+    assert len(inv_rms_calls) == (2 * config.num_hidden_layers if ops == "fused" else 0)
     assert_same_steps(got, expected, tolerance=1e-5)
 
 
@@ -458,8 +466,7 @@ def test_triton_attention_reads_the_cache_the_fused_op_stored(monkeypatch, folde
     expected = prefill_then_decode(reference, config)
     model, _ = build_tiny_model("qwen3", TritonBackend())
     install_fused_ops(model)
-    if folded:
-        model.model.folded_above_tokens = 0
+    model.model.folded_above_tokens = 0 if folded else 16
     store_calls = []
     monkeypatch.setattr(triton_backend, "store_kv", lambda *args: store_calls.append(args))
     got = prefill_then_decode(model, config)

@@ -69,6 +69,65 @@ def test_silu_mul_folded_into_the_product(dtype, config):
     assert_product(got, silu_and_mul(gate_up), weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", CONFIGS, ids=["split1", "split2", "split4"])
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
+def test_accumulate_adds_the_product_to_out(dtype, config, silu):
+    """The folded layers' o_proj / down_proj: residual += x W^T in the epilogue (after the
+    split-K sum), rounded once from the float32 sum of the product and the old value."""
+    m, n, k = 5, 32, 128
+    x = random(m, 2 * k if silu else k, dtype=dtype, seed=13, scale=2.0 if silu else 1.0)
+    weight = random(n, k, dtype=dtype, seed=14, scale=0.2)
+    residual = random(m, n, dtype=dtype, seed=15)
+    before = residual.clone()
+    returned = skinny_mm(x, weight, config, silu_mul=silu, out=residual, accumulate=True)
+    assert returned.data_ptr() == residual.data_ptr()
+    product = (silu_and_mul(x) if silu else x).double() @ weight.double().T
+    expected = product + before.double()
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(residual.double(), expected.to(dtype).double(),
+                               rtol=tolerance, atol=tolerance)
+    # without accumulate: overwritten (the TP ranks other than 0)
+    skinny_mm(x, weight, config, silu_mul=silu, out=residual, accumulate=False)
+    torch.testing.assert_close(residual.double(), product.to(dtype).double(),
+                               rtol=tolerance, atol=tolerance)
+    if config.split_k > 1:
+        assert int(triton_gemm._counters(x.device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inv_rms_scales_each_row_as_rms_norm(dtype):
+    """gate_up on the raw residual with the norm folded: (x W^T) / rms(x), i.e. rms_norm(x)
+    (with unit weight) times W^T, each row's squares summed over the K loop's tiles."""
+    m, n, k, eps = 6, 48, 128, 1e-6
+    x = random(m, k, dtype=dtype, seed=16, scale=3.0)
+    weight = random(n, k, dtype=dtype, seed=17, scale=0.2)
+    got = triton_gemm.inv_rms_linear(x, weight, eps)
+    x64 = x.double()
+    expected = (x64 @ weight.double().T) / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.double(), expected.to(dtype).double(),
+                               rtol=tolerance, atol=tolerance)
+    assert triton_gemm.inv_rms_linear(random(triton_gemm.MAX_ROWS + 1, k, dtype=dtype, seed=18),
+                                      weight, eps) is None  # the SiLU kernel's job then
+    with pytest.raises(ValueError, match="1 / rms needs whole plain rows"):
+        skinny_mm(x, weight, CONFIGS[1], inv_rms_eps=eps)
+
+
+def test_linear_add_falls_back_to_addmm_above_the_rows():
+    weight = random(32, 64, dtype=torch.float32, seed=19)
+    for rows in (3, triton_gemm.MAX_ROWS + 1):
+        for silu in (False, True):
+            x = random(rows, 128 if silu else 64, dtype=torch.float32, seed=20)
+            residual = random(rows, 32, dtype=torch.float32, seed=21)
+            expected = residual + F.linear(silu_and_mul(x) if silu else x, weight)
+            triton_gemm.linear_add(residual, x, weight, accumulate=True, silu_mul=silu)
+            torch.testing.assert_close(residual, expected, rtol=1e-5, atol=1e-5)
+            triton_gemm.linear_add(residual, x, weight, accumulate=False, silu_mul=silu)
+            torch.testing.assert_close(residual, F.linear(silu_and_mul(x) if silu else x,
+                                                          weight), rtol=1e-5, atol=1e-5)
+
+
 def test_a_strided_input_is_read_in_place():
     """The attention output is a view; rows of x may be spaced wider than K."""
     wide = random(6, 256, dtype=torch.float32, seed=5)

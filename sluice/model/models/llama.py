@@ -61,7 +61,13 @@ class LlamaMLP(nn.Module):
     def add_to_residual(self, residual: torch.Tensor, norm_eps: float) -> None:
         """residual += forward(rms_norm(residual)), in place, with the norm's weight folded into
         gate_up_proj (LlamaModel.fold_norms): its 1 / rms scales gate and up inside the
-        activation, and the down projection accumulates into residual (one GEMM, no add)."""
+        activation, and the down projection accumulates into residual (one GEMM, no add).
+        Small batches on CUDA: gate_up_proj's GEMM applies the 1 / rms itself and the down
+        GEMM the SiLU-and-mul, so no activation launch either."""
+        gate_up = self.gate_up_proj.inv_rms_forward(residual, norm_eps)
+        if gate_up is not None:
+            self.down_proj.add_to(residual, gate_up, silu_mul=True)
+            return
         activation = self.act_fn(self.gate_up_proj(residual), residual, norm_eps)
         self.down_proj.add_to(residual, activation)
 
