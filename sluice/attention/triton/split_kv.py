@@ -54,6 +54,7 @@ def _split_kv_partial_kernel(
     stride_block_table,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -120,30 +121,30 @@ def _split_kv_partial_kernel(
     counter = counter_ptr + token * tl.num_programs(1) + kv_head
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == NUM_SPLITS - 1:  # the last split: the others' partials are visible
-        first = (token.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS  # [BLOCK_M]
-        # Empty splits (and whole padding rows) have m = -inf: weight 0, and zeros out.
-        m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for other in range(NUM_SPLITS):
-            m_all = tl.maximum(m_all, tl.load(partial_max_ptr + first + other, mask=row_valid,
-                                              other=float("-inf"), cache_modifier=".cg"))
-        m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        merged = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-        for other in range(NUM_SPLITS):
-            weight = tl.exp2(tl.load(partial_max_ptr + first + other, mask=row_valid,
-                                     other=float("-inf"), cache_modifier=".cg") - m_ref)
-            total += weight * tl.load(partial_sum_ptr + first + other, mask=row_valid,
-                                      other=0.0, cache_modifier=".cg")
-            merged += weight[:, None] * tl.load(
-                partial_acc_ptr + (first + other)[:, None] * HEAD_DIM_PAD + dims[None, :],
-                mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-        merged = merged / tl.where(total > 0.0, total, 1.0)[:, None]
-        tl.store(
-            out_ptr + token.to(tl.int64) * stride_out_token + head[:, None] * stride_out_head
-            + dims[None, :],
-            merged.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None] & dim_mask[None, :],
-        )
+        # Each of its query heads merged in one pass over all splits (vector loads, no loop
+        # of dependent round trips to memory).
+        splits = tl.arange(0, NUM_SPLITS_PAD)
+        split_mask = splits < NUM_SPLITS
+        for r in tl.static_range(GROUP):
+            first = (token.to(tl.int64) * NUM_HEADS + kv_head * GROUP + r) * NUM_SPLITS
+            m = tl.load(partial_max_ptr + first + splits, mask=split_mask, other=float("-inf"),
+                        cache_modifier=".cg")
+            l_split = tl.load(partial_sum_ptr + first + splits, mask=split_mask, other=0.0,
+                              cache_modifier=".cg")
+            parts = tl.load(
+                partial_acc_ptr + (first + splits)[:, None] * HEAD_DIM_PAD + dims[None, :],
+                mask=split_mask[:, None], other=0.0, cache_modifier=".cg")
+            m_all = tl.max(m, 0)
+            # Empty splits (and whole padding rows) have m = -inf: weight 0, and zeros out.
+            weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
+            total = tl.sum(l_split * weight, 0)
+            merged = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+            tl.store(
+                out_ptr + token.to(tl.int64) * stride_out_token
+                + (kv_head * GROUP + r) * stride_out_head + dims,
+                merged.to(out_ptr.dtype.element_ty),
+                mask=dim_mask,
+            )
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -221,6 +222,7 @@ def split_kv_attention(
         metadata.block_tables.stride(0),
         NUM_HEADS=num_heads,
         NUM_SPLITS=num_splits,
+        NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
