@@ -70,8 +70,11 @@ def main(ns: argparse.Namespace) -> int:
     core = engine.engine_core
     phases: dict[str, float] = defaultdict(float)
     core.scheduler.schedule = _timed(phases, "schedule", core.scheduler.schedule)
-    runner = core.executor.model_runner
-    runner.launch = _timed(phases, "launch", runner.launch)
+    # The model runner is in this process with the uni executor; with worker processes (mp,
+    # tensor parallelism) only the engine's phases and the profiler windows are measured.
+    runner = getattr(core.executor, "model_runner", None)
+    if runner is not None:
+        runner.launch = _timed(phases, "launch", runner.launch)
     core.scheduler.update_from_output = _timed(phases, "update", core.scheduler.update_from_output)
     engine.output_processor.process_outputs = _timed(
         phases, "output_processing", engine.output_processor.process_outputs)
@@ -90,9 +93,10 @@ def main(ns: argparse.Namespace) -> int:
     # Device timeline: an event once a launch has copied its inputs (the model's work is queued
     # next) and one after its sampling.
     timeline: list[tuple[Any, Any, int, int]] = []  # (start, end, tokens, requests)
-    builder = runner.input_builder
-    original_launch, original_prepare = runner.launch, builder.prepare
-    if device.type == "cuda":
+    builder = runner.input_builder if runner is not None else None
+    original_launch = runner.launch if runner is not None else None
+    original_prepare = builder.prepare if builder is not None else None
+    if device.type == "cuda" and runner is not None:
         begun: list[Any] = []
 
         def timed_prepare(*args: Any) -> Any:
@@ -116,33 +120,30 @@ def main(ns: argparse.Namespace) -> int:
     compiles = _watch_jit_compiles() if device.type == "cuda" else None
     windows: list[dict[str, Any]] = []
     starts = ([int(x) for x in ns.profile_at.split(",") if x.strip()]
-              if device.type == "cuda" and ns.profile_steps > 0 else [])
-    profiler = None
+              if ns.profile_steps > 0 else [])
+    profiling = False
     window_start = 0
     try:
         start = time.perf_counter()
         for prompt, p in zip(prompts, params):
             engine.add_request(None, prompt, p, RequestOutputKind.FINAL_ONLY)
         while engine.has_unfinished_requests():
-            if steps[0] in starts and profiler is None:
-                from torch.profiler import ProfilerActivity, profile
-
-                profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-                profiler.__enter__()
+            if steps[0] in starts and not profiling:
+                llm.start_profile()  # on every rank: tensor-parallel workers' kernels too
+                profiling = True
                 window_start = steps[0]
                 batch = core.scheduler.get_num_unfinished_requests()
             engine.step()
-            if profiler is not None and steps[0] == window_start + ns.profile_steps:
-                torch.cuda.synchronize()
-                profiler.__exit__(None, None, None)
-                windows.append(_profiler_window(profiler, window_start, ns.profile_steps, batch))
-                profiler = None
+            if profiling and steps[0] == window_start + ns.profile_steps:
+                profiling = False
+                windows.append(_profiler_window(llm.stop_profile(), window_start, batch))
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
     finally:
         StepHandle.result = original_result  # type: ignore[method-assign]
-        runner.launch, builder.prepare = original_launch, original_prepare
+        if runner is not None:
+            runner.launch, builder.prepare = original_launch, original_prepare
         if compiles is not None:
             compiles.stop()
 
@@ -167,22 +168,30 @@ def main(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _profiler_window(profiler: Any, first_step: int, num_steps: int,
-                     batch: int) -> dict[str, Any]:
-    """Top GPU kernels and host ops of a window of steps, per step."""
-    events = sorted(profiler.key_averages(), key=lambda e: -e.device_time_total)
-    kernels = [{"name": e.key[:90], "calls": e.count,
-                "device_ms_per_step": round(e.device_time_total / 1000 / num_steps, 3)}
-               for e in events[:25] if e.device_time_total > 0]
-    # A CUDA runtime call that blocks (a sync, a pageable copy) shows up among the host ops.
-    events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    host_ops = [{"name": e.key[:90], "calls": e.count,
-                 "host_ms_per_step": round(e.self_cpu_time_total / 1000 / num_steps, 3)}
-                for e in events[:20]]
-    device_total = sum(e.self_device_time_total for e in profiler.key_averages())
-    return {"first_step": first_step, "steps": num_steps, "unfinished_requests": batch,
-            "device_ms_per_step": round(device_total / 1000 / num_steps, 3),
-            "top_gpu_kernels": kernels, "top_host_ops": host_ops}
+def _profiler_window(summaries: list[Any], first_step: int, batch: int) -> dict[str, Any]:
+    """Top GPU kernels and host ops of a window of steps, per step, for each rank (rank 0's
+    at the top level); all-reduce: the device time per step of NCCL's all-reduce kernels."""
+
+    def per_step(summary: Any) -> dict[str, Any]:
+        steps = max(summary.steps, 1)
+        return {
+            "steps": summary.steps,
+            "device_ms_per_step": round(summary.device_ms / steps, 3),
+            "all_reduce_ms_per_step": round(summary.per_step("AllReduce"), 3),
+            "top_gpu_kernels": [{"name": k.name[:90], "calls": k.calls,
+                                 "device_ms_per_step": round(k.device_ms / steps, 3)}
+                                for k in summary.kernels[:25]],
+            # A CUDA runtime call that blocks (a sync, a pageable copy) shows up here.
+            "top_host_ops": [{"name": h.name[:90], "calls": h.calls,
+                              "host_ms_per_step": round(h.host_ms / steps, 3)}
+                             for h in summary.host_ops],
+        }
+
+    ranks = [per_step(summary) for summary in summaries]
+    window = {"first_step": first_step, "unfinished_requests": batch, **ranks[0]}
+    if len(ranks) > 1:
+        window["ranks"] = ranks
+    return window
 
 
 _DECODE_BUCKETS = ((193, 1 << 30), (129, 192), (65, 128), (33, 64), (9, 32), (1, 8))

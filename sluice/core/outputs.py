@@ -31,7 +31,7 @@ from sluice.sampling_params import SamplingParams
 # 5: a connector's load may bring the request's first token (KVConnectorOutput.first_tokens,
 #    NewRequestData.output_token_ids), connector counters in SchedulerStats.
 # 6: SchedulerStats carries the scheduled-token total.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 # A connector's per-step plan (its own msgspec struct type).
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")

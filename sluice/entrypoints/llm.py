@@ -12,6 +12,7 @@ from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.processors import PromptType, RequestOutputKind
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
+from sluice.worker.profiler import ProfileSummary
 
 ChatMessages = list[dict[str, Any]]
 
@@ -39,6 +40,16 @@ class LLM:
         """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache`), e.g. between two timed
         runs of the same prompts. False, and nothing reset, while requests hold blocks."""
         return self.llm_engine.kv_cache_manager.reset_prefix_cache()
+
+    def start_profile(self) -> None:
+        """Start a torch.profiler window on every worker rank (vLLM's `LLM.start_profile`);
+        the steps that follow, until stop_profile, are in it."""
+        self.llm_engine.engine_core.executor.start_profile()
+
+    def stop_profile(self) -> list[ProfileSummary]:
+        """End the window: each rank's summary (sluice.worker.profiler.ProfileSummary: its
+        steps, top GPU kernels and host ops), in rank order. Waits for the device."""
+        return self.llm_engine.engine_core.executor.stop_profile()
 
     def get_spec_decoding_stats(self) -> SpecDecodingStats | None:
         """Speculative decoding's counters since the engine started (drafts, draft tokens,

@@ -4,7 +4,8 @@
 path); `MultiprocExecutor` runs one worker process per rank and sends every rank the same step
 message. Both give the engine core the same calls, so the scheduler never knows where the model
 runs: `determine_num_blocks` (the minimum over ranks), `initialize_kv_cache`, `kv_cache_spec`,
-`execute_model` (returns at once; `.result()` of what it returns waits for the step), `shutdown`.
+`execute_model` (returns at once; `.result()` of what it returns waits for the step),
+`start_profile` / `stop_profile` (a torch.profiler window on every rank), `shutdown`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Protocol
 from sluice.config import EngineConfig
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.core.outputs import ModelRunnerOutput, SchedulerOutput
+from sluice.worker.profiler import ProfileSummary
 
 
 class StepFuture(Protocol):
@@ -50,6 +52,14 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepFuture:
         """Start one step on every rank; results are taken in launch order."""
+
+    @abstractmethod
+    def start_profile(self) -> None:
+        """Start a torch.profiler window on every rank (after the steps already launched)."""
+
+    @abstractmethod
+    def stop_profile(self) -> list[ProfileSummary]:
+        """End the window: every rank's summary, in rank order."""
 
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker is gone (for an idle engine: a busy one finds out

@@ -2,9 +2,10 @@
 typed, versioned messages; the step messages inside are the engine's own structs).
 
 executor -> worker: Startup (once: the whole EngineConfig and the rank), DetermineNumBlocks,
-InitializeKVCache, ExecuteModel (every step, the same frame to every rank), Shutdown.
+InitializeKVCache, ExecuteModel (every step, the same frame to every rank), StartProfile,
+StopProfile, Shutdown.
 worker -> executor: WorkerReady, NumBlocks, KVCacheReady, StepResult (every step, every rank,
-in step order), WorkerFailed (the last frame of a failing worker).
+in step order), ProfileStarted, ProfileReady, WorkerFailed (the last frame of a failing worker).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from sluice.channel import Message, MessageDecoder
 from sluice.config import EngineConfig
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.core.outputs import ModelRunnerOutput, SchedulerOutput
+from sluice.worker.profiler import ProfileSummary
 
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")
 _PEERS = "the executor and its workers"
@@ -42,6 +44,14 @@ class ExecuteModel(Message, Generic[ConnectorMetadataT], tag="execute_model"):
     scheduler_output: SchedulerOutput[ConnectorMetadataT]
 
 
+class StartProfile(Message, tag="start_profile"):
+    pass
+
+
+class StopProfile(Message, tag="stop_profile"):
+    pass
+
+
 class Shutdown(Message, tag="shutdown"):
     pass
 
@@ -67,19 +77,30 @@ class StepResult(Message, tag="step_result"):
     output: ModelRunnerOutput
 
 
+class ProfileStarted(Message, tag="profile_started"):
+    rank: int
+
+
+class ProfileReady(Message, tag="profile_ready"):
+    rank: int
+    summary: ProfileSummary
+
+
 class WorkerFailed(Message, tag="worker_failed"):
     rank: int
     error: str  # "ExceptionType: message"
     traceback: str = ""
 
 
-WorkerReply = WorkerReady | NumBlocks | KVCacheReady | StepResult | WorkerFailed
+WorkerReply = (WorkerReady | NumBlocks | KVCacheReady | StepResult | ProfileStarted
+               | ProfileReady | WorkerFailed)
 
 
 def worker_request_decoder(metadata_type: type) -> MessageDecoder:
     """What a worker receives; steps carry the configured connector's plan type."""
     return MessageDecoder(Startup | DetermineNumBlocks | InitializeKVCache
-                          | ExecuteModel[metadata_type] | Shutdown,  # type: ignore[valid-type]
+                          | ExecuteModel[metadata_type] | StartProfile  # type: ignore[valid-type]
+                          | StopProfile | Shutdown,
                           "worker request", _PEERS)
 
 

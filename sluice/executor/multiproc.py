@@ -53,14 +53,19 @@ from sluice.executor.messages import (
     InitializeKVCache,
     KVCacheReady,
     NumBlocks,
+    ProfileReady,
+    ProfileStarted,
     Shutdown,
+    StartProfile,
     Startup,
     StepResult,
+    StopProfile,
     WorkerFailed,
     WorkerReady,
     worker_reply_decoder,
 )
 from sluice.process_utils import ChildProcess, bind_local, spawn_module
+from sluice.worker.profiler import ProfileSummary
 
 logger = logging.getLogger("sluice")
 
@@ -128,6 +133,7 @@ class MultiprocExecutor(Executor):
         self._encoder = Encoder()
         self._decoder = worker_reply_decoder()
         self._next_step_id = 0
+        self._profiling = False
         self._results: dict[int, dict[int, ModelRunnerOutput]] = defaultdict(dict)
         # req_id -> ranks that reported it so far (finished sending / receiving).
         self._sending_reports: dict[str, int] = defaultdict(int)
@@ -193,6 +199,20 @@ class MultiprocExecutor(Executor):
         self._next_step_id += 1
         self._broadcast(ExecuteModel(step_id=step_id, scheduler_output=scheduler_output))
         return _MultiprocStep(self, step_id)
+
+    def start_profile(self) -> None:
+        if self._profiling:
+            raise RuntimeError("a profile is already running (stop_profile first)")
+        self._broadcast(StartProfile())
+        self._gather(ProfileStarted)
+        self._profiling = True
+
+    def stop_profile(self) -> list[ProfileSummary]:
+        if not self._profiling:
+            raise RuntimeError("no profile is running (start_profile first)")
+        self._profiling = False
+        self._broadcast(StopProfile())
+        return [reply.summary for reply in self._gather(ProfileReady)]
 
     def check_health(self) -> None:
         self._raise_if_dead()

@@ -7,6 +7,7 @@ from sluice.core.kv_connector import KVCacheSpec
 from sluice.core.outputs import SchedulerOutput
 from sluice.executor.base import Executor
 from sluice.worker.model_runner import ModelRunner
+from sluice.worker.profiler import ProfileSummary
 from sluice.worker.step_handle import StepHandle
 from sluice.worker.worker import Worker
 
@@ -32,6 +33,12 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
         return self.worker.execute_model(scheduler_output)
+
+    def start_profile(self) -> None:
+        self.worker.start_profile()
+
+    def stop_profile(self) -> list[ProfileSummary]:
+        return [self.worker.stop_profile()]
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -41,9 +41,13 @@ from sluice.executor.messages import (
     InitializeKVCache,
     KVCacheReady,
     NumBlocks,
+    ProfileReady,
+    ProfileStarted,
     Shutdown,
+    StartProfile,
     Startup,
     StepResult,
+    StopProfile,
     WorkerFailed,
     WorkerReady,
     worker_request_decoder,
@@ -125,6 +129,11 @@ class WorkerProc:
         elif isinstance(message, InitializeKVCache):
             spec = worker.initialize_kv_cache(message.num_blocks)
             self._reply(KVCacheReady(rank=self.rank, kv_cache_spec=spec))
+        elif isinstance(message, StartProfile):
+            worker.start_profile()
+            self._reply(ProfileStarted(rank=self.rank))
+        elif isinstance(message, StopProfile):
+            self._reply(ProfileReady(rank=self.rank, summary=worker.stop_profile()))
         elif isinstance(message, Shutdown):
             while self.in_flight:
                 self._send_oldest_result()

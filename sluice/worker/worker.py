@@ -3,7 +3,8 @@
 The executor (sluice/executor/) drives workers through the same calls whether they live in the
 engine's process or each in their own: `determine_num_blocks` (what fits this rank), then
 `initialize_kv_cache` with the number every rank agreed on (the minimum), then
-`execute_model` once per step, in order; `kv_cache_spec` describes the cache to connectors.
+`execute_model` once per step, in order; `kv_cache_spec` describes the cache to connectors;
+`start_profile` / `stop_profile` bracket a torch.profiler window (sluice.worker.profiler).
 
 At tensor_parallel_size N > 1 there are N workers, one per process, each given its TPGroup by
 the process that made the group (sluice.executor.worker_proc): its model runner holds its shard
@@ -22,6 +23,7 @@ from sluice.core.outputs import SchedulerOutput
 from sluice.distributed.tp import SINGLE_RANK, TPGroup, kv_heads_per_rank
 from sluice.worker.kv_connector import KVConnectorWorker
 from sluice.worker.model_runner import ModelRunner
+from sluice.worker.profiler import ProfileSummary, StepProfiler
 from sluice.worker.step_handle import StepHandle
 
 # Builds this rank's connector half once its KV cache exists (the executor supplies it, so
@@ -42,6 +44,7 @@ class Worker:
                                         config.scheduler_config, config.hf_config, tp)
         self.connector_factory = connector_factory
         self.connector: KVConnectorWorker | None = None
+        self.profiler = StepProfiler(rank)
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
@@ -75,7 +78,14 @@ class Worker:
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        self.profiler.count_step()
         return self.model_runner.launch(scheduler_output)
+
+    def start_profile(self) -> None:
+        self.profiler.start()
+
+    def stop_profile(self) -> ProfileSummary:
+        return self.profiler.stop()
 
     def shutdown(self) -> None:
         if self.connector is not None:

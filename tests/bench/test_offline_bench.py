@@ -175,10 +175,13 @@ def test_bench_profile_of_one_request_on_cpu(tiny_dir: str, tmp_path: Path) -> N
     out_json = tmp_path / "profile.json"
     result = run_sluice("bench", "profile", "--model", tiny_dir, "--device", "cpu",
                         "--num-requests", "1", "--max-input-len", "12", "--max-output-len", "6",
-                        "--output", str(out_json))
+                        "--profile-steps", "2", "--profile-at", "1", "--output", str(out_json))
     assert result.returncode == 0, result.stderr
     record = json.loads(out_json.read_text())
     assert record["phases_s"]["engine_step_total"] > 0
+    [window] = record["profiler_windows"]  # the worker's torch.profiler over steps 1 and 2
+    assert window["first_step"] == 1 and window["steps"] == 2
+    assert window["top_host_ops"] and "ranks" not in window
 
 
 def test_bench_latency_rejects_bad_arguments(tiny_dir: str) -> None:

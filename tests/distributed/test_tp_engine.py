@@ -250,3 +250,21 @@ def _tiny_dir(tmp_path) -> str:
     from tests.conftest import save_hf_model
 
     return save_hf_model(str(tmp_path), "qwen3")
+
+
+def test_profile_window_on_every_rank(qwen3_tp2: LLM) -> None:
+    """LLM.start_profile / stop_profile: a torch.profiler window in each worker process, one
+    summary per rank, each counting the steps it ran; a second start or a stop without a start
+    is refused in the engine's process, the workers untouched."""
+    qwen3_tp2.start_profile()
+    with pytest.raises(RuntimeError, match="a profile is already running"):
+        qwen3_tp2.start_profile()
+    qwen3_tp2.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                       SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    summaries = qwen3_tp2.stop_profile()
+    assert [s.rank for s in summaries] == [0, 1]
+    assert summaries[0].steps == summaries[1].steps >= 4  # a prefill and three decodes
+    assert all(s.host_ops for s in summaries)
+    with pytest.raises(RuntimeError, match="no profile is running"):
+        qwen3_tp2.stop_profile()
+    assert_all_blocks_back(qwen3_tp2)
