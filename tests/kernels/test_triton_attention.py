@@ -167,11 +167,6 @@ def test_split_kv_decode_matches_reference(device, num_splits, num_heads, num_kv
     config = TritonBackendConfig(split_kv="always", num_splits=num_splits)
     step = make_step(DECODE, num_heads, num_kv_heads, block_size, device=device, seed=3)
     assert_matches_reference(step, TritonBackend(config))
-    # Each (token, KV head)'s last split merged the partials and reset its arrival counter.
-    from sluice.attention.triton import split_kv
-
-    where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu"
-    assert int(split_kv._counters(torch.device(where)).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

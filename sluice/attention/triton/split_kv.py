@@ -1,9 +1,6 @@
 """Split-KV decode attention (flash-decoding): for a few long sequences, one program per
 (token, KV head) would leave most SMs idle, so each request's context is cut into `num_splits`
-slices that run in parallel, and the last slice of a (token, KV head) to finish merges their
-partial softmaxes (an arrival counter per pair, as the Triton GEMM's serial split-K does): one
-launch, where a second merging kernel cost a launch and its gap per layer (at batch 1 on an
-H200, 2.2 us of 6.5 per layer's attention).
+slices that run in parallel, and a second kernel merges their partial softmaxes.
 
 Only for batches where every request has at most one query token (the last position of its
 context, so no causal mask beyond seq_len). `num_splits` is a python int and every buffer's shape
@@ -34,10 +31,6 @@ def _split_kv_partial_kernel(
     partial_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] float32, unnormalised
     partial_max_ptr,  # [T, H, NUM_SPLITS] float32, log2 domain
     partial_sum_ptr,  # [T, H, NUM_SPLITS] float32
-    counter_ptr,  # [>= T * KVH] int32, zero between launches
-    out_ptr,  # [T, H, D]
-    stride_out_token,
-    stride_out_head,
     query_ptr,  # [T, H, D]
     key_cache_ptr,  # [num_blocks, block_size, KVH, D]
     value_cache_ptr,
@@ -54,7 +47,6 @@ def _split_kv_partial_kernel(
     stride_block_table,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    NUM_SPLITS_PAD: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -117,50 +109,45 @@ def _split_kv_partial_kernel(
     tl.store(
         partial_acc_ptr + stat[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_valid[:, None]
     )
-    tl.debug_barrier()  # every thread's partial is stored before the release below
-    counter = counter_ptr + token * tl.num_programs(1) + kv_head
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_SPLITS - 1:  # the last split: the others' partials are visible
-        # Each of its query heads merged in one pass over all splits (vector loads, no loop
-        # of dependent round trips to memory).
-        splits = tl.arange(0, NUM_SPLITS_PAD)
-        split_mask = splits < NUM_SPLITS
-        for r in tl.static_range(GROUP):
-            first = (token.to(tl.int64) * NUM_HEADS + kv_head * GROUP + r) * NUM_SPLITS
-            m = tl.load(partial_max_ptr + first + splits, mask=split_mask, other=float("-inf"),
-                        cache_modifier=".cg")
-            l_split = tl.load(partial_sum_ptr + first + splits, mask=split_mask, other=0.0,
-                              cache_modifier=".cg")
-            parts = tl.load(
-                partial_acc_ptr + (first + splits)[:, None] * HEAD_DIM_PAD + dims[None, :],
-                mask=split_mask[:, None], other=0.0, cache_modifier=".cg")
-            m_all = tl.max(m, 0)
-            # Empty splits (and whole padding rows) have m = -inf: weight 0, and zeros out.
-            weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
-            total = tl.sum(l_split * weight, 0)
-            merged = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-            tl.store(
-                out_ptr + token.to(tl.int64) * stride_out_token
-                + (kv_head * GROUP + r) * stride_out_head + dims,
-                merged.to(out_ptr.dtype.element_ty),
-                mask=dim_mask,
-            )
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-MAX_PAIRS = 16384  # (token, KV head) pairs of one launch: 512 decode rows of 32 KV heads
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The arrival counters of a device, zero between launches (each pair's last split resets
-    its own), so one buffer serves every launch on the stream; allocated on first use, before
-    any CUDA graph's capture (the warm-up runs first)."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        counters = torch.zeros(MAX_PAIRS, dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
+@triton.jit
+def _split_kv_reduce_kernel(
+    out_ptr,  # [T, H, D]
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    stride_out_token,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS_PAD)
+    split_mask = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    stat = (token * NUM_HEADS + head) * NUM_SPLITS + splits  # [NUM_SPLITS_PAD]
+    m = tl.load(partial_max_ptr + stat, mask=split_mask, other=float("-inf"))
+    l_split = tl.load(partial_sum_ptr + stat, mask=split_mask, other=0.0)
+    acc = tl.load(
+        partial_acc_ptr + stat[:, None] * HEAD_DIM_PAD + dims[None, :],
+        mask=split_mask[:, None],
+        other=0.0,
+    )
+    m_all = tl.max(m, 0)
+    # Empty splits (and whole padding rows) have m = -inf: weight 0, and zeros out.
+    weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # [NUM_SPLITS_PAD]
+    total = tl.sum(l_split * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 def split_kv_attention(
@@ -195,17 +182,10 @@ def split_kv_attention(
     )
     partial_sum = torch.empty_like(partial_max)
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and out.stride(2) == 1
-    if num_tokens * num_kv_heads > MAX_PAIRS:
-        raise ValueError(f"{num_tokens} tokens x {num_kv_heads} KV heads: more than "
-                         f"{MAX_PAIRS} split-KV pairs")
     _split_kv_partial_kernel[(num_tokens, num_kv_heads, num_splits)](
         partial_acc,
         partial_max,
         partial_sum,
-        _counters(query.device),
-        out,
-        out.stride(0),
-        out.stride(1),
         query,
         key_cache,
         value_cache,
@@ -222,7 +202,6 @@ def split_kv_attention(
         metadata.block_tables.stride(0),
         NUM_HEADS=num_heads,
         NUM_SPLITS=num_splits,
-        NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
@@ -233,5 +212,18 @@ def split_kv_attention(
         DOT_PRECISION=dtypes.dot_precision,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+    )
+    _split_kv_reduce_kernel[(num_tokens, num_heads)](
+        out,
+        partial_acc,
+        partial_max,
+        partial_sum,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits,
+        NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
     )
     return out
