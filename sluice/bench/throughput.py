@@ -4,6 +4,12 @@ One warm-up generate of a few short requests, then one timed generate of the who
 with `SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)` per request. Reported
 against the roofline of the same workload and model on a GPU spec, and, with `--hf-baseline`,
 against transformers' continuous batching measured in the same run on the same device.
+
+`--repeat N` times the workload N more times in the same process, each run after
+`reset_prefix_cache()` (so each computes every prompt, as the first did) or, with
+`--keep-prefix-cache`, with the prompts the run before left in the cache: a second generate of
+the same prompts in one process (as `../shared/peer/bench_peer.py` times it) skips their
+prefill, which is why its figure beats the first. The headline figure is the first run's.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ def add_parser(bench_sub: Any) -> None:
     parser.add_argument("--gpu-spec", default="auto",
                         help=f"roofline hardware: auto | {' | '.join(GPU_SPECS)} "
                              "(auto: from the GPU's name, else h200)")
+    parser.add_argument("--repeat", type=int, default=0,
+                        help="time the workload this many more times in the same process")
+    parser.add_argument("--keep-prefix-cache", action="store_true",
+                        help="with --repeat: keep the prompts cached by the run before (by "
+                             "default the prefix cache is reset before each run)")
     parser.add_argument("--output", default=None, help="write the result as JSON here")
     add_engine_args(parser)
     parser.set_defaults(func=_cmd_throughput)
@@ -89,6 +100,8 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     from sluice.bench.roofline import ModelCost, gpu_spec_for, offline_roofline
     from sluice.bench.workloads import nano_vllm_workload, random_prompts
 
+    if ns.repeat < 0:
+        raise ValueError(f"--repeat must be >= 0, got {ns.repeat}")
     workload = nano_vllm_workload(ns.num_requests, ns.max_input_len, ns.max_output_len)
     gpu_spec_for(ns.gpu_spec)  # a bad name fails before the model loads
     llm, device, dtype = build_llm(ns)
@@ -106,6 +119,14 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
               for m in workload.max_tokens]
     outputs, seconds = _timed_generate(llm, workload.prompts, params, device)
     generated = [len(o.outputs[0].token_ids) for o in outputs]
+    runs = [_run_record(outputs, seconds, prefix_cache="reset")]
+    for _ in range(ns.repeat):
+        if not ns.keep_prefix_cache:
+            llm.reset_prefix_cache()
+        again, again_s = _timed_generate(llm, workload.prompts, params, device)
+        runs.append(_run_record(again, again_s,
+                                prefix_cache="kept" if ns.keep_prefix_cache else "reset"))
+        del again
     llm.shutdown()  # the HF baseline needs the memory the KV cache held
     del llm, engine, outputs
     release_device_memory(device)
@@ -138,6 +159,7 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         "roofline_prefill_flops": roofline.prefill_flops,
         "roofline_tok_s": roofline.output_tok_s,
         "roofline_fraction": output_tok_s / roofline.output_tok_s,
+        "runs": runs,
         "hf_tok_s": None,
         "hf_seconds": None,
         "hf_output_tokens": None,
@@ -162,6 +184,13 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def _run_record(outputs: list[Any], seconds: float, prefix_cache: str) -> dict[str, Any]:
+    """One timed run: its time, output tok/s and the prompt tokens the prefix cache served."""
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"seconds": seconds, "output_tok_s": tokens / seconds, "prefix_cache": prefix_cache,
+            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs)}
+
+
 def format_throughput(record: dict[str, Any], hf_requested: bool) -> str:
     from sluice.bench.offline_report import describe_machine
 
@@ -180,6 +209,10 @@ def format_throughput(record: dict[str, Any], hf_requested: bool) -> str:
         f"output tok/s ({record['roofline_seconds']:.2f} s); reached "
         f"{100 * record['roofline_fraction']:.1f}%",
     ]
+    for i, run in enumerate(record.get("runs", [])[1:], 2):
+        lines.append(f"run {i} (prefix cache {run['prefix_cache']}): {run['seconds']:.2f} s, "
+                     f"{run['output_tok_s']:,.0f} output tok/s, "
+                     f"{run['cached_prompt_tokens']:,} prompt tokens from the prefix cache")
     if hf_requested and record["hf_tok_s"] is not None:
         lines.append(
             f"HF transformers {record['machine']['transformers']} continuous batching "

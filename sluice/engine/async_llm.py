@@ -3,10 +3,12 @@
 Input processing (tokenize, validate, `n > 1` fan-out) and output processing (detokenize, stop
 strings, logprobs) run here; the engine core process only schedules and runs the model. Requests
 go out on a ZMQ PUSH socket; one output-handler task per event loop reads the core's outputs
-from a PULL socket, turns them into RequestOutputs and puts them into one asyncio queue per
-request. The handler also keeps the latest SchedulerStats, feeds request timings to
-`self.stats` (listeners: logs, Prometheus), and watches the process: when the core dies, every
-generate in flight raises EngineDeadError within about a second, and so does every later call.
+from a PULL socket (every frame waiting, at each wakeup), turns them into RequestOutputs and
+puts them into one stream per request, where the outputs a slow caller has not taken yet merge
+into one (output_stream.py: a DELTA caller then gets several steps' tokens at once). The
+handler also keeps the latest SchedulerStats, feeds request timings to `self.stats` (listeners:
+logs, Prometheus), and watches the process: when the core dies, every generate in flight raises
+EngineDeadError within about a second, and so does every later call.
 
     llm = AsyncLLM.from_engine_args(EngineArgs(model="path/to/model"))
     async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-0"):
@@ -32,6 +34,7 @@ from sluice.channel import Encoder, WireError
 from sluice.config import EngineConfig
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.core_proc import launch_engine_core
+from sluice.engine.output_stream import EngineDiedInFlight, RequestOutputStream
 from sluice.engine.processors import (
     InputProcessor,
     OutputProcessor,
@@ -68,6 +71,8 @@ logger = logging.getLogger("sluice")
 
 # How often (s) the output handler, when no output came, checks that the core is alive.
 _LIVENESS_CHECK_S = 0.5
+# Engine-core frames (steps) the output handler takes in one go before the callers run.
+_MAX_FRAMES_PER_WAKEUP = 64
 
 
 def core_process_args(engine_args: EngineArgs, config: EngineConfig) -> dict[str, Any]:
@@ -84,13 +89,6 @@ def core_process_args(engine_args: EngineArgs, config: EngineConfig) -> dict[str
                      kv_transfer_config=None if kv_transfer is None else kv_transfer.to_dict(),
                      kv_offloading_size=None, disaggregation_mode=None)
     return core_args
-
-
-class _Dead:
-    """Put in a request's queue: the engine died while the request was in flight."""
-
-
-_DEAD = _Dead()
 
 
 class AsyncLLM:
@@ -118,7 +116,7 @@ class AsyncLLM:
 
         self._encoder = Encoder()
         self._decoder = ResponseDecoder()
-        self._queues: dict[str, asyncio.Queue[RequestOutput | _Dead]] = {}
+        self._streams: dict[str, RequestOutputStream] = {}
         self._utility_calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._handler_task: asyncio.Task[None] | None = None
@@ -197,15 +195,15 @@ class AsyncLLM:
         cancellation, a closed HTTP connection) aborts the request in the core at once.
         `kv_transfer_params`: for the engine's KV connector (vLLM's field)."""
         self._raise_if_dead()
-        if request_id in self._queues:
+        if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params.clone()  # input processing fills in the stop token ids
         arrival_time = time.time()
         prompt_text, children = self.input_processor.process(request_id, prompt, params,
                                                              arrival_time, kv_transfer_params)
         self._ensure_output_handler()
-        queue: asyncio.Queue[RequestOutput | _Dead] = asyncio.Queue()
-        self._queues[request_id] = queue
+        stream = RequestOutputStream(output_kind)
+        self._streams[request_id] = stream
         self.output_processor.add_request(request_id, prompt_text, children, params,
                                           output_kind, arrival_time)
         self.stats.add_request(request_id, arrival_time, len(children[0].prompt_token_ids),
@@ -215,14 +213,15 @@ class AsyncLLM:
             for child in children:
                 self._send(AddRequest(request=child))
             while not finished:
-                output = await queue.get()
-                if isinstance(output, _Dead):
+                try:
+                    output = await stream.get()
+                except EngineDiedInFlight:
                     raise EngineDeadError(f"the engine died during request {request_id!r}: "
-                                          f"{self._dead_error}")
+                                          f"{self._dead_error}") from None
                 finished = output.finished
                 yield output
         finally:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
                 self._abort_now([request_id], notify=False)
 
@@ -236,9 +235,9 @@ class AsyncLLM:
         if notify:
             outputs, children = self.output_processor.abort_requests_with_outputs(request_ids)
             for output in outputs:
-                queue = self._queues.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.put(output)
         else:
             children = self.output_processor.abort_requests(request_ids)
         iteration = IterationStats(timestamp=time.time())
@@ -306,18 +305,27 @@ class AsyncLLM:
         self._handler_loop = loop
 
     async def _run_output_handler(self, socket: zmq.asyncio.Socket) -> None:
+        frames = self._core.output_socket  # the same socket, read without awaiting
         try:
             while self._dead_error is None:
                 if not await socket.poll(int(_LIVENESS_CHECK_S * 1000)):
                     self._check_alive()
                     continue
-                frame = await socket.recv(copy=False)
-                try:
-                    message = self._decoder.decode(frame.buffer)
-                except WireError as exc:
-                    logger.error("front end dropped a frame from the engine core: %s", exc)
-                    continue
-                self._handle(message)
+                # Every step waiting, before any caller runs: when the callers are behind,
+                # their streams merge several steps into one output (output_stream.py).
+                for _ in range(_MAX_FRAMES_PER_WAKEUP):
+                    try:
+                        frame = frames.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        message = self._decoder.decode(frame.buffer)
+                    except WireError as exc:
+                        logger.error("front end dropped a frame from the engine core: %s", exc)
+                        continue
+                    self._handle(message)
+                    if self._dead_error is not None:
+                        break
             # Dead, whoever noticed first (this task, is_healthy(), shutdown()).
             self._fail_in_flight()
         except asyncio.CancelledError:
@@ -361,17 +369,17 @@ class AsyncLLM:
         if stopped_children:
             self._send(FinishRequests(request_ids=stopped_children))
         for output in request_outputs:
-            queue = self._queues.get(output.request_id)
-            if queue is not None:
-                queue.put_nowait(output)
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
             if output.finished:
                 self.stats.finish_request(iteration, output.request_id,
                                           output.outputs[0].finish_reason or "abort")
         self.stats.record(iteration, message.scheduler_stats)
 
     def _fail_in_flight(self) -> None:
-        for queue in self._queues.values():
-            queue.put_nowait(_DEAD)
+        for stream in self._streams.values():
+            stream.put_dead()
         for future in self._utility_calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(f"the engine is dead: {self._dead_error}"))

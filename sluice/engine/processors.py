@@ -188,7 +188,10 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        for sample in self.samples:  # a loop, not all(<genexpr>): once per request per step
+            if sample.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:

@@ -130,10 +130,16 @@ def test_bench_throughput_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> No
     out_json = tmp_path / "throughput.json"
     result = run_sluice("bench", "throughput", "--model", tiny_dir, "--device", "cpu",
                         "--num-requests", "5", "--max-input-len", "40", "--max-output-len", "12",
-                        "--output", str(out_json))
+                        "--repeat", "1", "--keep-prefix-cache", "--output", str(out_json))
     assert result.returncode == 0, result.stderr
     record = json.loads(out_json.read_text())
     assert THROUGHPUT_KEYS <= set(record)
+    # The second run of the same prompts, cache kept, is served their full blocks.
+    first, second = record["runs"]
+    assert first["prefix_cache"] == "reset" and first["cached_prompt_tokens"] == 0
+    assert first["output_tok_s"] == pytest.approx(record["output_tok_s"])
+    assert second["prefix_cache"] == "kept" and second["cached_prompt_tokens"] > 0
+    assert "run 2 (prefix cache kept)" in result.stdout
     workload = nano_vllm_workload(5, 40, 12)
     assert record["num_requests"] == 5
     assert record["prompt_tokens"] == workload.prompt_tokens

@@ -99,7 +99,7 @@ async def assert_all_blocks_back(llm: AsyncLLM, stats: SchedulerStats | None = N
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.num_free_blocks == stats.num_blocks == llm.num_blocks
     assert await llm.call_utility("check_integrity") is True
-    assert not llm.output_processor.requests and not llm._queues
+    assert not llm.output_processor.requests and not llm._streams
 
 
 def find_stop_string(reference: LLM, prompt: Any) -> tuple[str, str]:
@@ -228,6 +228,38 @@ def test_output_kinds_agree_and_delta_streams(engine: AsyncLLM) -> None:
             before.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_caller_that_falls_behind_gets_the_missed_steps_merged(engine: AsyncLLM, n: int
+                                                                  ) -> None:
+    """A DELTA caller that takes nothing while its request runs to the end gets everything it
+    missed as one output: the same text, token ids and logprobs as the steps one by one."""
+    prompt = "A caller that falls behind"
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2, n=n)
+
+    async def behind() -> list[RequestOutput]:
+        stream = engine.generate(prompt, params, f"behind-{n}")
+        outputs = [await anext(stream)]
+        while f"behind-{n}" in engine.output_processor.requests:  # runs on without us
+            await asyncio.sleep(0.01)
+        return outputs + [out async for out in stream]
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        return await behind(), await collect(engine, prompt, params, f"steps-{n}")
+
+    slow, steps = run(main())
+    assert len(slow) == 2 and slow[-1].finished and not slow[0].finished
+    assert len(steps) > 2
+    merged_slow, merged_steps = merge_deltas(slow), merge_deltas(steps)
+    assert merged_slow.keys() == set(range(n))
+    for index in range(n):
+        got, want = merged_slow[index], merged_steps[index]
+        assert len(got["token_ids"]) == 10
+        assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+        assert [lp.keys() for lp in got["logprobs"]] == [lp.keys() for lp in want["logprobs"]]
+        assert got["finish_reason"] == want["finish_reason"] == "length"
+    run(assert_all_blocks_back(engine))
+
+
 def test_breaking_out_of_the_stream_aborts_and_frees_blocks(engine: AsyncLLM) -> None:
     iterations: list[IterationStats] = []
 
@@ -332,7 +364,7 @@ def test_bad_input_raises_value_error_without_reaching_the_core(
     before, after = run(main())
     assert after == before  # not a single prompt token reached the scheduler
     assert engine.is_healthy()
-    assert not engine.output_processor.requests and not engine._queues
+    assert not engine.output_processor.requests and not engine._streams
 
 
 def test_duplicate_request_id_and_unknown_utility_are_refused(engine: AsyncLLM) -> None:

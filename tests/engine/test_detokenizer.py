@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from sluice.engine.detokenizer import IncrementalDetokenizer, decode_token
+from sluice.engine.detokenizer import IncrementalDetokenizer, decode_token, ids_decoder
 from sluice.sampling_params import SamplingParams
 
 EOS = "<|endoftext|>"
@@ -227,3 +227,25 @@ def test_stop_string_property(tokenizer: PreTrainedTokenizerFast, text: str, sto
         expected = text[:index + len(stop)] if include else text[:index]
         assert found == stop
     assert detok.output_text == emitted == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(min_value=0, max_value=299), max_size=12),
+       skip=st.booleans())
+def test_ids_decoder_decodes_as_the_tokenizer(tokenizer: PreTrainedTokenizerFast,
+                                              ids: list[int], skip: bool) -> None:
+    """The detokenizer's direct call into the Rust tokenizer gives transformers' decode."""
+    expected = tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    assert ids_decoder(tokenizer, skip)(ids) == expected
+
+
+def test_ids_decoder_keeps_a_tokenizer_whose_decode_is_its_own(
+        tokenizer: PreTrainedTokenizerFast) -> None:
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids: object, **kwargs: object) -> str:
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=tokenizer.backend_tokenizer, eos_token=EOS)
+    ids = encode(tokenizer, "hello world")
+    assert ids_decoder(shouting, False)(ids) == "HELLO WORLD"
+    assert ids_decoder(tokenizer, False)(ids) == "hello world"
