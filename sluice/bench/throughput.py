@@ -6,10 +6,11 @@ against the roofline of the same workload and model on a GPU spec, and, with `--
 against transformers' continuous batching measured in the same run on the same device.
 
 `--repeat N` times the workload N more times in the same process, each run after
-`reset_prefix_cache()` (so each computes every prompt, as the first did) or, with
-`--keep-prefix-cache`, with the prompts the run before left in the cache: a second generate of
-the same prompts in one process (as `../shared/peer/bench_peer.py` times it) skips their
-prefill, which is why its figure beats the first. The headline figure is the first run's.
+`reset_prefix_cache()`, so each computes every prompt as the first did; `--repeat-cached M`
+then times it M more times with the prompts the run before left in the prefix cache, as a
+second generate of the same prompts in one process does (`../shared/peer/bench_peer.py`): it
+skips their prefill, which is why such a run beats the first. The headline figure is the first
+run's.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ def add_parser(bench_sub: Any) -> None:
                              "(auto: from the GPU's name, else h200)")
     parser.add_argument("--repeat", type=int, default=0,
                         help="time the workload this many more times in the same process")
-    parser.add_argument("--keep-prefix-cache", action="store_true",
-                        help="with --repeat: keep the prompts cached by the run before (by "
-                             "default the prefix cache is reset before each run)")
+    parser.add_argument("--repeat-cached", type=int, default=0,
+                        help="then this many more, keeping the prompts cached by the run "
+                             "before (--repeat resets the prefix cache before each run)")
     parser.add_argument("--output", default=None, help="write the result as JSON here")
     add_engine_args(parser)
     parser.set_defaults(func=_cmd_throughput)
@@ -100,8 +101,9 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     from sluice.bench.roofline import ModelCost, gpu_spec_for, offline_roofline
     from sluice.bench.workloads import nano_vllm_workload, random_prompts
 
-    if ns.repeat < 0:
-        raise ValueError(f"--repeat must be >= 0, got {ns.repeat}")
+    for flag, value in (("--repeat", ns.repeat), ("--repeat-cached", ns.repeat_cached)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     workload = nano_vllm_workload(ns.num_requests, ns.max_input_len, ns.max_output_len)
     gpu_spec_for(ns.gpu_spec)  # a bad name fails before the model loads
     llm, device, dtype = build_llm(ns)
@@ -120,12 +122,11 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     outputs, seconds = _timed_generate(llm, workload.prompts, params, device)
     generated = [len(o.outputs[0].token_ids) for o in outputs]
     runs = [_run_record(outputs, seconds, prefix_cache="reset")]
-    for _ in range(ns.repeat):
-        if not ns.keep_prefix_cache:
+    for keep in [False] * ns.repeat + [True] * ns.repeat_cached:
+        if not keep:
             llm.reset_prefix_cache()
         again, again_s = _timed_generate(llm, workload.prompts, params, device)
-        runs.append(_run_record(again, again_s,
-                                prefix_cache="kept" if ns.keep_prefix_cache else "reset"))
+        runs.append(_run_record(again, again_s, prefix_cache="kept" if keep else "reset"))
         del again
     llm.shutdown()  # the HF baseline needs the memory the KV cache held
     del llm, engine, outputs

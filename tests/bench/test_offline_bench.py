@@ -130,7 +130,7 @@ def test_bench_throughput_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> No
     out_json = tmp_path / "throughput.json"
     result = run_sluice("bench", "throughput", "--model", tiny_dir, "--device", "cpu",
                         "--num-requests", "5", "--max-input-len", "40", "--max-output-len", "12",
-                        "--repeat", "1", "--keep-prefix-cache", "--output", str(out_json))
+                        "--repeat-cached", "1", "--output", str(out_json))
     assert result.returncode == 0, result.stderr
     record = json.loads(out_json.read_text())
     assert THROUGHPUT_KEYS <= set(record)
