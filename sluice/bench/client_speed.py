@@ -8,11 +8,12 @@
 The fake server (sluice/testing/sse_server.py, its own process) streams pre-built OpenAI chunks
 as fast as its socket takes them, `--events-per-write` chunks a write (1: each event its own
 write, as uvicorn sends them; more: what a client that falls behind reads anyway), so the client
-process is the limit: its events/s is its ceiling. Against a real server the events/s is the
-server's; the client's CPU time per event is then the comparable figure. Each client runs
-`--repeats` times, alternating, and the best run is reported, on each event loop of `--loops`
-(the replaced client ran on asyncio's own loop; `sluice bench serve` now takes uvloop when it is
-installed).
+process is the limit: its events/s is its ceiling when its CPU util is near 1. On a host short
+of cores the fake server, the client and anything else share them; the CPU wait column says how
+long the client waited for one. Against a real server the events/s is the server's; the client's
+CPU time per event is then the comparable figure. Each client runs `--repeats` times,
+alternating, and the best run is reported, on each event loop of `--loops` (the replaced client
+ran on asyncio's own loop; `sluice bench serve` now takes uvloop when it is installed).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import time
@@ -28,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sluice.bench.http_stream import ConnectionPool
+from sluice.bench.load_clients import run_queue_wait_s
 from sluice.bench.openai_client import RequestInput, build_payload, prepare, send_request
 from sluice.bench.serve import machine_line
 from sluice.bench.serve_metrics import RequestTiming
@@ -82,15 +85,18 @@ async def _run(send: Callable[[RequestInput], Awaitable[RequestTiming]],
         async with limit:
             return await send(request)
 
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    cpu0, wait0, t0 = time.process_time(), run_queue_wait_s(), time.perf_counter()
     timings = await asyncio.gather(*[one(r) for r in requests])
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    wait1 = run_queue_wait_s()
     failed = [t.error for t in timings if not t.success]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, the first: {failed[0]}")
     events = sum(len(t.itl) + 1 for t in timings)
     return {"events": events, "wall_s": wall, "cpu_s": cpu, "events_per_s": events / wall,
-            "cpu_us_per_event": cpu / events * 1e6, "cpu_util": cpu / wall}
+            "cpu_us_per_event": cpu / events * 1e6, "cpu_util": cpu / wall,
+            # Runnable but waiting for a CPU (Linux): the host was short of cores.
+            "cpu_wait": math.nan if wait0 is None or wait1 is None else (wait1 - wait0) / wall}
 
 
 async def _measure(client: str, requests: list[RequestInput],
@@ -148,10 +154,11 @@ def measure(base_url: str, loop: str, ns: argparse.Namespace) -> dict[str, Any]:
 
 def _table(label: str, result: dict[str, Any]) -> str:
     lines = [f"{label}",
-             f"  {'client':<8}{'events/s':>12}{'CPU us/event':>14}{'CPU util':>10}{'events':>9}"]
+             f"  {'client':<8}{'events/s':>12}{'CPU us/event':>14}{'CPU util':>10}"
+             f"{'CPU wait':>10}{'events':>9}"]
     for client, r in result["best"].items():
         lines.append(f"  {client:<8}{r['events_per_s']:>12,.0f}{r['cpu_us_per_event']:>14.1f}"
-                     f"{r['cpu_util']:>10.2f}{r['events']:>9}")
+                     f"{r['cpu_util']:>10.2f}{r['cpu_wait']:>10.2f}{r['events']:>9}")
     lines.append(f"  sluice / httpx: {result['speedup_events_per_s']:.2f}x events/s, "
                  f"{result['cpu_per_event_ratio']:.2f}x less CPU per event")
     return "\n".join(lines)

@@ -25,11 +25,13 @@ process does. What N processes cannot do that one does: lend a slot across clien
 client's requests run out early its slots idle while the others' queues drain.
 
 How to tell the client was not the limit: each process's CPU utilisation over the run
-(`time.process_time()` / wall time) is printed and saved (`client_cpu_util`). Near 1.0, a client
-process was saturated and its ITLs and throughput are partly its own; well below 1 (say < 0.7),
-it was waiting on the server. To be sure, run with `--num-clients 1` and `--num-clients 4`: if
-throughput and latencies agree and the CPU utilisation is well below 1, the client was not the
-limit.
+(`time.process_time()` / wall time) is printed and saved (`client_cpu_util`), and on Linux the
+share of the run it spent runnable but waiting for a CPU (`client_cpu_wait`, from
+/proc/thread-self/schedstat). Utilisation near 1.0, or utilisation plus wait near 1.0 on a
+crowded host, means a client process was busy the whole run: its ITLs and throughput are partly
+its own. Well below 1 for both (say < 0.7 together), it was waiting on the server. To be sure,
+run with `--num-clients 1` and `--num-clients 4`: if throughput and latencies agree and the
+utilisation is well below 1, the client was not the limit.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class ClientResult(msgspec.Struct, tag="result", frozen=True):
     timings: list[RequestTiming]
     end_s: float  # last request finished, seconds after t0
     cpu_s: float  # process CPU seconds over [t0, t0 + end_s]
+    wait_s: float | None  # seconds runnable but waiting for a CPU then (None: not on Linux)
     event_loop: str  # "uvloop" | "asyncio"
 
 
@@ -100,7 +103,18 @@ class ClientsRun:
     timings: list[RequestTiming]  # in the order of the requests
     duration_s: float  # common start -> last finish
     cpu_util: list[float]  # per client process: CPU seconds / its wall seconds
+    cpu_wait: list[float] | None  # per client process: run-queue wait / its wall seconds
     event_loop: str  # the clients' event loop: "uvloop" | "asyncio"
+
+    @classmethod
+    def of(cls, results: Sequence[ClientResult],
+           timings: list[RequestTiming]) -> ClientsRun:
+        waits = [r.wait_s for r in results]
+        return cls(timings=timings, duration_s=max(r.end_s for r in results),
+                   cpu_util=[r.cpu_s / r.end_s for r in results],
+                   cpu_wait=None if None in waits else [w / r.end_s  # type: ignore[operator]
+                                                        for w, r in zip(waits, results)],
+                   event_loop=results[0].event_loop)
 
 
 def running_loop_name() -> str:
@@ -140,6 +154,15 @@ def request_owners(num_requests: int, shares: Sequence[int | None]) -> list[int]
     return [slots[j % len(slots)] for j in range(num_requests)]
 
 
+def run_queue_wait_s() -> float | None:
+    """Seconds this thread has been runnable but not running (Linux schedstat), else None."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 async def _sleep_until(deadline: float) -> None:
     """Sleep until perf_counter() >= deadline (a loop's timer may fire a little early)."""
     while (delay := deadline - time.perf_counter()) > 0:
@@ -148,14 +171,12 @@ async def _sleep_until(deadline: float) -> None:
 
 async def send_all(requests: Sequence[PreparedRequest], offsets: Sequence[float],
                    max_concurrency: int | None, t0: float, pool: ConnectionPool,
-                   on_done: Callable[[], None] | None = None
-                   ) -> tuple[list[RequestTiming], float, float]:
-    """Send each request at t0 + its offset, at most `max_concurrency` in flight.
-
-    Returns (timings in request order, last finish in seconds after t0, CPU seconds of this
-    process from t0 to then)."""
+                   on_done: Callable[[], None] | None = None) -> ClientResult:
+    """Send each request at t0 + its offset, at most `max_concurrency` in flight; the timings
+    come back in request order, with this process's CPU and run-queue time from t0 to the last
+    finish."""
     await _sleep_until(t0)
-    cpu0 = time.process_time()
+    cpu0, wait0 = time.process_time(), run_queue_wait_s()
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(request: PreparedRequest) -> RequestTiming:
@@ -173,8 +194,11 @@ async def send_all(requests: Sequence[PreparedRequest], offsets: Sequence[float]
         await _sleep_until(t0 + offset)
         tasks.append(asyncio.create_task(one(request)))
     timings = list(await asyncio.gather(*tasks))
-    end = time.perf_counter()
-    return timings, end - t0, time.process_time() - cpu0
+    end_s = time.perf_counter() - t0
+    wait1 = run_queue_wait_s()
+    return ClientResult(timings=timings, end_s=end_s, cpu_s=time.process_time() - cpu0,
+                        wait_s=None if wait0 is None or wait1 is None else wait1 - wait0,
+                        event_loop=running_loop_name())
 
 
 async def warm_up(pool: ConnectionPool, request: PreparedRequest, num: int) -> None:
@@ -190,11 +214,11 @@ async def run_in_process(inputs: Sequence[RequestInput], offsets: Sequence[float
         requests = [prepare(r, api_key) for r in inputs]
         if requests:
             await warm_up(pool, requests[0], num_warmups)
-        timings, end_s, cpu_s = await send_all(requests, offsets, max_concurrency,
-                                               time.perf_counter(), pool, on_done)
+        result = await send_all(requests, offsets, max_concurrency, time.perf_counter(), pool,
+                                on_done)
     finally:
         pool.close()
-    return ClientsRun(timings, end_s, [cpu_s / end_s], running_loop_name())
+    return ClientsRun.of([result], result.timings)
 
 
 def _client_env() -> dict[str, str]:
@@ -258,10 +282,7 @@ async def run_in_processes(inputs: Sequence[RequestInput], offsets: Sequence[flo
         for j, timing in zip(mine[i], result.timings):
             timings[j] = timing
     assert all(t is not None for t in timings)
-    return ClientsRun(timings=timings,  # type: ignore[arg-type]
-                      duration_s=max(r.end_s for r in results),
-                      cpu_util=[r.cpu_s / r.end_s for r in results],
-                      event_loop=results[0].event_loop)
+    return ClientsRun.of(results, timings)  # type: ignore[arg-type]
 
 
 async def _send(proc: asyncio.subprocess.Process, message: msgspec.Struct) -> None:
@@ -310,13 +331,10 @@ async def _client_main(stdin: Any, out: Any) -> None:
         def on_done() -> None:
             out.write(progress_line)
 
-        timings, end_s, cpu_s = await send_all(requests, job.offsets, job.max_concurrency,
-                                               start.t0, pool,
-                                               on_done if job.report_progress else None)
+        result = await send_all(requests, job.offsets, job.max_concurrency, start.t0, pool,
+                                on_done if job.report_progress else None)
     finally:
         pool.close()
-    result = ClientResult(timings=timings, end_s=end_s, cpu_s=cpu_s,
-                          event_loop=running_loop_name())
     out.write(_encoder.encode(result) + b"\n")
 
 

@@ -205,15 +205,29 @@ async def _send_all(config: ServeBenchConfig, inputs: list[RequestInput],
             progress.close()
 
 
-def client_cpu_lines(cpu_util: list[float], event_loop: str) -> list[str]:
+def _max_mean(values: list[float]) -> str:
+    return f"{max(values):.2f} / {sum(values) / len(values):.2f}"
+
+
+def client_cpu_lines(run: ClientsRun) -> list[str]:
     """The client's self-check, printed under the result block."""
-    lines = [f"{'Client processes:':<40} {len(cpu_util):<10} ({event_loop})",
-             f"{'Client CPU util (max / mean):':<40} {max(cpu_util):.2f} / "
-             f"{sum(cpu_util) / len(cpu_util):.2f}"]
-    if max(cpu_util) > 0.9:
-        lines.append("warning: a client process was near saturation (CPU util near 1): the "
-                     "figures may be the client's limit; rerun with more --num-clients")
+    lines = [f"{'Client processes:':<40} {len(run.cpu_util):<10} ({run.event_loop})",
+             f"{'Client CPU util (max / mean):':<40} {_max_mean(run.cpu_util)}"]
+    busy = run.cpu_util
+    if run.cpu_wait is not None:
+        lines.append(f"{'Client CPU wait (max / mean):':<40} {_max_mean(run.cpu_wait)}")
+        busy = [u + w for u, w in zip(run.cpu_util, run.cpu_wait)]
+    if max(busy) > 0.9:
+        lines.append("warning: a client process was busy (running, or waiting for a CPU) for "
+                     "most of the run: the figures may be the client's limit; rerun with more "
+                     "--num-clients, or on a host with more free cores")
     return lines
+
+
+def _stats(values: list[float] | None) -> dict[str, Any] | None:
+    if values is None:
+        return None
+    return {"max": max(values), "mean": sum(values) / len(values), "per_process": values}
 
 
 async def run_benchmark(config: ServeBenchConfig) -> dict[str, Any]:
@@ -259,7 +273,7 @@ async def run_benchmark(config: ServeBenchConfig) -> dict[str, Any]:
             print(f"Error {i}: {error}")
     print(format_result_block(metrics, duration, config.request_rate, config.max_concurrency,
                               bool(config.goodput), config.percentile_metrics))
-    print("\n".join(client_cpu_lines(run.cpu_util, run.event_loop)))
+    print("\n".join(client_cpu_lines(run)))
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": config.backend,
@@ -274,10 +288,10 @@ async def run_benchmark(config: ServeBenchConfig) -> dict[str, Any]:
                       config.percentile_metrics),
         "num_clients": config.num_clients,
         "client_event_loop": run.event_loop,
-        # Per client process: CPU seconds / wall seconds over its run (near 1: saturated).
-        "client_cpu_util": {"max": max(run.cpu_util),
-                            "mean": sum(run.cpu_util) / len(run.cpu_util),
-                            "per_process": run.cpu_util},
+        # Per client process, over its run: CPU seconds / wall seconds (near 1: saturated), and
+        # seconds runnable but waiting for a CPU / wall seconds (Linux; else None).
+        "client_cpu_util": _stats(run.cpu_util),
+        "client_cpu_wait": _stats(run.cpu_wait),
     }
 
 

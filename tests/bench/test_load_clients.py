@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 
 from sluice.bench.load_clients import (
+    ClientsRun,
     concurrency_shares,
     request_owners,
     run_in_process,
     run_in_processes,
 )
 from sluice.bench.openai_client import RequestInput
+from sluice.bench.serve import client_cpu_lines
 from sluice.testing.sse_server import (
     STREAM_HEAD,
     Handler,
@@ -54,6 +56,19 @@ def test_requests_go_to_the_owner_of_their_slot() -> None:
     assert request_owners(5, [None, None]) == [0, 1, 0, 1, 0]
     owners = request_owners(64, [6, 5, 5])
     assert [owners.count(i) for i in range(3)] == [24, 20, 20]
+
+
+def test_the_self_check_warns_when_a_client_was_busy_the_whole_run() -> None:
+    def lines(util: list[float], wait: list[float] | None) -> list[str]:
+        return client_cpu_lines(ClientsRun([], 1.0, util, wait, "uvloop"))
+
+    quiet = lines([0.3, 0.5], [0.1, 0.0])
+    assert quiet == [f"{'Client processes:':<40} {2:<10} (uvloop)",
+                     f"{'Client CPU util (max / mean):':<40} 0.50 / 0.40",
+                     f"{'Client CPU wait (max / mean):':<40} 0.10 / 0.05"]
+    assert lines([0.97], None)[-1].startswith("warning: a client process was busy")
+    # Half running, half waiting for a CPU: as much the limit as a saturated one.
+    assert lines([0.5, 0.2], [0.45, 0.1])[-1].startswith("warning: a client process was busy")
 
 
 def inputs(url: str, output_lens: list[int]) -> list[RequestInput]:
@@ -144,6 +159,9 @@ def test_bench_serve_with_two_clients_reports_failures_and_cpu_util(tmp_path: Pa
     assert cpu["max"] == max(cpu["per_process"])
     assert cpu["mean"] == pytest.approx(sum(cpu["per_process"]) / 2)
     assert result["client_event_loop"] in ("asyncio", "uvloop")
+    if sys.platform == "linux":  # run-queue wait from /proc/thread-self/schedstat
+        wait = result["client_cpu_wait"]
+        assert len(wait["per_process"]) == 2 and all(0 <= w < 2 for w in wait["per_process"])
     lines = out.stdout.splitlines()
     assert any(line.startswith("Client processes:") and " 2 " in line for line in lines)
     assert any(line.startswith("Client CPU util (max / mean):") for line in lines)
