@@ -116,9 +116,11 @@ async def _measure(client: str, requests: list[RequestInput],
         return await _run(lambda r: _send_httpx(http, r), requests, concurrency)
 
 
-def _start_fake_server(events_per_write: int) -> tuple[subprocess.Popen, str]:
+def _start_fake_server(events_per_write: int,
+                       step_ms: float | None = None) -> tuple[subprocess.Popen, str]:
+    step = [] if step_ms is None else ["--step-ms", str(step_ms)]
     proc = subprocess.Popen([sys.executable, "-m", "sluice.testing.sse_server",
-                             "--events-per-write", str(events_per_write)],
+                             "--events-per-write", str(events_per_write), *step],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     url = proc.stdout.readline().strip()
@@ -175,6 +177,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--events-per-write", default="1,8",
                         help="fake server only: comma-separated, one measurement each")
+    parser.add_argument("--step-ms", type=float, default=None,
+                        help="fake server only: every stream's next event once a step of this "
+                             "period (an engine's decode steps; offered events/s = concurrency "
+                             "/ step), instead of as fast as it can")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--loops", default=None,
                         help="event loops, comma-separated (default: asyncio, and uvloop when "
@@ -193,15 +199,18 @@ def main() -> None:
             print(_table(f"server {ns.base_url}, {loop} loop", result))
             continue
         for events_per_write in (int(n) for n in ns.events_per_write.split(",")):
-            proc, url = _start_fake_server(events_per_write)
+            proc, url = _start_fake_server(events_per_write, ns.step_ms)
             try:
                 result = measure(url, loop, ns)
             finally:
                 proc.terminate()
                 proc.wait()
+            pacing = ("" if ns.step_ms is None else
+                      f", one event per stream every {ns.step_ms:g} ms (offered "
+                      f"{ns.concurrency / ns.step_ms * 1000:,.0f} events/s)")
             results["results"][f"fake_{events_per_write}_per_write_{loop}"] = result
-            print(_table(f"fake server, {events_per_write} event(s) per write, {loop} loop",
-                         result))
+            print(_table(f"fake server, {events_per_write} event(s) per write{pacing}, "
+                         f"{loop} loop", result))
     if ns.output:
         with open(ns.output, "w") as f:
             json.dump(results, f, indent=1)

@@ -12,7 +12,10 @@ next request or closed. `openai_handler()` streams OpenAI-shaped chunks, one per
 (`max_tokens` / `max_completion_tokens`), then the usage chunk and `[DONE]`.
 
 As a process (for `sluice bench serve` or the client speed benchmark), it prints its URL first:
-    python -m sluice.testing.sse_server --port 0 --events-per-write 1
+    python -m sluice.testing.sse_server --port 0 --events-per-write 1 [--step-ms 10]
+With `--step-ms`, every running stream gets its next event in the same step, once a step, as an
+engine's decode steps send them (256 streams and 10 ms steps: 25.6k events/s, the H200 run's
+rate, each event in its own TCP read when the client keeps up).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class Reply:
     pieces: Sequence[bytes]
     gap_s: float = 0.0  # pause after each piece
     close: bool = False  # close the connection after the last piece
+    # One piece a server step (SSEServer.step_s), every stepped answer's piece in the same step,
+    # as an engine's decode step sends a token to every running stream at once.
+    stepped: bool = False
 
 
 Handler = Callable[[HTTPRequest], Reply]
@@ -107,9 +113,10 @@ def openai_events(chat: bool, num_tokens: int, prompt_tokens: int = 1) -> list[b
     return events + [sse(usage_chunk(prompt_tokens, num_tokens)), sse("[DONE]")]
 
 
-def openai_handler(events_per_write: int = 1) -> Handler:
+def openai_handler(events_per_write: int = 1, stepped: bool = False) -> Handler:
     """An OpenAI-compatible fake: GET /v1/models, and streamed completions and chat
-    completions of " tok" tokens, as many as asked, `events_per_write` chunks in one write."""
+    completions of " tok" tokens, as many as asked, `events_per_write` chunks in one write (in
+    server steps if `stepped`)."""
     if events_per_write < 1:
         raise ValueError(f"events_per_write must be >= 1, got {events_per_write}")
 
@@ -126,7 +133,7 @@ def openai_handler(events_per_write: int = 1) -> Handler:
         body = [chunk(e) for e in openai_events(chat, num_tokens, prompt_tokens)] + [LAST_CHUNK]
         pieces = [STREAM_HEAD] + [b"".join(body[i:i + events_per_write])
                                   for i in range(0, len(body), events_per_write)]
-        return Reply(pieces)
+        return Reply(pieces, stepped=stepped)
 
     return handle
 
@@ -135,12 +142,16 @@ def openai_handler(events_per_write: int = 1) -> Handler:
 class SSEServer:
     handler: Handler
     port: int = 0
+    step_s: float = 0.0  # period of the stepped answers' writes
     requests: list[HTTPRequest] = field(default_factory=list)
     connections: int = 0
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _task: asyncio.Task | None = None
     _handlers: set[asyncio.Task] = field(default_factory=set)
+    # Stepped answers in flight: [writer, the pieces left, set when all are written].
+    _stepped: list[list[Any]] = field(default_factory=list)
+    _stepper: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
@@ -178,7 +189,13 @@ class SSEServer:
                 request = HTTPRequest(method, target, headers, body, connection, seq)
                 self.requests.append(request)
                 reply = self.handler(request)
-                for piece in reply.pieces:
+                if reply.stepped:
+                    written = asyncio.get_running_loop().create_future()
+                    self._stepped.append([writer, iter(reply.pieces), written])
+                    if self._stepper is None:
+                        self._stepper = asyncio.create_task(self._step())
+                    await written
+                for piece in () if reply.stepped else reply.pieces:
                     writer.write(piece)
                     await writer.drain()
                     # Let other streams write in between, as a server of many streams does.
@@ -190,6 +207,24 @@ class SSEServer:
         finally:
             self._handlers.discard(task)
             writer.close()
+
+    async def _step(self) -> None:
+        """Each step, the next piece of every stepped answer; then sleep out the step."""
+        loop = asyncio.get_running_loop()
+        while self._stepped:
+            start = loop.time()
+            running = []
+            for entry in self._stepped:
+                writer, pieces, written = entry
+                piece = next(pieces, None)
+                if piece is None:
+                    written.set_result(None)
+                else:
+                    writer.write(piece)
+                    running.append(entry)
+            self._stepped = running  # answers that come in during the sleep join the next step
+            await asyncio.sleep(max(0.0, self.step_s - (loop.time() - start)))
+        self._stepper = None
 
     def __enter__(self) -> SSEServer:
         started = threading.Event()
@@ -227,8 +262,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=0, help="0: a free one")
     parser.add_argument("--events-per-write", type=int, default=1)
+    parser.add_argument("--step-ms", type=float, default=None,
+                        help="write every stream's next event together once per step of this "
+                             "period, as an engine's decode steps do (default: each stream as "
+                             "fast as it can)")
     ns = parser.parse_args()
-    server = SSEServer(openai_handler(ns.events_per_write), port=ns.port)
+    server = SSEServer(openai_handler(ns.events_per_write, stepped=ns.step_ms is not None),
+                       port=ns.port, step_s=(ns.step_ms or 0.0) / 1000)
     try:
         import uvloop
         run = uvloop.run

@@ -240,3 +240,21 @@ def test_http_errors_and_error_events_become_failed_requests(kind: str, error: s
 def test_a_refused_connection_is_a_failed_request() -> None:
     [timing] = send(f"http://127.0.0.1:{free_port()}")
     assert not timing.success and timing.error.startswith("ConnectionRefusedError")
+
+
+def test_the_stepped_fake_server_paces_every_stream_once_a_step() -> None:
+    async def main(url: str) -> list[RequestTiming]:
+        pool = ConnectionPool()
+        request = prepare(request_input(url), None)
+        try:
+            return list(await asyncio.gather(*[send_request(pool, request) for _ in range(4)]))
+        finally:
+            pool.close()
+
+    with SSEServer(openai_handler(stepped=True), step_s=0.02) as server:
+        timings = asyncio.run(main(server.url))
+    assert all(t.success and t.output_tokens == len(TEXTS) for t in timings)
+    gaps = [gap for t in timings for gap in t.itl]
+    assert len(gaps) == 4 * (len(TEXTS) - 1)
+    # One token a 20 ms step (a step late or early now and then on a busy machine).
+    assert 0.015 < sum(gaps) / len(gaps) < 0.04, gaps
