@@ -8,7 +8,7 @@ Lifecycle of N > 1 client processes (each `python -m sluice.bench.load_clients`)
     parent -> ClientStart   the common start t0 on the perf_counter clock (a little ahead)
     client -> ClientProgress per finished request (for the progress bar)
     client -> ClientResult  its RequestTimings (start times relative to t0), when its last request
-                            finished, its CPU seconds over [t0, that end]
+                            finished, its CPU and run-queue seconds over [t0, that end]
 Messages are msgspec JSON, one a line: parent -> client on stdin, client -> parent on stdout (the
 client moves its own stdout to stderr, so a stray print cannot break a message).
 
@@ -128,6 +128,8 @@ def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
     except ImportError:
+        return asyncio.run(main)
+    if not hasattr(uvloop, "run"):  # uvloop < 0.18
         return asyncio.run(main)
     return uvloop.run(main)
 
