@@ -269,12 +269,9 @@ def main() -> None:
     ns = parser.parse_args()
     server = SSEServer(openai_handler(ns.events_per_write, stepped=ns.step_ms is not None),
                        port=ns.port, step_s=(ns.step_ms or 0.0) / 1000)
-    try:
-        import uvloop
-        run = uvloop.run
-    except ImportError:
-        run = asyncio.run
-    run(server.serve(lambda: print(server.url, flush=True)))
+    from sluice.bench.load_clients import run_event_loop  # uvloop when installed
+
+    run_event_loop(server.serve(lambda: print(server.url, flush=True)))
 
 
 if __name__ == "__main__":
