@@ -4,32 +4,38 @@ result block of `vllm bench serve`, with its flags and its JSON keys.
 Requests arrive as a Poisson process at `--request-rate` (gamma intervals of shape
 `--burstiness`; all at once for `inf`), at most `--max-concurrency` in flight; each streams and is
 timed on the client (openai_client.py); metrics follow vLLM's definitions (serve_metrics.py).
+The prompts and arrival times are drawn here; `--num-clients N` sends them from N client
+processes (load_clients.py) so that the client is not the limit, and each run reports the client
+processes' CPU utilisation to show whether one was.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
 import platform
 import shlex
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import httpx
 import numpy as np
 
 from sluice.bench import datasets
-from sluice.bench.openai_client import RequestInput, first_model, make_client, send_request
+from sluice.bench.load_clients import (
+    ClientsRun,
+    concurrency_shares,
+    run_event_loop,
+    run_in_process,
+    run_in_processes,
+)
+from sluice.bench.openai_client import RequestInput, first_model
 from sluice.bench.serve_metrics import (
     PERCENTILE_METRICS,
-    RequestTiming,
     compute_metrics,
     format_result_block,
     parse_goodput,
@@ -91,6 +97,8 @@ class ServeBenchConfig:
     # More servers of the same model: each request goes to one of base_url and these, drawn at
     # random (seeded apart from the workload, so the prompts and arrivals stay the same).
     more_base_urls: tuple[str, ...] = ()
+    # Client processes sending the requests (load_clients.py); 1 sends them from this process.
+    num_clients: int = 1
 
     @property
     def chat(self) -> bool:
@@ -111,6 +119,10 @@ def config_from_args(ns: argparse.Namespace) -> ServeBenchConfig:
                          f"{ns.dataset_name!r}")
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {ns.max_concurrency}")
+    concurrency_shares(ns.max_concurrency, ns.num_clients)  # checks --num-clients
+    if ns.num_clients > ns.num_prompts:
+        raise ValueError(f"--num-clients ({ns.num_clients}) must be <= --num-prompts "
+                         f"({ns.num_prompts})")
     metrics = tuple(m.strip() for m in ns.percentile_metrics.split(",") if m.strip())
     if bad := [m for m in metrics if m not in PERCENTILE_METRICS]:
         raise ValueError(f"--percentile-metrics takes {list(PERCENTILE_METRICS)}, got {bad}")
@@ -133,7 +145,8 @@ def config_from_args(ns: argparse.Namespace) -> ServeBenchConfig:
         # Synthetic prompts: generation must run to the asked length, as vLLM's client asks.
         ignore_eos=True if ns.ignore_eos is None else ns.ignore_eos,
         temperature=ns.temperature, percentile_metrics=metrics, metric_percentiles=percentiles,
-        num_warmups=ns.num_warmups, disable_tqdm=ns.disable_tqdm, api_key=ns.api_key)
+        num_warmups=ns.num_warmups, disable_tqdm=ns.disable_tqdm, api_key=ns.api_key,
+        num_clients=ns.num_clients)
 
 
 def model_tokenizer(ns: argparse.Namespace) -> str | None:
@@ -172,69 +185,81 @@ def sample_requests(config: ServeBenchConfig, tokenizer: Any | None,
         tokenizer)
 
 
-async def _send_all(config: ServeBenchConfig, inputs: list[RequestInput], offsets: np.ndarray,
-                    client: httpx.AsyncClient) -> tuple[list[RequestTiming], float]:
-    limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+async def _send_all(config: ServeBenchConfig, inputs: list[RequestInput],
+                    offsets: np.ndarray) -> ClientsRun:
     progress = None
     if not config.disable_tqdm:
         from tqdm import tqdm
 
         progress = tqdm(total=len(inputs))
-    t0 = time.perf_counter()
-
-    async def one(request: RequestInput) -> RequestTiming:
-        if limit is None:
-            timing = await send_request(client, request, t0)
-        else:
-            async with limit:
-                timing = await send_request(client, request, t0)
+    on_done = None if progress is None else lambda: progress.update(1)
+    try:
+        if config.num_clients == 1:
+            return await run_in_process(inputs, offsets.tolist(), config.max_concurrency,
+                                        config.api_key, config.num_warmups, on_done)
+        return await run_in_processes(inputs, offsets.tolist(), config.max_concurrency,
+                                      config.num_clients, config.api_key, config.num_warmups,
+                                      on_done)
+    finally:
         if progress is not None:
-            progress.update(1)
-        return timing
+            progress.close()
 
-    tasks = []
-    for request, offset in zip(inputs, offsets.tolist()):
-        delay = t0 + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(request)))
-    timings = list(await asyncio.gather(*tasks))
-    duration = time.perf_counter() - t0
-    if progress is not None:
-        progress.close()
-    return timings, duration
+
+def _max_mean(values: list[float]) -> str:
+    return f"{max(values):.2f} / {sum(values) / len(values):.2f}"
+
+
+def client_cpu_lines(run: ClientsRun) -> list[str]:
+    """The client's self-check, printed under the result block."""
+    lines = [f"{'Client processes:':<40} {len(run.cpu_util):<10} ({run.event_loop})",
+             f"{'Client CPU util (max / mean):':<40} {_max_mean(run.cpu_util)}"]
+    busy = run.cpu_util
+    if run.cpu_wait is not None:
+        lines.append(f"{'Client CPU wait (max / mean):':<40} {_max_mean(run.cpu_wait)}")
+        busy = [u + w for u, w in zip(run.cpu_util, run.cpu_wait)]
+    if max(busy) > 0.9:
+        lines.append("warning: a client process was busy (running, or waiting for a CPU) for "
+                     "most of the run: the figures may be the client's limit; rerun with more "
+                     "--num-clients, or on a host with more free cores")
+    return lines
+
+
+def _stats(values: list[float] | None) -> dict[str, Any] | None:
+    if values is None:
+        return None
+    return {"max": max(values), "mean": sum(values) / len(values), "per_process": values}
 
 
 async def run_benchmark(config: ServeBenchConfig) -> dict[str, Any]:
     """Run the benchmark, print the result block, return the result JSON."""
     rng = np.random.default_rng(config.seed)
-    async with make_client(config.max_concurrency, config.api_key) as client:
-        if config.model is None:
-            model_id, root = await first_model(client, config.base_url)
-            print(f"model (first listed by the server): {model_id}")
-        else:
-            model_id = root = config.model
-        tokenizer_id = _resolve_tokenizer(config, model_id, root)
-        tokenizer = None if tokenizer_id is None else load_tokenizer(tokenizer_id)
-        print(f"tokenizer: {tokenizer_id or 'none (token counts from the server usage)'}")
-        samples = sample_requests(config, tokenizer, rng)
-        urls = [config.base_url, *config.more_base_urls]
-        picks = np.random.default_rng(config.seed + 1).integers(len(urls), size=len(samples))
-        inputs = [RequestInput(api_url=urls[pick] + config.endpoint, model=model_id,
-                               prompt=s.prompt, prompt_len=s.prompt_len,
-                               output_len=s.expected_output_len, ignore_eos=config.ignore_eos,
-                               temperature=config.temperature, chat=config.chat)
-                  for s, pick in zip(samples, picks.tolist())]
-        if config.num_warmups:
-            print(f"Warming up with {config.num_warmups} requests...")
-            await asyncio.gather(*[send_request(client, inputs[0])
-                                   for _ in range(config.num_warmups)])
-        offsets = arrival_times(len(inputs), config.request_rate, config.burstiness, rng)
-        process = "Poisson process" if config.burstiness == 1.0 else "Gamma distribution"
-        print(f"Traffic request rate: {config.request_rate}")
-        print(f"Burstiness factor: {config.burstiness} ({process})")
-        print(f"Maximum request concurrency: {config.max_concurrency}")
-        timings, duration = await _send_all(config, inputs, offsets, client)
+    concurrency_shares(config.max_concurrency, config.num_clients)  # checks num_clients
+    if config.model is None:
+        model_id, root = await first_model(config.base_url, config.api_key)
+        print(f"model (first listed by the server): {model_id}")
+    else:
+        model_id = root = config.model
+    tokenizer_id = _resolve_tokenizer(config, model_id, root)
+    tokenizer = None if tokenizer_id is None else load_tokenizer(tokenizer_id)
+    print(f"tokenizer: {tokenizer_id or 'none (token counts from the server usage)'}")
+    samples = sample_requests(config, tokenizer, rng)
+    urls = [config.base_url, *config.more_base_urls]
+    picks = np.random.default_rng(config.seed + 1).integers(len(urls), size=len(samples))
+    inputs = [RequestInput(api_url=urls[pick] + config.endpoint, model=model_id,
+                           prompt=s.prompt, prompt_len=s.prompt_len,
+                           output_len=s.expected_output_len, ignore_eos=config.ignore_eos,
+                           temperature=config.temperature, chat=config.chat)
+              for s, pick in zip(samples, picks.tolist())]
+    if config.num_warmups:
+        # Sent before the timed run, by the client processes (split among them).
+        print(f"Warming up with {config.num_warmups} requests...")
+    offsets = arrival_times(len(inputs), config.request_rate, config.burstiness, rng)
+    process = "Poisson process" if config.burstiness == 1.0 else "Gamma distribution"
+    print(f"Traffic request rate: {config.request_rate}")
+    print(f"Burstiness factor: {config.burstiness} ({process})")
+    print(f"Maximum request concurrency: {config.max_concurrency}")
+    run = await _send_all(config, inputs, offsets)
+    timings, duration = run.timings, run.duration_s
 
     count_tokens: Callable[[str], int] | None = None
     if tokenizer is not None:
@@ -248,6 +273,7 @@ async def run_benchmark(config: ServeBenchConfig) -> dict[str, Any]:
             print(f"Error {i}: {error}")
     print(format_result_block(metrics, duration, config.request_rate, config.max_concurrency,
                               bool(config.goodput), config.percentile_metrics))
+    print("\n".join(client_cpu_lines(run)))
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": config.backend,
@@ -260,6 +286,12 @@ async def run_benchmark(config: ServeBenchConfig) -> dict[str, Any]:
         "max_concurrency": config.max_concurrency,
         **result_dict(metrics, timings, duration, bool(config.goodput),
                       config.percentile_metrics),
+        "num_clients": config.num_clients,
+        "client_event_loop": run.event_loop,
+        # Per client process, over its run: CPU seconds / wall seconds (near 1: saturated), and
+        # seconds runnable but waiting for a CPU / wall seconds (Linux; else None).
+        "client_cpu_util": _stats(run.cpu_util),
+        "client_cpu_wait": _stats(run.cpu_wait),
     }
 
 
@@ -308,7 +340,7 @@ def main(ns: argparse.Namespace) -> int:
     command = command_line(ns)
     print(command)
     print(machine_line())
-    result = asyncio.run(run_benchmark(config))
+    result = run_event_loop(run_benchmark(config))
     if ns.save_result:
         result = {"command": command, "label": ns.label, **result}
         path = result_path(ns, result)
@@ -350,6 +382,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--burstiness", type=float, default=1.0,
         help="gamma shape of arrival intervals (1: Poisson; < 1 burstier)")
     add("--max-concurrency", type=int, default=None)
+    add("--num-clients", type=int, default=1,
+        help="client processes sending the requests, each with its share of "
+             "--max-concurrency (at most --max-concurrency): more when one client process is "
+             "saturated (see its CPU util in the output)")
     add("--seed", type=int, default=0)
     add("--goodput", nargs="+", default=None, metavar="KEY:MS",
         help="SLOs, e.g. ttft:200 tpot:50 e2el:2000")

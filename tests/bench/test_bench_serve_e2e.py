@@ -97,6 +97,10 @@ def check_result(stdout: str, result: dict) -> None:
     assert result["output_throughput"] == pytest.approx(
         NUM_PROMPTS * OUTPUT_LEN / result["duration"])
     assert any(result["generated_texts"])
+    cpu = result["client_cpu_util"]
+    assert len(cpu["per_process"]) == result["num_clients"]
+    assert all(0 < u < 2 for u in cpu["per_process"]) and cpu["max"] == max(cpu["per_process"])
+    assert any(line.startswith("Client CPU util (max / mean):") for line in lines)
 
 
 def test_bench_serve_completions_against_sluice_serve(server: str, tmp_path: Path) -> None:
@@ -135,3 +139,22 @@ def test_bench_serve_random_prompts_have_the_asked_length(server: str, qwen3_dir
     # input_lens are the server's usage.prompt_tokens: the prompts tokenize to the asked length.
     assert result["input_lens"] == [INPUT_LEN] * NUM_PROMPTS
     assert result["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
+
+
+def test_bench_serve_two_client_processes_complete_the_same_requests_as_one(
+        server: str, qwen3_dir: str, tmp_path: Path) -> None:
+    results = {}
+    for num_clients in (1, 2):
+        path = tmp_path / f"clients{num_clients}.json"
+        out = run_bench(server, path, "--tokenizer", qwen3_dir, "--max-concurrency", "4",
+                        "--num-clients", str(num_clients), "--seed", "7",
+                        "--percentile-metrics", "ttft,tpot,itl,e2el")
+        results[num_clients] = result = json.loads(path.read_text())
+        check_result(out.stdout, result)
+        assert result["num_clients"] == num_clients and result["max_concurrent_requests"] <= 4
+    one, two = results[1], results[2]
+    # Same seed, same prompts: the server counts the same prompt tokens for each request.
+    for key in ("completed", "failed", "total_input_tokens", "total_output_tokens",
+                "input_lens", "output_lens"):
+        assert one[key] == two[key], key
+    assert len(two["client_cpu_util"]["per_process"]) == 2
