@@ -21,18 +21,18 @@ import torch
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.kv_transfer.disagg import bootstrap
 from sluice.kv_transfer.disagg.config import PDConfig
+from sluice.kv_transfer.disagg.descriptors import (
+    CacheLayout,
+    batches,
+    block_runs,
+    build_descriptors,
+)
 from sluice.kv_transfer.disagg.faults import Faults
 from sluice.kv_transfer.disagg.manager import Finished, KVManager
 from sluice.kv_transfer.disagg.messages import RankRoute
 from sluice.kv_transfer.disagg.poll import KVPoll, advance, consensus
 from sluice.kv_transfer.disagg.receiver import DecodeKVManager
 from sluice.kv_transfer.disagg.sender import PrefillKVManager
-from sluice.kv_transfer.disagg.transfer import (
-    CacheLayout,
-    batches,
-    block_runs,
-    build_descriptors,
-)
 from sluice.testing.servers import free_port
 
 BACKENDS = ("fake", "mooncake")

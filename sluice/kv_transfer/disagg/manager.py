@@ -25,9 +25,10 @@ import zmq
 from sluice.channel import Encoder, Message, WireError
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.kv_transfer.disagg.config import PDConfig
+from sluice.kv_transfer.disagg.descriptors import CacheLayout
 from sluice.kv_transfer.disagg.faults import Faults
 from sluice.kv_transfer.disagg.messages import Logprobs, control_decoder
-from sluice.kv_transfer.disagg.transfer import CacheLayout, TransferBackend, create_backend
+from sluice.kv_transfer.disagg.transfer import TransferBackend, create_backend
 
 logger = logging.getLogger("sluice")
 

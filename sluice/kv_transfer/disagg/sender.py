@@ -41,6 +41,7 @@ from typing import Any
 
 from sluice.channel import Message
 from sluice.kv_transfer.disagg import bootstrap
+from sluice.kv_transfer.disagg.descriptors import CacheLayout, block_runs, build_descriptors
 from sluice.kv_transfer.disagg.heads import (
     HeadSlice,
     check_tp_pair,
@@ -57,7 +58,6 @@ from sluice.kv_transfer.disagg.messages import (
     TransferStatus,
 )
 from sluice.kv_transfer.disagg.poll import KVPoll, advance, consensus
-from sluice.kv_transfer.disagg.transfer import CacheLayout, block_runs, build_descriptors
 
 logger = logging.getLogger("sluice")
 
