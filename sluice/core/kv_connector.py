@@ -81,10 +81,22 @@ class KVCacheSpec:
     tp_size: int = 1
     layout: str = "2.nb.bs.h.d"  # names the layout above in keys that must never mix layouts
     max_tokens_per_step: int = 0  # max_num_batched_tokens (0: unknown): a step's KV at most
+    # The model's KV heads over every rank (0: num_kv_heads * tp_size, no head replicated).
+    # Rank r holds heads [r * H // tp_size, ... + num_kv_heads) (sluice.distributed.tp).
+    model_num_kv_heads: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model_num_kv_heads:
+            object.__setattr__(self, "model_num_kv_heads", self.num_kv_heads * self.tp_size)
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_names)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one token, K or V."""
+        return self.head_dim * _DTYPE_BYTES[self.dtype]
 
     @property
     def bytes_per_block_layer(self) -> int:

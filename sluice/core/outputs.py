@@ -31,7 +31,9 @@ from sluice.sampling_params import SamplingParams
 # 5: a connector's load may bring the request's first token (KVConnectorOutput.first_tokens,
 #    NewRequestData.output_token_ids), connector counters in SchedulerStats.
 # 6: SchedulerStats carries the scheduled-token total.
-SCHEMA_VERSION = 8
+# 9: KVCacheSpec carries the model's KV heads; PD TransferRequest carries decode's TP size and
+#    heads (prefill and decode of different TP sizes).
+SCHEMA_VERSION = 9
 
 # A connector's per-step plan (its own msgspec struct type).
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")

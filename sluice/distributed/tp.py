@@ -70,6 +70,12 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     return max(1, num_kv_heads // tp_size)
 
 
+def first_kv_head(num_kv_heads: int, tp_size: int, rank: int) -> int:
+    """The first of rank `rank`'s key/value heads, among the model's (see the module
+    docstring): its heads are [first, first + kv_heads_per_rank)."""
+    return rank * num_kv_heads // tp_size
+
+
 def check_tp_size(tp_size: int, num_attention_heads: int, num_kv_heads: int,
                   intermediate_size: int) -> None:
     """ValueError, naming both numbers, unless the model's heads and MLP split over tp_size

@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.distributed.tp import SINGLE_RANK, TPGroup, check_head_split, kv_heads_per_rank
+from sluice.distributed.tp import (
+    SINGLE_RANK,
+    TPGroup,
+    check_head_split,
+    first_kv_head,
+    kv_heads_per_rank,
+)
 from sluice.model.weights import LoadedWeight, check_shape, new_param
 
 
@@ -112,10 +118,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         check_head_split(tp.size, num_heads, num_kv_heads)
         self.num_heads = num_heads // tp.size  # this rank's
         self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
-        first_kv_head = tp.rank * num_kv_heads // tp.size
         q = OutputShard(num_heads * head_dim, tp.rank * self.num_heads * head_dim,
                         self.num_heads * head_dim)
-        kv = OutputShard(num_kv_heads * head_dim, first_kv_head * head_dim,
+        kv = OutputShard(num_kv_heads * head_dim,
+                         first_kv_head(num_kv_heads, tp.size, tp.rank) * head_dim,
                          self.num_kv_heads * head_dim)
         super().__init__(hidden_size, [], bias, tp, shards=[q, kv, kv])
         self.q_size = q.rows

@@ -75,6 +75,7 @@ class Worker:
             tp_rank=self.tp.rank,
             tp_size=self.tp.size,
             max_tokens_per_step=self.config.scheduler_config.max_num_batched_tokens,
+            model_num_kv_heads=hf_config.num_key_value_heads,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:

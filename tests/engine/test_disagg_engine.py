@@ -1,8 +1,10 @@
 """Prefill/decode disaggregation through two whole engines in one process (the PDConnector
 on each, real bootstrap server, real sockets, both transfer backends), stepped in turn: the
 decode instance continues from the prefill's first token without recomputing the prompt, so
-greedy (and seeded) output, logprobs included, equals one colocated engine; and every fault
-ends in a clean error or a local recompute, with every block back on both sides."""
+greedy (and seeded) output, logprobs included, equals one colocated engine, also from a TP = 1
+prefill into a TP = 2 decode (each decode rank gets its heads); and every fault ends in a clean
+error or a local recompute, with every block back on both sides. (A TP = 2 prefill into a
+TP = 1 decode, through real servers and the router: tests/server/test_disagg_hetero_tp.py.)"""
 
 from __future__ import annotations
 
@@ -35,13 +37,15 @@ class Pair:
     """A prefill and a decode engine, and the loop that steps both."""
 
     def __init__(self, model: str, backend: str = "fake", prefill_extra: dict | None = None,
-                 decode_extra: dict | None = None, **engine: object) -> None:
+                 decode_extra: dict | None = None, decode_engine: dict | None = None,
+                 **engine: object) -> None:
         self.prefill = LLM(model=model, kv_transfer_config=pd_config(
             "kv_producer", backend, **(prefill_extra or {})), **{**ENGINE, **engine})
         connector = self.prefill.llm_engine.scheduler.connector
         self.bootstrap_port = connector.bootstrap_server.port
         self.decode = LLM(model=model, kv_transfer_config=pd_config(
-            "kv_consumer", backend, **(decode_extra or {})), **ENGINE)
+            "kv_consumer", backend, **(decode_extra or {})), **{**ENGINE,
+                                                                **(decode_engine or {})})
         self.computed = count_computed_tokens(self.decode)
         self.room = 1000
 
@@ -152,6 +156,29 @@ def test_decode_continues_from_the_prefills_first_token_exactly_as_colocated(
     stats = pair.stats(pair.decode)
     assert stats["worker_rooms_received"] == len(batch)
     assert stats["worker_received_blocks"] == sum(-(-len(p) // BLOCK) for p in batch)
+    pair.assert_all_blocks_back()
+
+
+def test_a_tp1_prefill_feeds_a_tp2_decode_exactly_as_colocated(make_pair,
+                                                              reference: LLM) -> None:
+    batch = prompts(8, [5, 16, 37, 64])
+    longer = batch[3] + prompts(9, [20])[0]  # its first 8 blocks are the 64-token prompt's
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = expected(reference, [*batch, longer], [params] * 5)
+    pair = make_pair(decode_engine={"tensor_parallel_size": 2})
+    for i, prompt in enumerate(batch):
+        pair.add(f"r{i}", prompt, params)
+    got = pair.run()
+    for i in range(len(batch)):
+        assert got[f"r{i}"].outputs[0].token_ids == want[i].token_ids, f"request {i}"
+        assert pair.computed[f"r{i}"] == params.max_tokens - 1  # no prompt recomputed
+    pair.add("longer", longer, params)
+    assert pair.run()["longer"].outputs[0].token_ids == want[4].token_ids
+    stats = pair.stats(pair.decode)
+    assert stats["local_hit_blocks"] == 8  # from the decode's own prefix cache
+    # Both decode ranks received every room (each its head of the one prefill rank's two).
+    assert stats["worker_rooms_received"] == 2 * 5
+    assert pair.stats(pair.prefill)["worker_rooms_sent"] == 5
     pair.assert_all_blocks_back()
 
 

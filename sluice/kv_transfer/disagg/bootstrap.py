@@ -4,15 +4,16 @@ One per prefill instance, in its engine-core process (started by the connector's
 half), on `bootstrap_port` (0: a free port), plain HTTP with JSON bodies:
 
     PUT /route    a rank registers (RankRoute: its control address, transfer backend, page size,
-                  KV dtype and bytes per block); 400 for a body of the wrong shape or a rank
-                  that does not fit the world size
+                  KV dtype, the instance's TP size and the rank's KV heads); 400 for a body of
+                  the wrong shape or a rank that does not fit the world size
     GET /route    the Route of every rank; 503 until every rank has registered
     GET /health   200 while the engine-core process lives, with the server's instance id (new
                   at every start: decode instances probe it and notice a restart)
 
 Ranks register from their worker process with retries (`register`), since a small model's
 worker can be ready before the server is up. Decode ranks read the route (`fetch_route`) and
-check the page size and dtype against their own before asking for any block.
+check the TP sizes (one a multiple of the other: heads.py), page size, dtype and heads against
+their own before asking for any block.
 """
 
 from __future__ import annotations

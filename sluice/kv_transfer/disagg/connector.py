@@ -30,6 +30,12 @@ Decode (consumer), per request with {"do_remote_prefill": true, "bootstrap_host"
   while queued, or computed here because it wants prompt logprobs) tells the prefill, so it
   frees what it holds for the room. A request is loaded remotely at most once: after
   preemption or a failed load it computes locally.
+
+Tensor parallelism: both halves plan per request, not per rank; every rank's worker half gets
+the same plan and runs its own KV manager over its own cache. A prefill room is finished once
+every prefill rank reported it, a decode receive once every decode rank did (the executor merges
+the ranks' reports), and the ranks of each side pair up by heads.py, so prefill and decode may
+run different TP sizes (one a multiple of the other) with no change here.
 """
 
 from __future__ import annotations

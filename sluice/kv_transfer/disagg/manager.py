@@ -25,9 +25,10 @@ import zmq
 from sluice.channel import Encoder, Message, WireError
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.kv_transfer.disagg.config import PDConfig
+from sluice.kv_transfer.disagg.descriptors import CacheLayout
 from sluice.kv_transfer.disagg.faults import Faults
 from sluice.kv_transfer.disagg.messages import Logprobs, control_decoder
-from sluice.kv_transfer.disagg.transfer import CacheLayout, TransferBackend, create_backend
+from sluice.kv_transfer.disagg.transfer import TransferBackend, create_backend
 
 logger = logging.getLogger("sluice")
 
@@ -57,11 +58,15 @@ class KVManager(ABC):
         self.rank = spec.tp_rank
         self.world_size = spec.tp_size
         self.faults = faults or Faults()
+        # Held for as long as the backend has them registered (it may keep only addresses).
+        self.kv_caches = dict(kv_caches)
         tensors = list(kv_caches.values())
         first = tensors[0]
         self.layout = CacheLayout(
             layer_addresses=tuple(t.data_ptr() for t in tensors), num_blocks=first.shape[1],
-            bytes_per_block_layer=spec.bytes_per_block_layer)
+            block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+            head_bytes=spec.head_bytes)
+        assert self.layout.bytes_per_block_layer == spec.bytes_per_block_layer
         self.backend = backend or create_backend(
             config.transfer_backend, config.host, config.max_batch_descriptors,
             config.mooncake_protocol, config.mooncake_device)

@@ -20,8 +20,12 @@ Logprobs = dict[int, tuple[float, int]]
 
 
 class TransferRequest(Message, tag="pd.transfer_request"):
+    """Sent by a decode rank to each prefill rank it asks (heads.py says which, and what each
+    writes: the prefill rank works its slice out from the decode rank and TP size)."""
+
     room: int
     decode_rank: int
+    tp_size: int  # the decode instance's
     # Where the prefill rank sends TransferStatus frames ("tcp://host:port").
     status_address: str
     # The decode rank's transfer endpoint (Mooncake: "host:rpc_port"; fake: "tcp://host:port").
@@ -30,7 +34,9 @@ class TransferRequest(Message, tag="pd.transfer_request"):
     # Decode's KV layout, checked against the prefill's before anything is written.
     block_size: int
     kv_dtype: str
-    bytes_per_block_layer: int  # K and V of one block of one layer
+    head_dim: int
+    num_kv_heads: int  # on this decode rank
+    model_num_kv_heads: int  # the model's, over every rank
     layer_addresses: list[int]  # base address of each layer's [2, nb, bs, h, d] tensor
     num_blocks: int  # nb of decode's tensors (V starts nb blocks after K)
     # Send the prefill's blocks [first_block, first_block + len(block_ids)) of the prompt into
@@ -77,15 +83,19 @@ class FakePing(Message, tag="pd.fake_ping"):
 
 
 class RankRoute(msgspec.Struct, forbid_unknown_fields=True):
-    """One prefill rank as it registers with its bootstrap server (PUT /route, JSON)."""
+    """One prefill rank as it registers with its bootstrap server (PUT /route, JSON): with
+    its TP size and heads, so a decode instance of another TP size knows whom to ask for
+    which heads (heads.py), or refuses a pair it cannot serve."""
 
     rank: int
-    world_size: int
+    world_size: int  # the prefill instance's TP size
     control_address: str  # "tcp://host:port": where decode ranks send TransferRequest
     backend: str
     block_size: int
     kv_dtype: str
-    bytes_per_block_layer: int
+    head_dim: int
+    num_kv_heads: int  # on this rank: [rank * model_num_kv_heads // world_size, ...)
+    model_num_kv_heads: int
     num_layers: int
     engine_id: str
 

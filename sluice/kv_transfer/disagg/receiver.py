@@ -3,13 +3,22 @@
 Lifecycle of a room (KVPoll, forward only, Failed sticky):
 
     Bootstrapping     blocks allocated; the route of the prefill instance (its bootstrap
-                      server's GET /route, cached per instance) is being fetched, and its page
-                      size, KV dtype and layout checked against ours (a mismatch fails the room
-                      with a message saying which)
-    WaitingForInput   TransferRequest sent to the prefill rank: room, our blocks (only those
-                      the local prefix cache lacks), where to write, and a lease
-    Transferring      the prefill says it is writing
-    Success | Failed  its status came: Success carries the first token and its logprobs
+                      server's GET /route, cached per instance) is being fetched, and its TP
+                      size, page size, KV dtype and heads checked against ours (a pair that
+                      cannot be served fails the room with a message saying why)
+    WaitingForInput   TransferRequest sent to each prefill rank that holds some of our heads
+                      (heads.py: rank r at equal TP sizes; k ranks when the prefill's TP is k
+                      times ours; one, shared with k - 1 other decode ranks, when ours is k
+                      times the prefill's): room, our blocks (only those the local prefix cache
+                      lacks), our TP size, rank and heads, where to write, and a lease
+    Transferring      the prefill ranks say they are writing
+    Success | Failed  every asked prefill rank sent its status: Success carries the first token
+                      and its logprobs (the same from each, or the room fails)
+
+A room's state is the minimum over the prefill ranks it asked (KVPoll consensus): it succeeds
+only once every one of them succeeded. The first Failed sends AbortRoom to the others still
+writing, and the room fails only once each has answered (or the waiting deadline passed, or
+the prefill is lost), so no late write lands in blocks the scheduler has freed.
 
 Bounds: a room fails after `bootstrap_timeout_s` without a route, after `waiting_timeout_s`
 without a final status once asked, and at once when its prefill instance is lost. Each prefill
@@ -31,13 +40,14 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from sluice.channel import Message
 from sluice.kv_transfer.disagg import bootstrap
+from sluice.kv_transfer.disagg.heads import check_tp_pair, held_heads, plan_slices
 from sluice.kv_transfer.disagg.manager import Finished, KVManager
 from sluice.kv_transfer.disagg.messages import (
     AbortRoom,
@@ -46,7 +56,7 @@ from sluice.kv_transfer.disagg.messages import (
     TransferRequest,
     TransferStatus,
 )
-from sluice.kv_transfer.disagg.poll import KVPoll, advance
+from sluice.kv_transfer.disagg.poll import KVPoll, advance, consensus
 
 logger = logging.getLogger("sluice")
 
@@ -61,12 +71,22 @@ class _Room:
     block_ids: list[int]  # ours, for the prompt's blocks [first_block, ...)
     first_block: int
     num_prompt_tokens: int
-    state: KVPoll = KVPoll.Bootstrapping
+    state: KVPoll = KVPoll.Bootstrapping  # the consensus of `peers` once asked
     deadline: float = math.inf
     instance_id: str | None = None  # of the prefill that was asked
-    prefill_control: str | None = None
+    # The prefill ranks asked: rank -> (control address, where it stands).
+    peers: dict[int, tuple[str, KVPoll]] = field(default_factory=dict)
+    first: tuple[int, Logprobs | None] | None = None  # from the first peer that succeeded
+    error: str | None = None  # the first failure: the room fails once every peer is done
     aborted: bool = False
     started: float = 0.0
+
+    @property
+    def asked(self) -> bool:
+        return bool(self.peers)
+
+    def unfinished_peers(self) -> list[str]:
+        return [control for control, state in self.peers.values() if not state.is_done]
 
 
 class KVReceiver:
@@ -135,7 +155,7 @@ class DecodeKVManager(KVManager):
             if entry is None or entry.aborted:
                 return
             entry.aborted = True
-            if entry.prefill_control is None:
+            if not entry.asked:
                 # Nothing writes into its blocks yet: they can go now. The prefill may hold
                 # its own for this room: tell it once its route is known.
                 self._fail(entry, f"aborted ({reason}) before the prefill was asked")
@@ -143,8 +163,9 @@ class DecodeKVManager(KVManager):
                                             + self.config.bootstrap_timeout_s))
                 self._bootstrap_work.notify()
                 return
-            self.send_to(entry.prefill_control, AbortRoom(room=room, decode_rank=self.rank,
-                                                          reason=reason))
+            for control in entry.unfinished_peers():
+                self.send_to(control, AbortRoom(room=room, decode_rank=self.rank,
+                                                reason=reason))
 
     def notify_abort(self, prefill: str, room: int, reason: str) -> None:
         """Tell the prefill (once its route is known) that a room it may hold blocks for will
@@ -162,19 +183,44 @@ class DecodeKVManager(KVManager):
             return
         with self.lock:
             entry = self.rooms.get(message.room)
-            if entry is None or entry.prefill_control is None:
+            if entry is None or message.prefill_rank not in entry.peers:
                 return  # ended meanwhile (or never ours): a Failed for an unknown room is moot
-            state = advance(entry.state, KVPoll(message.state))
+            control, state = entry.peers[message.prefill_rank]
+            state = advance(state, KVPoll(message.state))
+            error = None
             if state == KVPoll.Failed:
-                self._fail(entry, f"the prefill {entry.prefill} failed the room: "
-                                  f"{message.error}")
+                error = message.error or "no reason given"
             elif state == KVPoll.Success:
                 if message.first_token is None:
-                    self._fail(entry, "the prefill reported success without a first token")
-                else:
-                    self._succeed(entry, message.first_token, message.first_logprobs)
-            else:
-                entry.state = state
+                    state, error = KVPoll.Failed, "it reported success without a first token"
+                elif entry.first is None:
+                    entry.first = (message.first_token, message.first_logprobs)
+                elif entry.first[0] != message.first_token:
+                    state, error = KVPoll.Failed, (
+                        f"its first token {message.first_token} is not the {entry.first[0]} "
+                        "of another prefill rank")
+            entry.peers[message.prefill_rank] = (control, state)
+            if error is not None and entry.error is None:
+                entry.error = (f"the prefill {entry.prefill} failed the room (rank "
+                               f"{message.prefill_rank}): {error}")
+                # The others may still be writing our blocks: stop them, and wait for them.
+                for other in entry.unfinished_peers():
+                    self.send_to(other, AbortRoom(room=entry.room, decode_rank=self.rank,
+                                                  reason=f"another prefill rank failed: {error}"))
+            self._settle(entry)
+
+    def _settle(self, entry: _Room) -> None:
+        """End the room once every asked prefill rank is done (lock held)."""
+        states = [state for _, state in entry.peers.values()]
+        pending = [state for state in states if not state.is_done]
+        if pending:
+            # Not done while a peer may still write, even if another failed already.
+            entry.state = consensus(pending)
+            return
+        if entry.error is not None or consensus(states) != KVPoll.Success:
+            self._fail(entry, entry.error or "a prefill rank failed the room")
+        else:
+            self._succeed(entry, *entry.first)
 
     # ---- asking (bootstrap thread) ---------------------------------------------------------
 
@@ -184,7 +230,7 @@ class DecodeKVManager(KVManager):
                 with self.lock:
                     pending: dict[str, list[int]] = {}
                     for entry in self.rooms.values():
-                        if entry.prefill_control is None and not entry.state.is_done:
+                        if not entry.asked and not entry.state.is_done:
                             pending.setdefault(entry.prefill, []).append(entry.room)
                     now = time.monotonic()
                     self._unsent_aborts = [a for a in self._unsent_aborts if a[3] > now]
@@ -198,8 +244,7 @@ class DecodeKVManager(KVManager):
                     if answer is not None:
                         self._ask(prefill, *answer, rooms)
                 with self.lock:
-                    if self._unsent_aborts or any(e.prefill_control is None
-                                                  and not e.state.is_done
+                    if self._unsent_aborts or any(not e.asked and not e.state.is_done
                                                   for e in self.rooms.values()):
                         self._bootstrap_work.wait(timeout=_BOOTSTRAP_RETRY_S)
 
@@ -225,68 +270,96 @@ class DecodeKVManager(KVManager):
 
     def _check_route(self, prefill: str, route: Route) -> str | None:
         spec = self.spec
-        if route.world_size != self.world_size:
-            return (f"the prefill instance at {prefill} has {route.world_size} ranks, this "
-                    f"decode instance {self.world_size} (rank r sends to rank r: start both "
-                    "with the same --tensor-parallel-size)")
-        rank = route.ranks[self.rank]
-        if rank.block_size != spec.block_size:
-            return (f"page size mismatch: the prefill instance at {prefill} has block size "
-                    f"{rank.block_size}, this decode instance {spec.block_size}; start both "
-                    "with the same --block-size")
-        if rank.kv_dtype != spec.dtype or rank.bytes_per_block_layer != spec.bytes_per_block_layer:
-            return (f"KV layout mismatch: the prefill instance at {prefill} has {rank.kv_dtype} "
-                    f"KV of {rank.bytes_per_block_layer} bytes per block and layer, this decode "
-                    f"instance {spec.dtype} of {spec.bytes_per_block_layer} (same model and "
-                    "--dtype on both)")
-        if rank.num_layers != spec.num_layers:
-            return (f"the prefill instance at {prefill} has {rank.num_layers} layers, this "
-                    f"decode instance {spec.num_layers}: not the same model")
-        if rank.backend != self.backend.name:
-            return (f"the prefill instance at {prefill} transfers over {rank.backend!r}, this "
-                    f"decode instance over {self.backend.name!r} "
-                    "(--disaggregation-transfer-backend)")
+        try:
+            check_tp_pair(route.world_size, self.world_size)
+        except ValueError as exc:
+            return f"{exc} (the prefill instance at {prefill}, this decode instance)"
+        for peer in self._peer_ranks(route):
+            rank = route.ranks[peer]
+            if rank.block_size != spec.block_size:
+                return (f"page size mismatch: the prefill instance at {prefill} has block size "
+                        f"{rank.block_size}, this decode instance {spec.block_size}; start "
+                        "both with the same --block-size")
+            if (rank.kv_dtype, rank.head_dim, rank.model_num_kv_heads) != (
+                    spec.dtype, spec.head_dim, spec.model_num_kv_heads):
+                return (f"KV layout mismatch: the prefill instance at {prefill} has "
+                        f"{rank.kv_dtype} KV of {rank.model_num_kv_heads} heads of "
+                        f"{rank.head_dim}, this decode instance {spec.dtype} of "
+                        f"{spec.model_num_kv_heads} heads of {spec.head_dim} (same model and "
+                        "--dtype on both)")
+            expected = len(held_heads(rank.model_num_kv_heads, route.world_size, peer))
+            if rank.num_kv_heads != expected:
+                return (f"the prefill instance at {prefill}: rank {peer} of "
+                        f"{route.world_size} holds {rank.num_kv_heads} KV heads, not the "
+                        f"{expected} of {rank.model_num_kv_heads} heads over "
+                        f"{route.world_size} ranks")
+            if rank.num_layers != spec.num_layers:
+                return (f"the prefill instance at {prefill} has {rank.num_layers} layers, this "
+                        f"decode instance {spec.num_layers}: not the same model")
+            if rank.backend != self.backend.name:
+                return (f"the prefill instance at {prefill} transfers over {rank.backend!r}, "
+                        f"this decode instance over {self.backend.name!r} "
+                        "(--disaggregation-transfer-backend)")
+        try:
+            plan_slices(spec.model_num_kv_heads, route.world_size, self.world_size, self.rank)
+        except ValueError as exc:
+            return f"the prefill instance at {prefill}: {exc}"
         return None
+
+    def _peer_ranks(self, route: Route) -> list[int]:
+        """The prefill ranks this rank asks (heads.py); every rank of a pair of TP sizes that
+        cannot be served (to tell them all of an abort)."""
+        try:
+            return [s.prefill_rank for s in plan_slices(
+                self.spec.model_num_kv_heads, route.world_size, self.world_size, self.rank)]
+        except ValueError:
+            return list(range(route.world_size))
 
     def _ask(self, prefill: str, route: Route | None, problem: str | None,
              rooms: list[int]) -> None:
-        """Ask the prefill for each room; or, if it can never serve us (`problem`), fail them
-        and tell it (when its route is known), so it frees what it holds for them."""
+        """Ask the prefill's ranks for each room; or, if it can never serve us (`problem`),
+        fail them and tell it (when its route is known), so it frees what it holds for them."""
         now = time.monotonic()
-        control = route.ranks[self.rank].control_address if route is not None else None
+        controls = ({r: route.ranks[r].control_address for r in self._peer_ranks(route)}
+                    if route is not None else {})
+        spec = self.spec
         with self.lock:
             unsent = [a for a in self._unsent_aborts if a[0] == prefill]
             self._unsent_aborts = [a for a in self._unsent_aborts if a[0] != prefill]
             for _, room, reason, _ in unsent:
-                if control is not None:
+                for control in controls.values():
                     self.send_to(control, AbortRoom(room=room, decode_rank=self.rank,
                                                     reason=reason))
             for room in rooms:
                 entry = self.rooms.get(room)
-                if entry is None or entry.state.is_done or entry.prefill_control is not None:
+                if entry is None or entry.state.is_done or entry.asked:
                     continue
                 if problem is not None:
                     self._fail(entry, problem)
-                    if control is not None:
+                    for control in controls.values():
                         self.send_to(control, AbortRoom(room=room, decode_rank=self.rank,
                                                         reason=problem))
                     continue
                 if entry.aborted:
                     self._fail(entry, "aborted before the prefill was asked")
                     continue
-                entry.prefill_control = control
+                entry.peers = {r: (control, KVPoll.WaitingForInput)
+                               for r, control in controls.items()}
                 entry.instance_id = route.instance_id
                 entry.state = advance(entry.state, KVPoll.WaitingForInput)
                 entry.deadline = now + self.config.waiting_timeout_s
-                self.send_to(control, TransferRequest(
-                    room=room, decode_rank=self.rank, status_address=self.control_address,
-                    session=self.backend.session, backend=self.backend.name,
-                    block_size=self.spec.block_size, kv_dtype=self.spec.dtype,
-                    bytes_per_block_layer=self.spec.bytes_per_block_layer,
+                ask = TransferRequest(
+                    room=room, decode_rank=self.rank, tp_size=self.world_size,
+                    status_address=self.control_address, session=self.backend.session,
+                    backend=self.backend.name, block_size=spec.block_size,
+                    kv_dtype=spec.dtype, head_dim=spec.head_dim,
+                    num_kv_heads=spec.num_kv_heads, model_num_kv_heads=spec.model_num_kv_heads,
                     layer_addresses=list(self.layout.layer_addresses),
                     num_blocks=self.layout.num_blocks, first_block=entry.first_block,
                     block_ids=entry.block_ids, num_prompt_tokens=entry.num_prompt_tokens,
-                    lease_s=self.config.lease_s))
+                    lease_s=self.config.lease_s)
+                for control in controls.values():
+                    self.send_to(control, ask)
 
     # ---- heartbeat -------------------------------------------------------------------------
 
@@ -336,13 +409,14 @@ class DecodeKVManager(KVManager):
             for entry in list(self.rooms.values()):
                 if now <= entry.deadline or entry.state.is_done:
                     continue
-                if entry.prefill_control is None:
+                if not entry.asked:
                     self._fail(entry, f"no route from the prefill's bootstrap server at "
                                       f"{entry.prefill} within {self.config.bootstrap_timeout_s:g}"
                                       " s (bootstrap_timeout_s)")
                 else:
-                    self.send_to(entry.prefill_control, AbortRoom(
-                        room=entry.room, decode_rank=self.rank, reason="waiting timeout"))
+                    for control in entry.unfinished_peers():
+                        self.send_to(control, AbortRoom(
+                            room=entry.room, decode_rank=self.rank, reason="waiting timeout"))
                     self._fail(entry, f"no status from the prefill at {entry.prefill} within "
                                       f"{self.config.waiting_timeout_s:g} s (waiting_timeout_s)")
 

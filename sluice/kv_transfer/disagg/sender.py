@@ -1,24 +1,33 @@
 """The prefill side: a KVSender per room, driven by PrefillKVManager.
 
-Lifecycle of a room (KVPoll, forward only, Failed sticky):
+A room has one target per decode rank that asks for it: one at equal TP sizes, and when the
+prefill's TP is a multiple of decode's; k when decode's TP is k times the prefill's (heads.py:
+each of those k decode ranks gets its own slice of this rank's heads). The first ask tells
+which decode ranks will ask.
+
+Lifecycle of a target (KVPoll, forward only, Failed sticky); a room's state is the minimum over
+the decode ranks that will ask it (Bootstrapping for one that has not yet):
 
     Bootstrapping     the scheduler handed the finished request's blocks and first token
                       (`KVSender.send`) but no decode rank has asked yet, or decode asked
                       (TransferRequest) before the prompt was done
     WaitingForInput   decode's ask is in, the KV is not (the prompt is still computing)
-    Transferring      both are in: the transfer thread writes the blocks (after the fault
-                      injection's delay, if any) into decode's registered memory
-    Success | Failed  then the status goes to decode: Success with the first token and its
-                      logprobs, or Failed with why
+    Transferring      both are in: the transfer thread writes the rank's heads of the blocks
+                      (after the fault injection's delay, if any) into decode's registered
+                      memory
+    Success | Failed  then the status goes to that decode rank: Success with the first token
+                      and its logprobs, or Failed with why
 
 Who frees what: the scheduler holds the request's blocks (delay_free) until the room is
-reported finished (`take_finished`), which happens when the write succeeded or failed, when
-decode aborted the room (AbortRoom; a write in progress stops between batches), or when the
-send lease expires with no ask from decode (`send_lease_s`). A room whose prefill request was
-aborted before its first token (`KVSender.abort`) answers any later ask with Failed. Decode's
-ask carries a lease: no write starts or goes on past it, since decode frees the blocks soon
-after. A write that fails marks the peer suspect; the next room for it first probes it, and a
-peer that answers is used again (a failed session is never blacklisted for good).
+reported finished (`take_finished`), which happens once every decode rank that will ask has
+been served (written, or failed), when decode aborted the room (AbortRoom from any of its
+ranks: the decode request is over; a write in progress stops between batches, and the room is
+reported only once no write reads its blocks), or when the send lease expires before every
+decode rank asked (`send_lease_s`). A room whose prefill request was aborted before its first
+token (`KVSender.abort`) answers any later ask with Failed. Each ask carries a lease: no write
+for it starts or goes on past it, since decode frees the blocks soon after. A write that fails
+marks the peer suspect; the next write to it first probes it, and a peer that answers is used
+again (a failed session is never blacklisted for good).
 """
 
 from __future__ import annotations
@@ -32,6 +41,14 @@ from typing import Any
 
 from sluice.channel import Message
 from sluice.kv_transfer.disagg import bootstrap
+from sluice.kv_transfer.disagg.descriptors import CacheLayout, block_runs, build_descriptors
+from sluice.kv_transfer.disagg.heads import (
+    HeadSlice,
+    check_tp_pair,
+    decode_peers,
+    held_heads,
+    slice_for,
+)
 from sluice.kv_transfer.disagg.manager import Finished, KVManager
 from sluice.kv_transfer.disagg.messages import (
     AbortRoom,
@@ -40,16 +57,28 @@ from sluice.kv_transfer.disagg.messages import (
     TransferRequest,
     TransferStatus,
 )
-from sluice.kv_transfer.disagg.poll import KVPoll, advance
-from sluice.kv_transfer.disagg.transfer import CacheLayout, block_runs, build_descriptors
+from sluice.kv_transfer.disagg.poll import KVPoll, advance, consensus
 
 logger = logging.getLogger("sluice")
 
 
 @dataclass(slots=True)
+class _Target:
+    """One decode rank's ask for a room, and the write that serves it."""
+
+    ask: TransferRequest
+    heads: HeadSlice | None  # what this rank writes there (None: the ask was refused)
+    state: KVPoll = KVPoll.WaitingForInput
+    deadline: float = math.inf  # of the lease decode granted
+    not_before: float = 0.0  # fault injection: the write waits until then
+    queued: bool = False
+    writing: bool = False  # the transfer thread is writing it (the room's blocks are in use)
+    error: str | None = None
+
+
+@dataclass(slots=True)
 class _Room:
     room: int
-    state: KVPoll = KVPoll.Bootstrapping
     # From the scheduler (the finished prefill request).
     req_id: str | None = None
     block_ids: list[int] | None = None
@@ -57,18 +86,30 @@ class _Room:
     first_token: int | None = None
     first_logprobs: Logprobs | None = None
     ready_event: Any = None  # CUDA event after the request's last step (None on the CPU)
-    # From decode.
-    ask: TransferRequest | None = None
-    # Monotonic deadlines: of the lease decode granted (once asked), of the send lease (once
-    # the KV is ready and nobody asked), of a tombstone or an unmatched ask.
+    # From decode: a target per decode rank that asked; the ranks that will (from the first).
+    targets: dict[int, _Target] = field(default_factory=dict)
+    askers: tuple[int, ...] | None = None
+    # Why the whole room failed (aborted on either side, a refused ask, no ask in time):
+    # every target stops.
+    failed: str | None = None
+    ended: bool = False  # reported to the scheduler; kept only as a tombstone
+    # Monotonic: of the send lease (the request is in, not every decode rank asked) or of
+    # an unmatched ask (no request yet), then of the tombstone.
     deadline: float = math.inf
-    not_before: float = 0.0  # fault injection: the write waits until then
-    aborted: str | None = None  # why the write must stop
-    queued: bool = False
-    writing: bool = False  # the transfer thread is writing it (its blocks are in use)
-    error: str | None = None
     started: float = 0.0
-    times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def missing_askers(self) -> bool:
+        return self.askers is None or any(d not in self.targets for d in self.askers)
+
+    @property
+    def state(self) -> KVPoll:
+        if self.failed is not None:
+            return KVPoll.Failed
+        if self.askers is None:
+            return KVPoll.Bootstrapping
+        return consensus(self.targets[d].state if d in self.targets else KVPoll.Bootstrapping
+                         for d in self.askers)
 
 
 class KVSender:
@@ -106,11 +147,13 @@ class PrefillKVManager(KVManager):
         self._spawn(self._register, "pd-register")
 
     def _register(self) -> None:
+        spec = self.spec
         route = RankRoute(
             rank=self.rank, world_size=self.world_size, control_address=self.control_address,
-            backend=self.backend.name, block_size=self.spec.block_size,
-            kv_dtype=self.spec.dtype, bytes_per_block_layer=self.spec.bytes_per_block_layer,
-            num_layers=self.spec.num_layers, engine_id=self.config.engine_id)
+            backend=self.backend.name, block_size=spec.block_size, kv_dtype=spec.dtype,
+            head_dim=spec.head_dim, num_kv_heads=spec.num_kv_heads,
+            model_num_kv_heads=spec.model_num_kv_heads, num_layers=spec.num_layers,
+            engine_id=self.config.engine_id)
         address = f"{self.config.host}:{self.config.bootstrap_port}"
         if bootstrap.register(address, route, self.config.register_timeout_s, self._stop):
             self.registered.set()
@@ -132,9 +175,9 @@ class PrefillKVManager(KVManager):
             entry = self.rooms.get(room)
             if entry is None:
                 entry = self.rooms[room] = _Room(room)
-            if entry.req_id is not None or entry.state == KVPoll.Failed:
+            if entry.req_id is not None or entry.failed is not None or entry.ended:
                 # A duplicate room, or one already given up: free the request's blocks.
-                self.finish(Finished(req_id, ok=False, error=entry.error or "duplicate room"))
+                self.finish(Finished(req_id, ok=False, error=entry.failed or "duplicate room"))
                 return
             entry.req_id = req_id
             entry.block_ids = block_ids[:-(-num_prompt_tokens // self.spec.block_size)]
@@ -143,9 +186,9 @@ class PrefillKVManager(KVManager):
             entry.first_logprobs = first_logprobs
             entry.ready_event = ready_event
             entry.started = now
-            if entry.ask is None:
-                entry.deadline = now + self.config.send_lease_s
-            self._maybe_queue(entry, now)
+            entry.deadline = now + self.config.send_lease_s  # for decode ranks yet to ask
+            for target in list(entry.targets.values()):
+                self._maybe_queue(entry, target, now)
 
     def abort_room(self, room: int, reason: str) -> None:
         """The prefill request ended before its first token: nothing will be sent."""
@@ -155,7 +198,7 @@ class PrefillKVManager(KVManager):
                 entry = self.rooms[room] = _Room(room)
             if entry.req_id is not None:
                 return  # the send is the scheduler's to finish
-            self._fail(entry, f"the prefill request was {reason}", time.monotonic())
+            self._fail_room(entry, f"the prefill request was {reason}", time.monotonic())
 
     # ---- from decode -----------------------------------------------------------------------
 
@@ -169,10 +212,9 @@ class PrefillKVManager(KVManager):
                     # Its prefill request is still computing: the send plan, when it comes,
                     # finds a failed room and frees the blocks at once.
                     entry = self.rooms[message.room] = _Room(message.room)
-                if not entry.state.is_done:
-                    entry.aborted = f"decode aborted the room: {message.reason}"
-                    if not entry.queued and not entry.writing:
-                        self._fail(entry, entry.aborted, time.monotonic())
+                # Any decode rank's abort means the decode request is over: stop every write.
+                self._fail_room(entry, f"decode aborted the room: {message.reason}",
+                                time.monotonic())
         else:
             logger.warning("PD prefill rank %d ignored a %s", self.rank,
                            type(message).__name__)
@@ -185,35 +227,53 @@ class PrefillKVManager(KVManager):
                 entry = self.rooms[ask.room] = _Room(ask.room)
                 # Its prefill request has not finished yet (or never comes).
                 entry.deadline = now + min(ask.lease_s, self.config.send_lease_s)
-            if entry.ask is not None:
+            if ask.decode_rank in entry.targets:
                 return  # a repeated ask: the first one stands
-            entry.ask = ask
-            if entry.state == KVPoll.Failed:
-                self._send_status(entry)  # aborted here before decode asked
+            heads, problem = self._check_ask(ask)
+            target = entry.targets[ask.decode_rank] = _Target(ask, heads)
+            if entry.askers is None and problem is None:
+                entry.askers = tuple(decode_peers(self.world_size, ask.tp_size, self.rank))
+            if entry.failed is not None or entry.ended:
+                # Aborted here before this decode rank asked: tell it at once.
+                self._fail_target(entry, target, entry.failed or "the room is over", now)
                 return
-            problem = self._check_ask(ask, entry)
+            if problem is None:
+                problem = self._check_blocks(ask, entry)
             if problem is not None:
-                self._fail(entry, problem, now)
+                self._fail_room(entry, problem, now)
                 return
-            entry.deadline = now + ask.lease_s
-            entry.state = advance(entry.state, KVPoll.WaitingForInput)
-            self._maybe_queue(entry, now)
+            target.deadline = now + ask.lease_s
+            self._maybe_queue(entry, target, now)
 
-    def _check_ask(self, ask: TransferRequest, entry: _Room) -> str | None:
+    def _check_ask(self, ask: TransferRequest) -> tuple[HeadSlice | None, str | None]:
+        """(what this rank writes for the ask, why it cannot be served)."""
         spec = self.spec
         if ask.block_size != spec.block_size:
-            return (f"page size mismatch: this prefill instance has block size "
-                    f"{spec.block_size}, the decode instance {ask.block_size}; start both with "
-                    "the same --block-size")
-        if ask.kv_dtype != spec.dtype or ask.bytes_per_block_layer != spec.bytes_per_block_layer:
-            return (f"KV layout mismatch: this prefill instance has {spec.dtype} KV of "
-                    f"{spec.bytes_per_block_layer} bytes per block and layer, the decode "
-                    f"instance {ask.kv_dtype} of {ask.bytes_per_block_layer}")
+            return None, (f"page size mismatch: this prefill instance has block size "
+                          f"{spec.block_size}, the decode instance {ask.block_size}; start "
+                          "both with the same --block-size")
+        if (ask.kv_dtype, ask.head_dim, ask.model_num_kv_heads) != (
+                spec.dtype, spec.head_dim, spec.model_num_kv_heads):
+            return None, (f"KV layout mismatch: this prefill instance has {spec.dtype} KV of "
+                          f"{spec.model_num_kv_heads} heads of {spec.head_dim}, the decode "
+                          f"instance {ask.kv_dtype} of {ask.model_num_kv_heads} heads of "
+                          f"{ask.head_dim} (same model and --dtype on both)")
         if len(ask.layer_addresses) != spec.num_layers or ask.backend != self.backend.name:
-            return (f"the decode instance has {len(ask.layer_addresses)} layers over "
-                    f"{ask.backend!r}, this prefill instance {spec.num_layers} over "
-                    f"{self.backend.name!r}")
-        return self._check_blocks(ask, entry)
+            return None, (f"the decode instance has {len(ask.layer_addresses)} layers over "
+                          f"{ask.backend!r}, this prefill instance {spec.num_layers} over "
+                          f"{self.backend.name!r}")
+        try:
+            check_tp_pair(self.world_size, ask.tp_size)
+            heads = slice_for(spec.model_num_kv_heads, self.world_size, ask.tp_size,
+                              self.rank, ask.decode_rank)
+        except ValueError as exc:
+            return None, str(exc)
+        expected = len(held_heads(spec.model_num_kv_heads, ask.tp_size, ask.decode_rank))
+        if ask.num_kv_heads != expected:
+            return None, (f"decode rank {ask.decode_rank} of {ask.tp_size} holds "
+                          f"{ask.num_kv_heads} KV heads, not the {expected} of "
+                          f"{spec.model_num_kv_heads} heads over {ask.tp_size} ranks")
+        return heads, None
 
     def _check_blocks(self, ask: TransferRequest, entry: _Room) -> str | None:
         if entry.block_ids is None:
@@ -226,70 +286,79 @@ class PrefillKVManager(KVManager):
                     f"{ask.first_block + len(ask.block_ids)} of {len(entry.block_ids)}")
         return None
 
+    def _peer_layout(self, ask: TransferRequest) -> CacheLayout:
+        return CacheLayout(tuple(ask.layer_addresses), ask.num_blocks, ask.block_size,
+                           ask.num_kv_heads, self.spec.head_bytes)
+
     # ---- sending ---------------------------------------------------------------------------
 
-    def _maybe_queue(self, entry: _Room, now: float) -> None:
-        """Queue the write once both halves are in (lock held)."""
-        if entry.ask is None or entry.req_id is None or entry.queued or entry.state.is_done:
+    def _maybe_queue(self, entry: _Room, target: _Target, now: float) -> None:
+        """Queue a target's write once both halves are in (lock held)."""
+        if entry.req_id is None or target.queued or target.state.is_done:
             return
-        problem = self._check_blocks(entry.ask, entry)
+        problem = self._check_blocks(target.ask, entry)
         if problem is not None:
-            self._fail(entry, problem, now)
+            self._fail_room(entry, problem, now)
             return
-        entry.queued = True
-        entry.not_before = now + self.faults.send_delay_s
-        entry.state = advance(entry.state, KVPoll.Transferring)
-        self.send_to(entry.ask.status_address, TransferStatus(
+        target.queued = True
+        target.not_before = now + self.faults.send_delay_s
+        target.state = advance(target.state, KVPoll.Transferring)
+        self.send_to(target.ask.status_address, TransferStatus(
             room=entry.room, prefill_rank=self.rank, state=KVPoll.Transferring))
         self._work.notify()
 
-    def _next_job(self) -> _Room | None:
-        """The next room whose write may start, waiting for one (lock held)."""
+    def _next_job(self) -> tuple[_Room, _Target] | None:
+        """The next write that may start, waiting for one (lock held)."""
         while not self._stop.is_set():
             now = time.monotonic()
-            ready = [e for e in self.rooms.values()
-                     if e.queued and e.state == KVPoll.Transferring]
-            due = [e for e in ready if e.not_before <= now or e.aborted]
+            ready = [(e, t) for e in self.rooms.values() for t in e.targets.values()
+                     if t.queued and t.state == KVPoll.Transferring]
+            due = [(e, t) for e, t in ready if t.not_before <= now or e.failed]
             if due:
-                return min(due, key=lambda e: e.not_before)
-            wake = min((e.not_before for e in ready), default=now + 0.1)
+                return min(due, key=lambda job: job[1].not_before)
+            wake = min((t.not_before for _, t in ready), default=now + 0.1)
             self._work.wait(timeout=min(max(wake - now, 0.001), 0.1))
         return None
 
     def _transfer_loop(self) -> None:
         while True:
             with self.lock:
-                entry = self._next_job()
-                if entry is None:
+                job = self._next_job()
+                if job is None:
                     return
-                entry.queued = False
-                ask = entry.ask
-                if entry.aborted or time.monotonic() > entry.deadline:
-                    self._fail(entry, entry.aborted or "decode's lease ran out before the "
-                               "write could start", time.monotonic())
+                entry, target = job
+                target.queued = False
+                ask = target.ask
+                if entry.failed or time.monotonic() > target.deadline:
+                    self._fail_target(entry, target, entry.failed or "decode's lease ran out "
+                                      "before the write could start", time.monotonic())
                     continue
-                entry.writing = True
+                target.writing = True
                 src = entry.block_ids[ask.first_block:]
                 ready_event = entry.ready_event
                 suspect = ask.session in self._suspect_peers
                 fail = self.faults.fail_transfer()
 
-            def should_stop(entry: _Room = entry) -> bool:
-                return entry.aborted is not None or time.monotonic() > entry.deadline
+            def should_stop(entry: _Room = entry, target: _Target = target) -> bool:
+                return entry.failed is not None or time.monotonic() > target.deadline
 
-            error = self._write(ask, src, ready_event, suspect, fail, should_stop)
+            error = self._write(ask, target.heads, src, ready_event, suspect, fail,
+                                should_stop)
             now = time.monotonic()
             with self.lock:
-                entry.writing = False
-                if error is None and entry.aborted is None:
-                    self._succeed(entry, now)
+                target.writing = False
+                if error is None and entry.failed is None:
+                    self._succeed_target(entry, target, now)
                 else:
-                    self._fail(entry, entry.aborted or error, now)
+                    self._fail_target(entry, target, entry.failed or error, now)
 
-    def _write(self, ask: TransferRequest, src_blocks: list[int], ready_event: Any,
-               suspect: bool, inject_failure: bool, should_stop: Any) -> str | None:
+    def _write(self, ask: TransferRequest, heads: HeadSlice, src_blocks: list[int],
+               ready_event: Any, suspect: bool, inject_failure: bool, should_stop: Any
+               ) -> str | None:
         if inject_failure:
             return "transfer failed (injected: SLUICE_PD_FAULT_TRANSFER_FAIL_PROB)"
+        if heads.num_heads == 0:
+            return None  # another prefill rank sends these heads
         if suspect:
             if not self.backend.probe(ask.session):
                 return f"the decode endpoint {ask.session} does not answer a probe"
@@ -297,10 +366,8 @@ class PrefillKVManager(KVManager):
                 self._suspect_peers.discard(ask.session)
         if ready_event is not None:
             ready_event.synchronize()  # the request's last step has written its KV
-        peer = CacheLayout(tuple(ask.layer_addresses), ask.num_blocks,
-                           ask.bytes_per_block_layer)
         runs = block_runs(src_blocks, ask.block_ids)
-        src, dst, lengths = build_descriptors(self.layout, peer, runs)
+        src, dst, lengths = build_descriptors(self.layout, self._peer_layout(ask), runs, heads)
         start = time.perf_counter()
         error = self.backend.write(ask.session, src, dst, lengths, should_stop)
         elapsed = time.perf_counter() - start
@@ -315,62 +382,92 @@ class PrefillKVManager(KVManager):
                 self.add_stat("transfer_seconds", elapsed)
         return error
 
-    # ---- ends ------------------------------------------------------------------------------
+    # ---- ends (lock held) ------------------------------------------------------------------
 
-    def _succeed(self, entry: _Room, now: float) -> None:
-        entry.state = KVPoll.Success
-        self.add_stat("rooms_sent", 1)
-        self._send_status(entry)
-        self._end(entry, now, ok=True)
+    def _succeed_target(self, entry: _Room, target: _Target, now: float) -> None:
+        target.state = KVPoll.Success
+        self._send_status(entry, target)
+        self._maybe_end(entry, now)
 
-    def _fail(self, entry: _Room, error: str, now: float) -> None:
-        if entry.state.is_done:
+    def _fail_target(self, entry: _Room, target: _Target, error: str, now: float) -> None:
+        if target.state.is_done:
             return
-        entry.state = KVPoll.Failed
-        entry.error = error
-        entry.queued = False
-        self.add_stat("rooms_failed", 1)
-        logger.warning("PD room %d failed on prefill rank %d: %s", entry.room, self.rank, error)
-        if entry.ask is not None:
-            self._send_status(entry)
-        self._end(entry, now, ok=False)
+        target.state = KVPoll.Failed
+        target.error = error
+        target.queued = False
+        logger.warning("PD room %d failed on prefill rank %d for decode rank %d: %s",
+                       entry.room, self.rank, target.ask.decode_rank, error)
+        self._send_status(entry, target)
+        self._maybe_end(entry, now)
 
-    def _end(self, entry: _Room, now: float, ok: bool) -> None:
+    def _fail_room(self, entry: _Room, error: str, now: float) -> None:
+        """Stop every target: those not being written fail now, a write in progress stops
+        between batches (and fails then)."""
+        if entry.failed is not None or entry.ended:
+            return
+        entry.failed = error
+        for target in entry.targets.values():
+            if not target.writing:
+                self._fail_target(entry, target, error, now)
+        self._maybe_end(entry, now)
+
+    def _maybe_end(self, entry: _Room, now: float) -> None:
+        """Report the room to the scheduler once no write reads its blocks and nothing more
+        will: every decode rank that asks was served, or the room failed."""
+        if entry.ended or any(not t.state.is_done for t in entry.targets.values()):
+            return
+        if entry.failed is None and entry.missing_askers:
+            return
+        entry.ended = True
+        ok = entry.failed is None and all(t.state == KVPoll.Success
+                                          for t in entry.targets.values())
         if entry.req_id is not None:
-            self.finish(Finished(entry.req_id, ok=ok, error=entry.error))
-        if entry.ask is not None:
-            del self.rooms[entry.room]
-        else:
+            self.add_stat("rooms_sent" if ok else "rooms_failed", 1)
+            error = entry.failed or next((t.error for t in entry.targets.values() if t.error),
+                                         None)
+            self.finish(Finished(entry.req_id, ok=ok, error=error))
+        elif entry.failed is not None:
+            self.add_stat("rooms_failed", 1)
+            logger.warning("PD room %d failed on prefill rank %d: %s", entry.room, self.rank,
+                           entry.failed)
+        if entry.missing_askers:
             # A tombstone: a late ask is answered Failed, until decode has given up anyway.
             entry.deadline = now + self.config.send_lease_s
+        else:
+            del self.rooms[entry.room]
 
-    def _send_status(self, entry: _Room) -> None:
-        ok = entry.state == KVPoll.Success
+    def _send_status(self, entry: _Room, target: _Target) -> None:
+        ok = target.state == KVPoll.Success
         if self.faults.drop_status():
             logger.warning("PD room %d: status dropped (injected: "
                            "SLUICE_PD_FAULT_DROP_STATUS_PROB)", entry.room)
             return
-        self.send_to(entry.ask.status_address, TransferStatus(
-            room=entry.room, prefill_rank=self.rank, state=entry.state,
+        self.send_to(target.ask.status_address, TransferStatus(
+            room=entry.room, prefill_rank=self.rank, state=target.state,
             first_token=entry.first_token if ok else None,
             first_logprobs=entry.first_logprobs if ok else None,
-            error=None if ok else entry.error))
+            error=None if ok else target.error))
 
     def check_deadlines(self, now: float) -> None:
         with self.lock:
             for entry in list(self.rooms.values()):
-                if now <= entry.deadline or entry.queued or entry.writing:
+                if entry.ended:
+                    if now > entry.deadline:
+                        del self.rooms[entry.room]  # a tombstone that served its time
                     continue
-                if entry.state.is_done:
-                    del self.rooms[entry.room]  # a tombstone that served its time
-                elif entry.req_id is None:
-                    self._fail(entry, "the prefill request for this room never arrived", now)
-                elif entry.ask is None:
-                    self._fail(entry, "no decode rank asked for this room within the send "
-                                      "lease", now)
-                else:
-                    self._fail(entry, "decode's lease ran out", now)
+                for target in list(entry.targets.values()):
+                    if (not target.state.is_done and not target.queued and not target.writing
+                            and now > target.deadline):
+                        self._fail_target(entry, target, "decode's lease ran out", now)
+                if entry.ended or now <= entry.deadline:
+                    continue
+                if entry.req_id is None:
+                    self._fail_room(entry, "the prefill request for this room never arrived",
+                                    now)
+                elif entry.missing_askers:
+                    self._fail_room(entry, "no decode rank asked for this room within the "
+                                    "send lease", now)
 
     def num_rooms(self) -> int:
         with self.lock:
-            return sum(1 for e in self.rooms.values() if not e.state.is_done)
+            return sum(1 for e in self.rooms.values() if not e.ended)

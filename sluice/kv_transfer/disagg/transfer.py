@@ -1,5 +1,5 @@
-"""Moving KV bytes from a prefill rank's paged cache into a decode rank's: the transfer backends
-and the descriptors they move.
+"""Moving KV bytes from a prefill rank's paged cache into a decode rank's: the transfer
+backends.
 
 Both backends write synchronously into memory the peer registered, addressed by raw addresses,
 and return only once the bytes are there (or with an error), so the status sent after a write
@@ -13,10 +13,8 @@ never overtakes the data:
   FakeWrite header and the bytes, the owner of the memory copies them into its registered
   tensors and acknowledges. Real bytes move, so greedy output through it is exact.
 
-Descriptors: a layer's cache is one tensor [2, num_blocks, block_size, heads, dim], so block b's
-K is at base + b * B and its V at base + (num_blocks + b) * B (B: bytes of one block's K).
-Block pairs that are consecutive on both sides are coalesced into one descriptor per layer and
-half ([5,6,7,12,13] -> [9,10,11,2,3] is runs (5->9, 3) and (12->2, 2)).
+What moves (whole blocks, or a head slice per token when the TP sizes differ) is
+descriptors.py's.
 """
 
 from __future__ import annotations
@@ -27,13 +25,13 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zmq
 
 from sluice.channel import Encoder, WireError
+from sluice.kv_transfer.disagg.descriptors import batches
 from sluice.kv_transfer.disagg.messages import (
     FakePing,
     FakeWrite,
@@ -47,64 +45,6 @@ logger = logging.getLogger("sluice")
 # How long the fake backend waits for the peer's acknowledgement of one batch.
 _FAKE_ACK_TIMEOUT_S = 10.0
 _FAKE_PROBE_TIMEOUT_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class CacheLayout:
-    """Where one rank's paged KV cache lives: one tensor per layer."""
-
-    layer_addresses: tuple[int, ...]
-    num_blocks: int
-    bytes_per_block_layer: int  # K and V of one block of one layer
-
-    @property
-    def half_block_bytes(self) -> int:
-        return self.bytes_per_block_layer // 2
-
-
-def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
-    """(first source block, first destination block, length) of each run of pairs that are
-    consecutive on both sides."""
-    if len(src_blocks) != len(dst_blocks):
-        raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destinations")
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in zip(src_blocks, dst_blocks):
-        if runs:
-            s, d, n = runs[-1]
-            if src == s + n and dst == d + n:
-                runs[-1] = (s, d, n + 1)
-                continue
-        runs.append((src, dst, 1))
-    return runs
-
-
-def build_descriptors(src: CacheLayout, dst: CacheLayout, runs: list[tuple[int, int, int]]
-                      ) -> tuple[list[int], list[int], list[int]]:
-    """(source addresses, destination addresses, lengths): one per run, layer and K / V."""
-    if len(src.layer_addresses) != len(dst.layer_addresses):
-        raise ValueError(f"{len(src.layer_addresses)} layers here, "
-                         f"{len(dst.layer_addresses)} at the peer")
-    if src.bytes_per_block_layer != dst.bytes_per_block_layer:
-        raise ValueError(f"{src.bytes_per_block_layer} bytes per block and layer here, "
-                         f"{dst.bytes_per_block_layer} at the peer")
-    half = src.half_block_bytes
-    src_addrs: list[int] = []
-    dst_addrs: list[int] = []
-    lengths: list[int] = []
-    for src_base, dst_base in zip(src.layer_addresses, dst.layer_addresses):
-        for kv in (0, 1):
-            src_half = src_base + kv * src.num_blocks * half
-            dst_half = dst_base + kv * dst.num_blocks * half
-            for s, d, n in runs:
-                src_addrs.append(src_half + s * half)
-                dst_addrs.append(dst_half + d * half)
-                lengths.append(n * half)
-    return src_addrs, dst_addrs, lengths
-
-
-def batches(count: int, max_batch: int) -> list[tuple[int, int]]:
-    """[start, end) index ranges of at most `max_batch` each."""
-    return [(start, min(start + max_batch, count)) for start in range(0, count, max_batch)]
 
 
 class TransferBackend(ABC):
