@@ -71,6 +71,8 @@ logger = logging.getLogger("sluice")
 
 # How often (s) the output handler, when no output came, checks that the core is alive.
 _LIVENESS_CHECK_S = 0.5
+# How often (s) at most a health check asks the OS whether the core process still runs.
+_PROCESS_POLL_S = 0.05
 # Engine-core frames (steps) the output handler takes in one go before the callers run.
 _MAX_FRAMES_PER_WAKEUP = 64
 
@@ -122,6 +124,7 @@ class AsyncLLM:
         self._handler_task: asyncio.Task[None] | None = None
         self._handler_loop: asyncio.AbstractEventLoop | None = None
         self._dead_error: str | None = None
+        self._last_process_poll = -float("inf")
         self.latest_scheduler_stats: SchedulerStats | None = None
         self.stats = RequestStatsTracker()
         if log_stats:
@@ -170,7 +173,15 @@ class AsyncLLM:
         self.stats.add_listener(listener)
 
     def _check_alive(self) -> str | None:
-        if self._dead_error is None and not self._process.is_alive():
+        # Every request asks (a waitpid each): under a burst of requests, ask the OS at most
+        # every _PROCESS_POLL_S; a death is noticed that much later at most.
+        if self._dead_error is not None:
+            return self._dead_error
+        now = time.monotonic()
+        if now - self._last_process_poll < _PROCESS_POLL_S:
+            return None
+        self._last_process_poll = now
+        if not self._process.is_alive():
             self._dead_error = (f"engine core process {self._process.pid} exited with status "
                                 f"{self._process.exitcode}")
         return self._dead_error

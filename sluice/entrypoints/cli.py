@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         kv_tier,
         latency,
         profile_steps,
+        serve_offline,
         spec_decode,
         structured,
         throughput,
@@ -260,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sluice.bench import serve as bench_serve
 
     bench_serve.add_parser(bench_sub)
+    serve_offline.add_parser(bench_sub)
     bench_pd.add_parser(bench_sub)
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
