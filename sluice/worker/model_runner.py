@@ -42,6 +42,7 @@ from sluice.model.hf_config import HFModelConfig
 from sluice.model.loader import load_model, resolve_dtype
 from sluice.sample.sampler import Sampler, compute_topk_logprobs
 from sluice.sampling_params import SamplingParams
+from sluice.spec_decode.policy import can_speculate
 from sluice.worker.graph_runner import GraphRunner
 from sluice.worker.input_batch import CachedRequestState, StagedBuffer
 from sluice.worker.kv_cache import determine_num_blocks
@@ -53,7 +54,7 @@ from sluice.worker.sampling_inputs import (
     build_row_seeds,
     build_sampling_metadata,
 )
-from sluice.worker.spec_decode import SpecDecoder, can_speculate
+from sluice.worker.spec_decode import SpecDecoder
 from sluice.worker.step_handle import StepHandle, position_logprobs
 from sluice.worker.step_inputs import InputBuilder, StepInputs
 

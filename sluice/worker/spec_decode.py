@@ -22,24 +22,15 @@ import torch
 from sluice.spec_decode.config import SpeculativeConfig
 from sluice.spec_decode.model_proposer import DraftModelProposer, EagleProposer, ModelProposer
 from sluice.spec_decode.ngram_proposer import NgramProposer
+from sluice.spec_decode.policy import can_speculate
 from sluice.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from sluice.worker.input_batch import StagedBuffer
 from sluice.worker.sampling_inputs import build_sampling_metadata
 
 if TYPE_CHECKING:
     from sluice.core.outputs import ModelRunnerOutput
-    from sluice.sampling_params import SamplingParams
     from sluice.worker.model_runner import ModelRunner
     from sluice.worker.step_inputs import StepInputs
-
-
-def can_speculate(params: SamplingParams) -> bool:
-    """Whether drafts can be verified exactly for a request sampled with `params`. Token
-    constraints (logit_bias, a structured-output grammar, whose mask is built for one position
-    per step) are applied by the sampler alone: such requests decode without drafts."""
-    return (params.logprobs is None and not params.min_tokens and params.presence_penalty == 0
-            and params.frequency_penalty == 0 and params.repetition_penalty == 1.0
-            and not params.logit_bias and params.structured_outputs is None)
 
 
 class SpecDecoder:

@@ -55,7 +55,9 @@ def test_speculative_config_flag_fills_in_defaults_and_null_or_absent_means_off(
                             '{"method": "ngram", "num_speculative_tokens": 2}'])
     assert ns.speculative_config == {"method": "ngram", "num_speculative_tokens": 2,
                                      "model": None, "prompt_lookup_min": 5,
-                                     "prompt_lookup_max": 5}
+                                     "prompt_lookup_max": 5, "disable_by_batch_size": 2,
+                                     "min_accepted_tokens_per_step": 1.25,
+                                     "probe_interval": 2}
     assert parser.parse_args(["generate", "--speculative-config", "null"]).speculative_config \
         is None
     assert parser.parse_args(["generate"]).speculative_config is None
