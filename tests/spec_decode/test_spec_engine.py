@@ -252,7 +252,11 @@ def record_launches(llm: LLM) -> list[tuple[bool, bool]]:
     return launches
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
+# The step message to a worker process: drafts, and steps in flight, over the executor's wire.
+SWITCHING_SETTINGS = {**SETTINGS, "mp_executor": {"distributed_executor_backend": "mp"}}
+
+
+@pytest.mark.parametrize("setting", list(SWITCHING_SETTINGS))
 @pytest.mark.parametrize("policy", ["by_acceptance", "by_batch_size"])
 def test_greedy_output_is_unchanged_when_drafting_switches_under_async_scheduling(
         qwen3_dir: str, reference: list[list[int]], policy: str, setting: str) -> None:
@@ -262,7 +266,7 @@ def test_greedy_output_is_unchanged_when_drafting_switches_under_async_schedulin
     ngram = {**NGRAM, **(BY_ACCEPTANCE if policy == "by_acceptance" else BY_BATCH_SIZE)}
     params = GREEDY if policy == "by_acceptance" else SHRINKING
     llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
-              async_scheduling=True, speculative_config=ngram, **SETTINGS[setting])
+              async_scheduling=True, speculative_config=ngram, **SWITCHING_SETTINGS[setting])
     launches = record_launches(llm)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
