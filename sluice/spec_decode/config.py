@@ -11,10 +11,10 @@ never off for the batch size), `min_accepted_tokens_per_step` (no drafts while t
 accepted per request and step, a moving average, stay below it; 0: never off for acceptance;
 unset: 1.25, or k when k is 1) and `probe_interval` (steps between the checks that turn drafting
 back on; unset: 2 for n-gram, whose checks run on the host, 16 for a model proposer, whose checks
-are steps that draft). The defaults come from the H200 (`benchmarks/README.md`): a step with
-drafts runs synchronously and cost about twice an overlapped step without at batch 1, and more
-at batch 8, so drafting paid at batch 1 only, and there only when a step accepted about one
-draft token or more.
+are steps that draft). The defaults come from the H200's figures (`benchmarks/README.md`), from
+which a step with drafts (synchronous) is estimated at about twice an overlapped step without at
+batch 1 and more at batch 8: drafting paid at batch 1 only, and there only from about one
+accepted draft token per step.
 """
 
 from __future__ import annotations
