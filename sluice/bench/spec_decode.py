@@ -138,7 +138,11 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
                              acceptance_rate=accepted / drafted if drafted else 0.0,
                              mean_acceptance_length=1 + accepted / drafts if drafts else 0.0,
                              **steps, drafting_step_fraction=(
-                                 steps["num_steps_drafting"] / num_steps if num_steps else 0.0))
+                                 steps["num_steps_drafting"] / num_steps if num_steps else 0.0),
+                             # Decode tokens per request per counted step (the prefill's step
+                             # ran with no request running: not counted).
+                             tokens_per_step=(ns.num_iters * (ns.output_len - 1) / num_steps
+                                              if num_steps else 0.0))
             results[name][b] = point
             outputs_by_engine[name][b] = runs[0][1]
         llm.shutdown()
@@ -173,17 +177,19 @@ def format_spec(record: dict[str, Any]) -> str:
         f"{record['input_len']} prompt tokens, {record['output_len']} output tokens, greedy",
         f"speculative: {json.dumps(record['speculative_config'])}",
         f"{'batch':>6} {'ITL base':>9} {'ITL spec':>9} {'speed-up':>9} {'accept':>7} "
-        f"{'mean len':>9} {'drafted':>8} {'off:batch':>10} {'off:accept':>11} {'equal':>6}",
+        f"{'mean len':>9} {'tok/step':>9} {'drafted':>8} {'off:batch':>10} {'off:accept':>11} "
+        f"{'equal':>6}",
     ]
     lines += [f"{p['batch_size']:>6} {p['baseline_itl_ms']:>9.3f} {p['itl_ms']:>9.3f} "
               f"{p['speedup']:>8.2f}x {p.get('acceptance_rate', 0):>7.1%} "
-              f"{p.get('mean_acceptance_length', 0):>9.2f} "
+              f"{p.get('mean_acceptance_length', 0):>9.2f} {p.get('tokens_per_step', 0):>9.2f} "
               f"{p.get('drafting_step_fraction', 0):>8.1%} "
               f"{p.get('num_steps_off_batch_size', 0):>10} "
               f"{p.get('num_steps_off_acceptance', 0):>11} {p['tokens_equal']:>6.1%}"
               for p in record["points"]]
-    lines.append("drafted: share of the timed steps that drafted (the drafting policy); off: steps "
-                 "without drafts for the batch size / for low acceptance")
+    lines.append("tok/step: decode tokens per request and step; drafted: share of the timed "
+                 "steps that drafted (the drafting policy); off: steps without drafts for the "
+                 "batch size / for low acceptance")
     return "\n".join(lines)
 
 

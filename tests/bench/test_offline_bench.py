@@ -220,10 +220,12 @@ def test_bench_spec_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path, workload: s
                      + p["num_steps_off_acceptance"])
         assert num_steps >= p["num_drafts"] / p["batch_size"] and num_steps > 0
         assert p["drafting_step_fraction"] == pytest.approx(p["num_steps_drafting"] / num_steps)
+        assert p["tokens_per_step"] == pytest.approx(11 / num_steps)  # one run of 12 tokens
     # Batch 2 reaches disable_by_batch_size: no drafts, every step off for the batch size.
     two = record["points"][1]
     assert two["num_draft_tokens"] == 0 and two["num_steps_drafting"] == 0
-    assert two["num_steps_off_batch_size"] > 0
+    assert two["num_steps_off_batch_size"] == 11  # one token a step after the prefill's
+    assert two["tokens_per_step"] == 1.0
     assert "speed-up" in result.stdout and "speculative:" in result.stdout
     assert "drafted" in result.stdout
 
