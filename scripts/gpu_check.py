@@ -2,7 +2,9 @@
 models, under every GPU optimisation (Triton attention, CUDA graphs, compiled ops, async
 scheduling) and with them switched off one at a time, with and without prefix caching and
 with small prefill chunks (64-token steps replay the CUDA graphs of mixed steps); and with
-speculative decoding (n-gram, a draft model, an EAGLE head; verification CUDA graphs and eager);
+speculative decoding (n-gram, a draft model, an EAGLE head; verification CUDA graphs and eager;
+n-gram with the drafting policy switching between async steps without drafts and synchronous
+steps with drafts);
 with the model in a worker process; with the CPU KV tier and the global KV pool (in-process,
 Redis and Mooncake Store where their servers are installed: started on loopback), saved and then
 loaded; through a prefill, a decode and a router (PD over the Mooncake Transfer Engine, TCP,
@@ -142,14 +144,19 @@ def tp_configs(num_gpus: int, eagle: str | None) -> dict[str, dict]:
                             for name, kwargs in TP_CONFIGS.items()})
     if num_gpus >= 2 and eagle is not None:
         configs["tp2_spec_eagle"] = {"tensor_parallel_size": 2, "speculative_config": {
-            "method": "eagle", "model": eagle, "num_speculative_tokens": 3}}
+            "method": "eagle", "model": eagle, "num_speculative_tokens": 3, **ALWAYS_DRAFT}}
     return configs
 
 
 # ~1 ms of an H200's clock
 LAG_CYCLES = 2_000_000
+# Drafting on whatever the batch size and acceptance (the drafting policy out of the way).
+ALWAYS_DRAFT = {"disable_by_batch_size": None, "min_accepted_tokens_per_step": 0}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, **ALWAYS_DRAFT}
+# The policy switching drafting on and off with the acceptance: async steps without drafts
+# between synchronous steps with drafts.
+NGRAM_SWITCHING = {**NGRAM, "min_accepted_tokens_per_step": 1.0, "probe_interval": 1}
 
 
 def spec_configs(model: str, eagle: str) -> dict[str, dict]:
@@ -157,10 +164,12 @@ def spec_configs(model: str, eagle: str) -> dict[str, dict]:
         "spec_ngram": {"speculative_config": NGRAM},
         "spec_ngram_eager": {"speculative_config": NGRAM, "enforce_eager": True},
         "spec_ngram_chunks_of_32": {"speculative_config": NGRAM, "max_num_batched_tokens": 32},
+        "spec_ngram_switching_async": {"speculative_config": NGRAM_SWITCHING},
         "spec_draft_model_self": {"speculative_config": {
-            "method": "draft_model", "model": model, "num_speculative_tokens": 4}},
+            "method": "draft_model", "model": model, "num_speculative_tokens": 4,
+            **ALWAYS_DRAFT}},
         "spec_eagle": {"speculative_config": {
-            "method": "eagle", "model": eagle, "num_speculative_tokens": 3}},
+            "method": "eagle", "model": eagle, "num_speculative_tokens": 3, **ALWAYS_DRAFT}},
     }
 
 
@@ -255,6 +264,10 @@ def main() -> None:
             if stats is not None:
                 result[f"{arch}_{name}_accepted_of_drafted"] = (
                     f"{stats.num_accepted_tokens}/{stats.num_draft_tokens}")
+                num_steps = (stats.num_steps_drafting + stats.num_steps_off_batch_size
+                             + stats.num_steps_off_acceptance)
+                result[f"{arch}_{name}_steps_drafting_of_counted"] = (
+                    f"{stats.num_steps_drafting}/{num_steps}")
             if name.startswith("cpu_kv_tier"):
                 # Again, from the CPU tier: every full block of every prompt loads.
                 assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()

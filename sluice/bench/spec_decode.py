@@ -4,9 +4,12 @@ Per batch size B: B greedy requests to `output_len` tokens each, timed (median o
 once on an engine without speculation and once on an engine with `--speculative-config` (n-gram
 prompt lookup by default). Decode time is the time to `output_len` tokens less the time to one
 token (prefill), as in `sluice bench latency`; the speed-up is the ratio of the two decode times.
-Acceptance figures are counted over the timed runs of the speculative engine. Both engines see
-the same prompts, each several times (so the prompt is a prefix-cache hit after the first run,
-alike for both).
+Acceptance figures are counted over the timed runs of the speculative engine, and so are the
+drafting policy's decisions (sluice/spec_decode/policy.py): the share of steps that drafted, and
+of those that did not, how many for the batch size and how many for low acceptance. Both engines
+see the same prompts, each several times (so the prompt is a prefix-cache hit after the first run,
+alike for both). The speculative config is given with the policy's fields filled in (defaults
+when not given), as the engine ran it.
 
 Workloads (`--workload`): `continue`, prompts that are a random segment followed by the model's
 own greedy continuation of it (made by the baseline engine first), so that the output goes on
@@ -23,6 +26,7 @@ floating-point ties between a batched verification and a one-token decode).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -38,7 +42,8 @@ def add_parser(bench_sub: Any) -> None:
 
     parser = bench_sub.add_parser(
         "spec", help="decode speed-up of speculative decoding vs none, same run")
-    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default 1,8,32)")
+    parser.add_argument("--batch-sizes", default="1,8,32,128",
+                        help="comma-separated (default 1,8,32,128)")
     parser.add_argument("--workload", choices=["continue", "repeat", "random"],
                         default="continue")
     parser.add_argument("--segment-len", type=int, default=64,
@@ -69,9 +74,15 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
     from sluice.bench import offline_report as report
     from sluice.bench.latency import parse_sizes
     from sluice.bench.throughput import build_llm, release_device_memory
+    from sluice.spec_decode.config import SpeculativeConfig
 
     batch_sizes = parse_sizes("batch_sizes", ns.batch_sizes)
-    spec_config = json.loads(ns.bench_speculative_config)
+    # Validated, with the defaults filled in: the record says which policy ran.
+    config = SpeculativeConfig.from_dict(ns.bench_speculative_config)
+    if config is None:
+        raise ValueError("--bench-speculative-config must be a speculative config to measure, "
+                         f"got {ns.bench_speculative_config!r}")
+    spec_config = dataclasses.asdict(config)
     results: dict[str, dict[int, dict[str, Any]]] = {}
     outputs_by_engine: dict[str, dict[int, list[list[int]]]] = {}
     machine = model = dtype_name = None
@@ -118,10 +129,20 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
                 drafts = after.num_drafts - before.num_drafts
                 drafted = after.num_draft_tokens - before.num_draft_tokens
                 accepted = after.num_accepted_tokens - before.num_accepted_tokens
+                steps = {name: getattr(after, name) - getattr(before, name)
+                         for name in ("num_steps_drafting", "num_steps_off_batch_size",
+                                      "num_steps_off_acceptance")}
+                num_steps = sum(steps.values())
                 point.update(num_drafts=drafts, num_draft_tokens=drafted,
                              num_accepted_tokens=accepted,
                              acceptance_rate=accepted / drafted if drafted else 0.0,
-                             mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
+                             mean_acceptance_length=1 + accepted / drafts if drafts else 0.0,
+                             **steps, drafting_step_fraction=(
+                                 steps["num_steps_drafting"] / num_steps if num_steps else 0.0),
+                             # Decode tokens per request per counted step (the prefill's step
+                             # ran with no request running: not counted).
+                             tokens_per_step=(ns.num_iters * (ns.output_len - 1) / num_steps
+                                              if num_steps else 0.0))
             results[name][b] = point
             outputs_by_engine[name][b] = runs[0][1]
         llm.shutdown()
@@ -156,12 +177,19 @@ def format_spec(record: dict[str, Any]) -> str:
         f"{record['input_len']} prompt tokens, {record['output_len']} output tokens, greedy",
         f"speculative: {json.dumps(record['speculative_config'])}",
         f"{'batch':>6} {'ITL base':>9} {'ITL spec':>9} {'speed-up':>9} {'accept':>7} "
-        f"{'mean len':>9} {'equal':>6}",
+        f"{'mean len':>9} {'tok/step':>9} {'drafted':>8} {'off:batch':>10} {'off:accept':>11} "
+        f"{'equal':>6}",
     ]
     lines += [f"{p['batch_size']:>6} {p['baseline_itl_ms']:>9.3f} {p['itl_ms']:>9.3f} "
               f"{p['speedup']:>8.2f}x {p.get('acceptance_rate', 0):>7.1%} "
-              f"{p.get('mean_acceptance_length', 0):>9.2f} {p['tokens_equal']:>6.1%}"
+              f"{p.get('mean_acceptance_length', 0):>9.2f} {p.get('tokens_per_step', 0):>9.2f} "
+              f"{p.get('drafting_step_fraction', 0):>8.1%} "
+              f"{p.get('num_steps_off_batch_size', 0):>10} "
+              f"{p.get('num_steps_off_acceptance', 0):>11} {p['tokens_equal']:>6.1%}"
               for p in record["points"]]
+    lines.append("tok/step: decode tokens per request and step; drafted: share of the timed "
+                 "steps that drafted (the drafting policy); off: steps without drafts for the "
+                 "batch size / for low acceptance")
     return "\n".join(lines)
 
 

@@ -33,7 +33,9 @@ from sluice.sampling_params import SamplingParams
 # 6: SchedulerStats carries the scheduled-token total.
 # 9: KVCacheSpec carries the model's KV heads; PD TransferRequest carries decode's TP size and
 #    heads (prefill and decode of different TP sizes).
-SCHEMA_VERSION = 9
+# 10: speculative decoding's drafting policy: SchedulerOutput.propose_drafts, the policy's step
+#    counters in SpecDecodingStats and SchedulerStats; n-gram drafts come from the scheduler.
+SCHEMA_VERSION = 10
 
 # A connector's per-step plan (its own msgspec struct type).
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")
@@ -80,6 +82,10 @@ class SchedulerOutput(msgspec.Struct, Generic[ConnectorMetadataT]):
     # req_id -> draft tokens to verify this step (speculative decoding); they are the last
     # len(drafts) of the request's num_scheduled_tokens.
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # A model proposer (draft model, EAGLE) drafts after this step for the next one; False: it
+    # only writes its KV (the drafting policy turned drafting off). N-gram drafts are the
+    # scheduler's own.
+    propose_drafts: bool = False
     # The KV connector's plan for this step (loads, saves), None without a connector.
     kv_connector_metadata: ConnectorMetadataT | None = None
     # Structured outputs: the grammar masks of the step's constrained requests that sample
@@ -135,8 +141,8 @@ class ModelRunnerOutput(msgspec.Struct):
     # req_id -> logprobs of the prompt positions computed this step (first prompt token: None).
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = msgspec.field(
         default_factory=dict)
-    # Speculative decoding: drafts proposed to follow each request's tokens (aligned with
-    # req_ids; [] for none); None when speculation is off.
+    # Speculative decoding with a model proposer: drafts proposed to follow each request's
+    # tokens (aligned with req_ids; [] for none); None when it did not propose.
     spec_token_ids: list[list[int]] | None = None
     kv_connector_output: KVConnectorOutput | None = None
 
@@ -175,6 +181,12 @@ class SpecDecodingStats(msgspec.Struct):
     num_accepted_tokens: int = 0  # of those, accepted
     # [k]: accepted drafts at each draft position (position 0 is the first draft)
     num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    # Scheduled steps by the drafting policy's decision (sluice/spec_decode/policy.py): drafting
+    # on, off for the batch size (disable_by_batch_size), off for low acceptance. Steps without
+    # a request that can speculate are not counted.
+    num_steps_drafting: int = 0
+    num_steps_off_batch_size: int = 0
+    num_steps_off_acceptance: int = 0
 
     def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if num_draft_tokens == 0:

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 
 from sluice.sampling_params import SamplingParams
 
@@ -94,6 +95,10 @@ class Request:
         # Draft tokens proposed to follow all_token_ids (speculative decoding): scheduled with
         # the next step for verification, never part of all_token_ids until accepted.
         self.spec_token_ids: list[int] = []
+        # all_token_ids as an int64 array with room to grow (n-gram drafts read it every step;
+        # converting the list each time costs more than the search)
+        self._token_array: np.ndarray | None = None
+        self._num_arrayed = 0
         # Prefix-cache hit at first scheduling (reported as RequestOutput.num_cached_tokens).
         self.num_cached_tokens = -1
         # Chained hashes of this request's full blocks, extended by the KV cache manager.
@@ -125,6 +130,19 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def tokens_as_array(self) -> np.ndarray:
+        """all_token_ids as an array (a view of the growing buffer; all_token_ids only grows)."""
+        num_tokens = len(self.all_token_ids)
+        array = self._token_array
+        if array is None or array.shape[0] < num_tokens:
+            array = np.empty(max(2 * num_tokens, 256), dtype=np.int64)
+            array[:num_tokens] = self.all_token_ids
+            self._token_array = array
+        elif self._num_arrayed < num_tokens:
+            array[self._num_arrayed:num_tokens] = self.all_token_ids[self._num_arrayed:]
+        self._num_arrayed = num_tokens
+        return array[:num_tokens]
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

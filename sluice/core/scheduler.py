@@ -7,12 +7,17 @@ order; then waiting ones in arrival order. When blocks run out, the most recentl
 running request is preempted: its blocks are freed and it goes back to the head of the queue, to
 be recomputed later (its full blocks usually still sit in the prefix cache).
 
-Speculative decoding: a request carries the draft tokens the runner proposed after its last step
-(`spec_token_ids`); it is scheduled with 1 + k tokens inside the token budget (drafts cut first
-when the budget or max_model_len is short), and model-based proposers get k lookahead slots for
-the KV of their next drafts. The drafts are not the request's tokens: only tokens already known
-enter the prefix cache, and after verification `num_computed_tokens` rolls back over the rejected
-drafts, whose KV is then overwritten.
+Speculative decoding: a request carries draft tokens (`spec_token_ids`): n-gram drafts the
+scheduler proposes itself when it schedules the request's decode, a model proposer's the runner
+proposed after the request's last step. It is scheduled with 1 + k tokens inside the token budget
+(drafts cut first when the budget or max_model_len is short), and model-based proposers get k
+lookahead slots for the KV of their next drafts. The drafts are not the request's tokens: only
+tokens already known enter the prefix cache, and after verification `num_computed_tokens` rolls
+back over the rejected drafts, whose KV is then overwritten. Whether a step drafts at all is the
+drafting policy's call (sluice/spec_decode/policy.py). Drafts continue from a request's last
+token, so a request whose last token is still in flight (async scheduling) gets none: when the
+policy wants drafts, the engine core takes the step in flight first (as for grammars, below), and
+a step with drafts runs synchronously; a step without runs overlapped like any other.
 
 KV connectors (sluice/core/kv_connector.py): a waiting request's prefix may be loadable from
 elsewhere. A synchronous load happens in the step that computes the request's next tokens (the
@@ -59,6 +64,8 @@ from sluice.core.outputs import (
     SpecDecodingStats,
 )
 from sluice.core.request import Request, RequestStatus
+from sluice.spec_decode.ngram_proposer import NgramProposer
+from sluice.spec_decode.policy import Drafting, DraftingPolicy, can_speculate
 
 if TYPE_CHECKING:
     from sluice.structured_output.manager import StructuredOutputManager
@@ -116,9 +123,16 @@ class Scheduler:
         self.num_lookahead_tokens = (self.num_spec_tokens
                                      if spec is not None and spec.method != "ngram" else 0)
         self.spec_decoding_stats = None
+        self.drafting: DraftingPolicy | None = None
+        # n-gram drafts are proposed here, from the tokens known; a model's on the workers.
+        self.ngram: NgramProposer | None = None
+        self._drafting_now = False  # the policy's decision for the step being scheduled
         if spec is not None:
             self.spec_decoding_stats = SpecDecodingStats(
                 self.num_spec_tokens, num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
+            self.drafting = DraftingPolicy(spec)
+            if spec.method == "ngram":
+                self.ngram = NgramProposer(spec)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -130,6 +144,8 @@ class Scheduler:
                 raise ValueError("structured_outputs: this engine has no structured-output "
                                  "backend")
             self.structured_output.add_request(request)
+        if self.drafting is not None and can_speculate(request.sampling_params):
+            self.drafting.add_request(request.request_id)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -164,6 +180,21 @@ class Scheduler:
                    and request.sampling_params.structured_outputs is not None
                    for request in self.running)
 
+    def drafts_need_tokens_in_flight(self) -> bool:
+        """Whether the drafting policy wants n-gram drafts in the next step for requests whose
+        last token is still in flight (async scheduling): drafts continue from that token, so
+        the engine core takes the step in flight first."""
+        return (self.ngram is not None and self.drafting.wants_drafts(len(self.running))
+                and any(request.num_output_placeholders for request in self.running))
+
+    def runs_synchronously(self, output: SchedulerOutput) -> bool:
+        """Whether the step must be taken before the next is scheduled, even with async
+        scheduling: one with drafts (how many are accepted decides where each request's next
+        step starts), and every step of a model proposer (its KV pass and drafts read the
+        step's tokens on the host)."""
+        return bool(output.scheduled_spec_decode_tokens) or (
+            self.drafting is not None and self.ngram is None)
+
     def has_requests_to_schedule(self) -> bool:
         """Whether a step could compute anything: False while every unfinished request waits
         for a remote load (the engine then polls the workers instead of spinning)."""
@@ -183,6 +214,8 @@ class Scheduler:
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, now=time.time())
         if self.kv_transfers is not None:
             self.kv_transfers.free_expired(plan.now)
+        if self.drafting is not None:
+            self._drafting_now = self._begin_drafting_step()
         self._schedule_running(plan)
         # Then waiting requests in arrival order, unless this step had to preempt.
         if not plan.preempted:
@@ -196,6 +229,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=plan.preempted,
             scheduled_spec_decode_tokens=plan.spec_tokens,
+            propose_drafts=self._drafting_now and self.ngram is None,
         )
         self.finished_req_ids = set()
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
@@ -251,6 +285,8 @@ class Scheduler:
             num_new = 0
             if (self.kv_transfers is None  # else not while its load's step is out
                     or not self.kv_transfers.in_step_load(request.request_id)):
+                if self._drafting_now and self.ngram is not None:
+                    self._propose_ngram(request)
                 num_new = self._num_tokens_to_schedule(request, plan.token_budget)
             if num_new == 0:
                 req_index += 1
@@ -403,6 +439,11 @@ class Scheduler:
                 self._take_first_token(self.requests[req_id], first_token, outputs)
             self.kv_transfers.end_sync_loads(scheduler_output, failed_loads)
         spec_token_ids = runner_output.spec_token_ids
+        # Per request: a model proposer's drafts, or the drafting policy's n-gram probes (to
+        # settle, to start).
+        start_probes = self.ngram is not None and self.drafting.probes_wanted(len(self.running))
+        after_new_tokens = self.drafting is not None and (
+            spec_token_ids is not None or start_probes or self.drafting.has_probes())
         any_constrained = self._has_constrained_requests()
         for i, (req_id, sampled) in enumerate(zip(runner_output.req_ids,
                                                   runner_output.sampled_token_ids)):
@@ -417,6 +458,7 @@ class Scheduler:
                 num_accepted = len(sampled) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec_decoding_stats.observe(len(drafts), num_accepted)
+                self.drafting.observe(req_id, num_accepted)
             constrained = (any_constrained
                            and request.sampling_params.structured_outputs is not None)
             if constrained and sampled and not self._advance_grammar(request, sampled, outputs):
@@ -434,8 +476,10 @@ class Scheduler:
                 # The accepted drafts are tokens now: their full blocks can be shared.
                 self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             request.spec_token_ids = []
-            if spec_token_ids is not None and not request.is_finished():
-                request.spec_token_ids = self._trim_drafts(request, spec_token_ids[i])
+            if after_new_tokens and not request.is_finished():
+                self._after_new_tokens(request, new_token_ids,
+                                       None if spec_token_ids is None else spec_token_ids[i],
+                                       start_probes)
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if not new_token_ids and prompt_logprobs is None:
                 continue
@@ -544,6 +588,49 @@ class Scheduler:
         return max(0, min(self.num_lookahead_tokens,
                           self.config.max_model_len - num_tokens_after_step))
 
+    # ---- speculative decoding ------------------------------------------------------------
+
+    def _begin_drafting_step(self) -> bool:
+        """The drafting policy's decision for the step being scheduled, counted."""
+        decision = self.drafting.begin_step(len(self.running))
+        stats = self.spec_decoding_stats
+        if decision is Drafting.ON:
+            stats.num_steps_drafting += 1
+        elif decision is Drafting.OFF_BATCH_SIZE:
+            stats.num_steps_off_batch_size += 1
+        elif decision is Drafting.OFF_ACCEPTANCE:
+            stats.num_steps_off_acceptance += 1
+        return decision is Drafting.ON
+
+    def _propose_ngram(self, request: Request) -> None:
+        """N-gram drafts for a request about to decode from a known last token (none while a
+        token of it is in flight, or while it still prefills)."""
+        if (request.num_output_placeholders
+                or request.num_computed_tokens != request.num_tokens - 1
+                or not request.num_output_tokens
+                or not self.drafting.tracks(request.request_id)):
+            return
+        drafts = self.ngram.propose(request.tokens_as_array())
+        if not drafts:
+            self.drafting.observe(request.request_id, 0)  # a drafting step that gains nothing
+        request.spec_token_ids = self._trim_drafts(request, drafts)
+
+    def _after_new_tokens(self, request: Request, new_token_ids: list[int],
+                          proposed: list[int] | None, start_probe: bool) -> None:
+        """A request's tokens of a step are in: a model proposer's drafts for the next step;
+        the drafting policy's n-gram probes settled, and started while drafting is off for
+        acceptance."""
+        if proposed is not None:
+            request.spec_token_ids = self._trim_drafts(request, proposed)
+            return
+        if self.ngram is None:
+            return
+        req_id = request.request_id
+        self.drafting.observe_tokens(req_id, new_token_ids)
+        if start_probe and new_token_ids and self.drafting.wants_probe(req_id):
+            # Not trimmed to max_tokens: a probe the request's end leaves unsettled is dropped.
+            self.drafting.start_probe(req_id, self.ngram.propose(request.tokens_as_array()))
+
     def _trim_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts worth verifying: all accepted plus the bonus token must stay within
         max_tokens, and their KV within max_model_len."""
@@ -585,6 +672,8 @@ class Scheduler:
         request_id = request.request_id
         self.finished_req_ids.add(request_id)
         del self.requests[request_id]
+        if self.drafting is not None:
+            self.drafting.remove_request(request_id)
         if self.structured_output is not None:
             self.structured_output.remove(request_id)
         if self.kv_transfers is None:

@@ -42,7 +42,9 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
-    async_scheduling: bool | None = None  # None: on when running on a GPU (off with speculation)
+    # None: on when running on a GPU. With speculative decoding, steps with drafts (and every
+    # step of a model proposer) still run synchronously.
+    async_scheduling: bool | None = None
     # {"method": "ngram" | "draft_model" | "eagle", "num_speculative_tokens": k, ...}, its JSON
     # string, or a SpeculativeConfig; None: no speculative decoding.
     speculative_config: dict | str | SpeculativeConfig | None = None
@@ -101,9 +103,6 @@ class EngineArgs:
                              f"got {self.long_prefill_token_threshold!r}")
 
         speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-        if speculative_config is not None and self.async_scheduling:
-            raise ValueError("async_scheduling=True is not supported with speculative decoding "
-                             "(each step's drafts depend on the tokens the step before accepted)")
 
         max_model_len = self.max_model_len or hf_config.max_position_embeddings
         if max_model_len > hf_config.max_position_embeddings:
@@ -145,7 +144,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            async_scheduling=speculative_config is None and self._async_scheduling(),
+            async_scheduling=self._async_scheduling(),
             speculative_config=speculative_config,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, hf_config,

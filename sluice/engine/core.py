@@ -9,6 +9,13 @@ each step's masks travel to the sampler in the step message. With async scheduli
 constrained request's next mask needs the token still in flight: when one has, the step takes
 the in-flight result before scheduling (that step loses the overlap; requests stay at one token
 per step). Steps without constrained requests are untouched.
+
+Speculative decoding: a step with drafts runs synchronously (its result is taken before the next
+step is scheduled: how many drafts each request accepted decides where it goes on), and so does
+every step of a model proposer (draft model, EAGLE), whose KV pass reads the step's tokens on the
+host. An n-gram step without drafts (the drafting policy turned drafting off:
+sluice/spec_decode/policy.py) overlaps like any step; when the policy wants drafts again for
+requests whose last token is in flight, the step takes the in-flight result first.
 """
 
 from __future__ import annotations
@@ -106,8 +113,9 @@ class EngineCore:
         (discarded)."""
         scheduler = self.scheduler
         outputs: list[EngineCoreOutput] = []
-        if (self.in_flight is not None and self.structured_output.requests
-                and scheduler.has_constrained_token_in_flight()):
+        if self.in_flight is not None and (
+                (self.structured_output.requests and scheduler.has_constrained_token_in_flight())
+                or scheduler.drafts_need_tokens_in_flight()):
             outputs = self._take_in_flight()
         launched = None
         if scheduler.has_unfinished_requests() or scheduler.has_pending_kv_transfers():
@@ -131,7 +139,7 @@ class EngineCore:
         if self.in_flight is not None:
             outputs += self._take_in_flight()
         if launched is not None:
-            if self.async_scheduling:
+            if self.async_scheduling and not scheduler.runs_synchronously(launched[0]):
                 self.in_flight = launched
             else:
                 scheduler_output, future = launched

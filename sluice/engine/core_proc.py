@@ -90,6 +90,9 @@ def make_scheduler_stats(engine_core: EngineCore) -> SchedulerStats:
         spec_num_draft_tokens=spec.num_draft_tokens,
         spec_num_accepted_tokens=spec.num_accepted_tokens,
         spec_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
+        spec_num_steps_drafting=spec.num_steps_drafting,
+        spec_num_steps_off_batch_size=spec.num_steps_off_batch_size,
+        spec_num_steps_off_acceptance=spec.num_steps_off_acceptance,
         num_scheduled_tokens_total=scheduler.num_scheduled_tokens_total,
         kv_connector=(scheduler.connector.get_stats() if scheduler.connector is not None
                       else {}),

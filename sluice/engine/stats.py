@@ -42,6 +42,11 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Scheduled steps by the drafting policy's decision: drafting on, off for the batch size,
+    # off for low acceptance (sluice/spec_decode/policy.py).
+    spec_num_steps_drafting: int = 0
+    spec_num_steps_off_batch_size: int = 0
+    spec_num_steps_off_acceptance: int = 0
     # Tokens run through the model (prompt tokens not served from a cache, outputs, drafts).
     num_scheduled_tokens_total: int = 0
     # The KV connector's cumulative counters (KVConnectorScheduler.get_stats), if one is on;

@@ -58,7 +58,8 @@ _ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
                                "(default: on with a GPU)"),
     ("speculative-config", speculative_config_arg,
      'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-     "(methods: ngram | draft_model | eagle)"),
+     "(methods: ngram | draft_model | eagle; drafting policy: disable_by_batch_size, "
+     "min_accepted_tokens_per_step, probe_interval)"),
     ("tensor-parallel-size", int, "ranks (worker processes, one GPU each) the model is split over"),
     ("distributed-executor-backend", str, "uni (the model in the engine's process) | mp (a "
                                           "worker process per rank); default: uni at TP 1"),

@@ -4,6 +4,17 @@ Users pass `speculative_config={...}` to `LLM(...)` or `--speculative-config JSO
 `SpeculativeConfig.from_dict` validates either once into a frozen `SpeculativeConfig`. Names and
 n-gram defaults follow vLLM: with neither `prompt_lookup_min` nor `prompt_lookup_max` given both
 are 5, with one given the other takes its value.
+
+The drafting policy's fields (sluice/spec_decode/policy.py) say when drafting stops:
+`disable_by_batch_size` (vLLM's name: no drafts while at least this many requests run; None:
+never off for the batch size), `min_accepted_tokens_per_step` (no drafts while the draft tokens
+accepted per request and step, a moving average, stay below it; 0: never off for acceptance;
+unset: 1.25, or k when k is 1) and `probe_interval` (steps between the checks that turn drafting
+back on; unset: 2 for n-gram, whose checks run on the host, 16 for a model proposer, whose checks
+are steps that draft). The defaults come from the H200's figures (`benchmarks/README.md`), from
+which a step with drafts (synchronous) is estimated at about twice an overlapped step without at
+batch 1 and more at batch 8: drafting paid at batch 1 only, and there only from about one
+accepted draft token per step.
 """
 
 from __future__ import annotations
@@ -20,6 +31,10 @@ SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 # Methods whose drafts come from a model loaded from `model`.
 MODEL_METHODS: tuple[str, ...] = ("draft_model", "eagle")
 DEFAULT_PROMPT_LOOKUP = 5
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
+DEFAULT_MIN_ACCEPTED_TOKENS_PER_STEP = 1.25
+# N-gram probes cost host time only; a model proposer's probe is a step that drafts.
+DEFAULT_PROBE_INTERVAL = {"ngram": 2, "draft_model": 16, "eagle": 16}
 
 
 def _allowed(values: tuple[str, ...]) -> str:
@@ -36,6 +51,14 @@ class SpeculativeConfig:
     # N-gram sizes tried, longest first ("ngram" only; None for the other methods).
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    # Drafting policy. No drafts while this many requests or more run (None: any batch size).
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # No drafts while the expected draft tokens accepted per request and step are below this
+    # (0: whatever the acceptance); at most num_speculative_tokens. None: 1.25, or k if smaller.
+    min_accepted_tokens_per_step: float | None = None
+    # While drafting is off for acceptance: steps between the probes that measure it again.
+    # None: 2 for ngram (probes on the host), 16 for a model proposer (a probe drafts).
+    probe_interval: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -55,6 +78,7 @@ class SpeculativeConfig:
                         f"speculative_config.{name} applies only to method 'ngram', "
                         f"got {value!r} with method {self.method!r}"
                     )
+        self._check_policy()
 
     def _check_model(self) -> None:
         model = self.model
@@ -72,6 +96,27 @@ class SpeculativeConfig:
                 f"speculative_config.model is not allowed for method {self.method!r} "
                 f"(it drafts from the sequence itself), got {model!r}"
             )
+
+    def _check_policy(self) -> None:
+        size = self.disable_by_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool)
+                                 or size < 2):
+            raise ValueError(
+                f"speculative_config.disable_by_batch_size must be an integer >= 2 (drafting "
+                f"stops while that many requests run) or None (never), got {size!r}")
+        threshold = self.min_accepted_tokens_per_step
+        k = self.num_speculative_tokens
+        if threshold is None:
+            threshold = min(DEFAULT_MIN_ACCEPTED_TOKENS_PER_STEP, k)
+        if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                or not 0 <= threshold <= k):
+            raise ValueError(
+                f"speculative_config.min_accepted_tokens_per_step must be a number in "
+                f"[0, num_speculative_tokens={k}], got {threshold!r}")
+        object.__setattr__(self, "min_accepted_tokens_per_step", float(threshold))
+        if self.probe_interval is None:
+            object.__setattr__(self, "probe_interval", DEFAULT_PROBE_INTERVAL[self.method])
+        verify_positive("speculative_config.probe_interval", self.probe_interval)
 
     def _resolve_prompt_lookup(self) -> None:
         lookup_min, lookup_max = self.prompt_lookup_min, self.prompt_lookup_max

@@ -36,23 +36,6 @@ class CachedRequestState:
     # Sampling launches that included this request (counted at launch, so a token still in
     # flight counts): with a seed, it keys the request's draws (sampling_inputs.build_row_seeds).
     num_sampled: int = 0
-    # token_ids as an int64 array with room to grow (n-gram speculation reads it every step;
-    # converting the list each time costs more than the search)
-    token_array: np.ndarray | None = None
-    num_arrayed: int = 0
-
-    def tokens_as_array(self) -> np.ndarray:
-        """token_ids as an array (a view of the growing buffer; token_ids only ever grows)."""
-        num_tokens = len(self.token_ids)
-        array = self.token_array
-        if array is None or array.shape[0] < num_tokens:
-            array = np.empty(max(2 * num_tokens, 256), dtype=np.int64)
-            array[:num_tokens] = self.token_ids
-            self.token_array = array
-        elif self.num_arrayed < num_tokens:
-            array[self.num_arrayed:num_tokens] = self.token_ids[self.num_arrayed:]
-        self.num_arrayed = num_tokens
-        return array[:num_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -16,7 +16,9 @@ Lifecycle: construction loads the model (and a proposer's); the engine sizes the
 until `shutdown` drops every device tensor.
 
 With speculative decoding (see sluice/worker/spec_decode.py) a request's drafts ride at the end
-of its scheduled tokens; the step then runs synchronously: verify, append, propose.
+of its scheduled tokens; a step with drafts, and every step of a model proposer, then runs
+synchronously: verify, append, propose. An n-gram step without drafts samples like any step
+(the scheduler proposes n-gram drafts), so it can overlap the next.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from sluice.model.hf_config import HFModelConfig
 from sluice.model.loader import load_model, resolve_dtype
 from sluice.sample.sampler import Sampler, compute_topk_logprobs
 from sluice.sampling_params import SamplingParams
+from sluice.spec_decode.policy import can_speculate
 from sluice.worker.graph_runner import GraphRunner
 from sluice.worker.input_batch import CachedRequestState, StagedBuffer
 from sluice.worker.kv_cache import determine_num_blocks
@@ -53,7 +56,7 @@ from sluice.worker.sampling_inputs import (
     build_row_seeds,
     build_sampling_metadata,
 )
-from sluice.worker.spec_decode import SpecDecoder, can_speculate
+from sluice.worker.spec_decode import SpecDecoder
 from sluice.worker.step_handle import StepHandle, position_logprobs
 from sluice.worker.step_inputs import InputBuilder, StepInputs
 
@@ -246,7 +249,10 @@ class ModelRunner:
                 # scheduler recomputes from the first bad block (or fails the request). (Loads
                 # never serve requests that want prompt logprobs: those skip every cache.)
                 sample_rows = [i for i in sample_rows if i not in failed]
-        if self.spec is not None:
+        if self.spec is not None and (self.spec.model_proposer is not None
+                                      or step.num_drafts.any()):
+            if previous is not None:
+                previous.result()  # verification appends this step's tokens after those
             # Rows with drafts are verified by the rejection sampler, and so are the others
             # (as rows of no drafts: one read-back for the step) unless one needs what only
             # the sampler applies (penalties, min_tokens, logprobs).
@@ -257,7 +263,8 @@ class ModelRunner:
                              handle, scheduler_output.grammar_bitmask)
                 handle.result()
             self.spec.verify(step, hidden, verify_rows, output)
-            self.spec.propose(step, hidden, output)
+            if self.spec.model_proposer is not None:
+                self.spec.propose(step, hidden, output, scheduler_output.propose_drafts)
             return handle
         self._sample(step, hidden, sample_rows, handle, scheduler_output.grammar_bitmask)
         return handle

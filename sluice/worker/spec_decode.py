@@ -4,12 +4,15 @@ A request scheduled with drafts has them as the last tokens of its scheduled tok
 logits at those positions and the one after the last draft go to the rejection sampler, which
 emits the accepted drafts and one token of the target's own. Requests without drafts go through
 it too (no drafts: it samples the token as the sampler does), unless a request of the step needs
-the sampler itself. Then the proposer drafts up to k tokens for every request that just got
-tokens, unless its sampling needs what the rejection sampler does not apply (penalties and
-min_tokens count the tokens before each position, logprobs are per token): those decode one
-token at a time.
+the sampler itself. Then a model proposer (draft model, EAGLE) runs its KV pass over the step's
+tokens and, when the scheduler asks (`propose_drafts`: the drafting policy has drafting on),
+drafts up to k tokens for every request that just got tokens, unless its sampling needs what the
+rejection sampler does not apply (penalties and min_tokens count the tokens before each position,
+logprobs are per token): those decode one token at a time. N-gram drafts are proposed by the
+scheduler (sluice/core/scheduler.py), from the tokens it knows.
 
-Steps with speculation run synchronously: the next step's drafts depend on this step's tokens.
+Steps that verify drafts, and every step of a model proposer, run synchronously: the next
+step's drafts depend on this step's tokens.
 """
 
 from __future__ import annotations
@@ -21,25 +24,15 @@ import torch
 
 from sluice.spec_decode.config import SpeculativeConfig
 from sluice.spec_decode.model_proposer import DraftModelProposer, EagleProposer, ModelProposer
-from sluice.spec_decode.ngram_proposer import NgramProposer
+from sluice.spec_decode.policy import can_speculate
 from sluice.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from sluice.worker.input_batch import StagedBuffer
 from sluice.worker.sampling_inputs import build_sampling_metadata
 
 if TYPE_CHECKING:
     from sluice.core.outputs import ModelRunnerOutput
-    from sluice.sampling_params import SamplingParams
     from sluice.worker.model_runner import ModelRunner
     from sluice.worker.step_inputs import StepInputs
-
-
-def can_speculate(params: SamplingParams) -> bool:
-    """Whether drafts can be verified exactly for a request sampled with `params`. Token
-    constraints (logit_bias, a structured-output grammar, whose mask is built for one position
-    per step) are applied by the sampler alone: such requests decode without drafts."""
-    return (params.logprobs is None and not params.min_tokens and params.presence_penalty == 0
-            and params.frequency_penalty == 0 and params.repetition_penalty == 1.0
-            and not params.logit_bias and params.structured_outputs is None)
 
 
 class SpecDecoder:
@@ -53,11 +46,8 @@ class SpecDecoder:
         # one copy that never blocks the host.
         max_rows = runner.scheduler_config.max_num_seqs
         self.staged = StagedBuffer((max_rows * (2 * self.k + 2),), torch.int64, runner.device)
-        self.ngram: NgramProposer | None = None
         self.model_proposer: ModelProposer | None = None
-        if config.method == "ngram":
-            self.ngram = NgramProposer(config)
-        else:
+        if config.method != "ngram":
             cls = DraftModelProposer if config.method == "draft_model" else EagleProposer
             self.model_proposer = cls(
                 config, runner.model, runner.hf_config, runner.dtype, runner.device,
@@ -111,23 +101,19 @@ class SpecDecoder:
             step.states[i].token_ids.extend(tokens)
             output.sampled_token_ids[i] = tokens
 
-    def propose(self, step: StepInputs, hidden: torch.Tensor,
-                output: ModelRunnerOutput) -> None:
-        """Drafts for the next step, in output.spec_token_ids."""
+    def propose(self, step: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
+                draft: bool) -> None:
+        """The model proposer's KV pass over the step's tokens, and with `draft` its drafts
+        for the next step, in output.spec_token_ids."""
         max_model_len = self.runner.scheduler_config.max_model_len
         states = step.states
         sampled = [bool(tokens) for tokens in output.sampled_token_ids]
         num_wanted = [min(self.k, max_model_len - len(s.token_ids))
-                      if sampled[i] and can_speculate(s.sampling_params) else 0
+                      if draft and sampled[i] and can_speculate(s.sampling_params) else 0
                       for i, s in enumerate(states)]
-        if self.ngram is not None:
-            output.spec_token_ids = [
-                self.ngram.propose(s.tokens_as_array(), num_wanted[i]) if num_wanted[i] > 0
-                else []
-                for i, s in enumerate(states)]
-            return
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
-        output.spec_token_ids = self.model_proposer.propose(
+        drafts = self.model_proposer.propose(
             [s.token_ids for s in states], step.num_computed, step.num_scheduled,
             step.query_start_loc, sampled, num_wanted, self.runner.block_tables.table[rows],
             hidden)
+        output.spec_token_ids = drafts if draft else None

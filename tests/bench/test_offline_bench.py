@@ -212,6 +212,8 @@ def test_bench_spec_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path, workload: s
     assert result.returncode == 0, result.stderr
     record = json.loads(out_json.read_text())
     assert record["speculative_config"]["method"] == "ngram"
+    # The drafting policy's defaults, filled in: what the engine ran.
+    assert record["speculative_config"]["disable_by_batch_size"] == 2
     assert [p["batch_size"] for p in record["points"]] == [1, 2]
     for p in record["points"]:
         assert p["speedup"] == pytest.approx(p["decode_tok_s"] / p["baseline_decode_tok_s"])
@@ -220,7 +222,28 @@ def test_bench_spec_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path, workload: s
         assert p["num_draft_tokens"] <= 4 * p["num_drafts"]
         assert p["acceptance_rate"] == pytest.approx(
             p["num_accepted_tokens"] / p["num_draft_tokens"] if p["num_draft_tokens"] else 0)
+        num_steps = (p["num_steps_drafting"] + p["num_steps_off_batch_size"]
+                     + p["num_steps_off_acceptance"])
+        assert num_steps >= p["num_drafts"] / p["batch_size"] and num_steps > 0
+        assert p["drafting_step_fraction"] == pytest.approx(p["num_steps_drafting"] / num_steps)
+        assert p["tokens_per_step"] == pytest.approx(11 / num_steps)  # one run of 12 tokens
+    # Batch 2 reaches disable_by_batch_size: no drafts, every step off for the batch size.
+    two = record["points"][1]
+    assert two["num_draft_tokens"] == 0 and two["num_steps_drafting"] == 0
+    assert two["num_steps_off_batch_size"] == 11  # one token a step after the prefill's
+    assert two["tokens_per_step"] == 1.0
     assert "speed-up" in result.stdout and "speculative:" in result.stdout
+    assert "drafted" in result.stdout
+
+
+def test_bench_spec_rejects_a_bad_speculative_config(tiny_dir: str) -> None:
+    result = run_sluice("bench", "spec", "--model", tiny_dir, "--device", "cpu",
+                        "--bench-speculative-config",
+                        '{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"disable_by_batch_size": 1}')
+    assert result.returncode == 2
+    assert "speculative_config.disable_by_batch_size must be an integer >= 2" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_bench_spec_rejects_a_segment_longer_than_the_prompt(tiny_dir: str) -> None:

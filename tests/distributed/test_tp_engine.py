@@ -137,7 +137,8 @@ def test_eagle_speculation_at_tp2_keeps_greedy_ids(qwen3_dir: str, tmp_path) -> 
     embedding and LM head (their collectives run on every rank in the same order)."""
     eagle = make_tiny_eagle(qwen3_dir, str(tmp_path / "eagle"))
     llm = LLM(model=qwen3_dir, tensor_parallel_size=2, **BASE, speculative_config={
-        "method": "eagle", "model": eagle, "num_speculative_tokens": 3})
+        "method": "eagle", "model": eagle, "num_speculative_tokens": 3,
+        "disable_by_batch_size": None, "min_accepted_tokens_per_step": 0})
     try:
         assert greedy(llm) == reference(qwen3_dir)
         assert llm.get_spec_decoding_stats().num_draft_tokens > 0

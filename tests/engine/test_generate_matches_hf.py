@@ -1,5 +1,6 @@
 """Greedy output of sluice equals transformers' greedy `generate`, and no optimisation (prefix
-caching, chunked prefill, preemption) changes it."""
+caching, chunked prefill, preemption, async scheduling, n-gram speculation with the drafting
+policy switching steps between overlapped and synchronous) changes it."""
 
 from __future__ import annotations
 
@@ -71,6 +72,9 @@ def test_greedy_token_ids_equal_transformers(hf_model_dirs: dict[str, str], arch
     assert_integrity_and_all_free(llm)
 
 
+NGRAM_SWITCHING = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                   "prompt_lookup_max": 3, "disable_by_batch_size": None,
+                   "min_accepted_tokens_per_step": 1.0, "probe_interval": 1}
 CONFIGS = {
     "prefix_caching_off": dict(enable_prefix_caching=False),
     "chunked_prefill_off": dict(enable_chunked_prefill=False, max_num_batched_tokens=256),
@@ -83,6 +87,18 @@ CONFIGS = {
     "async_scheduling": dict(async_scheduling=True),
     "async_scheduling_with_preemption": dict(async_scheduling=True, num_gpu_blocks_override=20,
                                              max_num_batched_tokens=64, max_model_len=152),
+    # N-gram speculation under async scheduling: drafting on while drafts would be accepted
+    # (steps with drafts synchronous), off (overlapped) while not; then off while 3 or more
+    # requests run, on as they end.
+    "async_ngram_by_acceptance": dict(async_scheduling=True, speculative_config=NGRAM_SWITCHING),
+    "async_ngram_by_acceptance_with_preemption": dict(
+        async_scheduling=True, speculative_config=NGRAM_SWITCHING, num_gpu_blocks_override=26,
+        max_num_batched_tokens=64, max_model_len=192),
+    "async_ngram_by_acceptance_prefix_caching_off": dict(
+        async_scheduling=True, speculative_config=NGRAM_SWITCHING, enable_prefix_caching=False),
+    "async_ngram_by_batch_size": dict(
+        async_scheduling=True, speculative_config={**NGRAM_SWITCHING, "disable_by_batch_size": 3,
+                                                   "min_accepted_tokens_per_step": 0}),
 }
 
 
@@ -94,13 +110,19 @@ def test_optimisations_leave_greedy_output_unchanged(qwen3_dir: str, name: str) 
     prompts = make_prompts(reference_llm.llm_engine.hf_config.vocab_size, seed=1)
     # Two requests share a long prefix so that prefix caching has something to hit.
     prompts.append(prompts[-1][:100] + [7, 8, 9])
-    want, _ = sluice_greedy(reference_llm, prompts)
+    # Longer outputs with n-gram speculation: the tiny model's loops, which drafts predict.
+    max_tokens = 64 if "ngram" in name else MAX_TOKENS
+    want, _ = sluice_greedy(reference_llm, prompts, max_tokens)
 
     llm = LLM(**{**base, **CONFIGS[name]})
-    got, _ = sluice_greedy(llm, prompts)
+    got, _ = sluice_greedy(llm, prompts, max_tokens)
     assert got == want
     if "preemption" in name:
         assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    if "ngram" in name:
+        stats = llm.get_spec_decoding_stats()
+        assert stats.num_accepted_tokens > 0 and stats.num_steps_drafting > 0
+        assert stats.num_steps_off_acceptance + stats.num_steps_off_batch_size > 0
     assert_integrity_and_all_free(llm)
 
 

@@ -82,6 +82,9 @@ def test_unconstrained_outputs_are_unchanged_in_a_mixed_batch(llm: LLM) -> None:
         jsonschema.validate(json.loads(o[0].text), SCHEMA)
 
 
+NGRAM_ALWAYS_DRAFTING = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                         "prompt_lookup_max": 3, "disable_by_batch_size": None,
+                         "min_accepted_tokens_per_step": 0}
 # Two greedy requests beside four constrained ones (compact JSON: short replies).
 MIXED = [GREEDY] * 2 + [constrained(i, disable_any_whitespace=True) for i in range(4)]
 
@@ -94,9 +97,12 @@ def mixed_reference(llm: LLM) -> list[Any]:
 @pytest.mark.parametrize("engine_kwargs", [
     {"async_scheduling": True},
     {"distributed_executor_backend": "mp", "async_scheduling": True},
-    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                            "prompt_lookup_min": 1, "prompt_lookup_max": 3}},
-], ids=["async", "mp-async", "ngram"])
+    {"speculative_config": NGRAM_ALWAYS_DRAFTING},
+    # Drafting off while 3 requests or more run, on as they end; async: a constrained request
+    # and drafts both take the step in flight first.
+    {"speculative_config": {**NGRAM_ALWAYS_DRAFTING, "disable_by_batch_size": 3},
+     "async_scheduling": True},
+], ids=["async", "mp-async", "ngram", "ngram-async"])
 def test_constrained_tokens_are_the_same_with_async_mp_and_speculation(
         mixed_reference: list[Any], qwen3_dir: str, engine_kwargs: dict[str, Any]) -> None:
     """Seeded samples draw from their own generators: the same tokens whatever the engine,

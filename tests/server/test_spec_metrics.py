@@ -1,7 +1,8 @@
 """Speculative decoding in `sluice serve`: the Prometheus exporter turns the core's cumulative
 counters into counters and gauges (checked on hand-made SchedulerStats), and a server started
-with `--speculative-config` (n-gram, k = 3) answers greedy completions exactly as an engine
-without speculation does, while /metrics counts drafts and accepted tokens that balance."""
+with `--speculative-config` (n-gram, k = 3, the default drafting policy) answers greedy
+completions exactly as an engine without speculation does, while /metrics counts drafts and
+accepted tokens that balance, and the steps the drafting policy drafted or not."""
 
 from __future__ import annotations
 
@@ -49,6 +50,13 @@ def per_pos(samples: dict[str, float]) -> list[float]:
     return [values[i] for i in range(len(values))]
 
 
+def steps_by_decision(samples: dict[str, float]) -> dict[str, float]:
+    """The drafting policy's step counter by its `drafting` label."""
+    prefix = f"{SPEC}num_steps_total{{drafting="
+    return {name[len(prefix):-1]: value for name, value in samples.items()
+            if name.startswith(prefix)}
+
+
 # ---- the exporter on hand-made stats -------------------------------------------------------
 
 
@@ -59,16 +67,21 @@ def test_exporter_adds_increases_of_the_cores_totals_and_sets_the_rates() -> Non
                  "acceptance_rate", "mean_acceptance_length"):
         assert start[f"{SPEC}{name}"] == 0.0
     assert per_pos(start) == [0.0] * K  # every position shown before any draft
+    assert steps_by_decision(start) == {"on": 0, "off_batch_size": 0, "off_acceptance": 0}
 
     step = IterationStats(timestamp=0.0)
     listener(step, SchedulerStats(spec_num_drafts=4, spec_num_draft_tokens=12,
                                   spec_num_accepted_tokens=6,
-                                  spec_num_accepted_tokens_per_pos=(3, 2, 1)))
+                                  spec_num_accepted_tokens_per_pos=(3, 2, 1),
+                                  spec_num_steps_drafting=4, spec_num_steps_off_acceptance=2))
     listener(step, None)  # a batch without stats changes nothing
     listener(step, SchedulerStats(spec_num_drafts=10, spec_num_draft_tokens=28,
                                   spec_num_accepted_tokens=14,
-                                  spec_num_accepted_tokens_per_pos=(7, 5, 2)))
+                                  spec_num_accepted_tokens_per_pos=(7, 5, 2),
+                                  spec_num_steps_drafting=9, spec_num_steps_off_batch_size=5,
+                                  spec_num_steps_off_acceptance=2))
     end = samples_of(listener.render().decode(), "m")
+    assert steps_by_decision(end) == {"on": 9, "off_batch_size": 5, "off_acceptance": 2}
     assert end[f"{SPEC}num_drafts_total"] == 10
     assert end[f"{SPEC}num_draft_tokens_total"] == 28
     assert end[f"{SPEC}num_accepted_tokens_total"] == 14
@@ -152,3 +165,9 @@ def test_spec_server_greedy_equals_plain_engine_and_metrics_balance(
     assert scheduler["spec_num_draft_tokens"] == after[f"{SPEC}num_draft_tokens_total"]
     assert scheduler["spec_num_accepted_tokens"] == total_accepted
     assert scheduler["spec_num_accepted_tokens_per_pos"] == per_pos(after)
+    # One request at a time: never off for the batch size; on, at least once, for repeats.
+    steps = steps_by_decision(after)
+    assert steps == {"on": scheduler["spec_num_steps_drafting"],
+                     "off_batch_size": scheduler["spec_num_steps_off_batch_size"],
+                     "off_acceptance": scheduler["spec_num_steps_off_acceptance"]}
+    assert steps["on"] > 0 and steps["off_batch_size"] == 0

@@ -71,6 +71,31 @@ def test_model_methods_keep_the_model_path(method: str, tmp_path: Path) -> None:
     assert from_path.model == str(tmp_path)
 
 
+def test_drafting_policy_defaults_and_explicit_values() -> None:
+    """Unset: off from batch 2, off below 1.25 accepted tokens per step, a probe every 2 steps
+    (n-gram) or 16 (a model proposer, whose probe drafts); None and 0 turn either rule off; a
+    threshold is a float."""
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    assert config is not None
+    assert (config.disable_by_batch_size, config.min_accepted_tokens_per_step,
+            config.probe_interval) == (2, 1.25, 2)
+    config = SpeculativeConfig.from_dict(
+        '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": null, '
+        '"min_accepted_tokens_per_step": 0, "probe_interval": 16}')
+    assert config is not None
+    assert (config.disable_by_batch_size, config.min_accepted_tokens_per_step,
+            config.probe_interval) == (None, 0.0, 16)
+    assert isinstance(config.min_accepted_tokens_per_step, float)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=64,
+                               min_accepted_tokens_per_step=4)
+    assert (config.disable_by_batch_size, config.min_accepted_tokens_per_step) == (64, 4.0)
+    draft = SpeculativeConfig(method="eagle", num_speculative_tokens=2, model="/models/eagle")
+    assert draft.probe_interval == 16
+    # k = 1 cannot accept 1.25 tokens a step: the default threshold is then every draft.
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=1)
+    assert config.min_accepted_tokens_per_step == 1.0
+
+
 def test_config_is_frozen() -> None:
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -100,7 +125,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
             {**NGRAM, "num_speculative_token": 3, "lookup": 1},
             "speculative_config has unknown key(s) 'num_speculative_token', 'lookup'; "
             "allowed keys: 'method', 'num_speculative_tokens', 'model', 'prompt_lookup_min', "
-            "'prompt_lookup_max'",
+            "'prompt_lookup_max', 'disable_by_batch_size', 'min_accepted_tokens_per_step', "
+            "'probe_interval'",
         ),
         (
             {**NGRAM, "num_speculative_tokens": 0},
@@ -163,6 +189,45 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
             {"method": "eagle", "num_speculative_tokens": 2, "model": "/h", "prompt_lookup_max": 3},
             "speculative_config.prompt_lookup_max applies only to method 'ngram', "
             "got 3 with method 'eagle'",
+        ),
+        (
+            {**NGRAM, "disable_by_batch_size": 1},
+            "speculative_config.disable_by_batch_size must be an integer >= 2 (drafting stops "
+            "while that many requests run) or None (never), got 1",
+        ),
+        (
+            {**NGRAM, "disable_by_batch_size": 8.0},
+            "speculative_config.disable_by_batch_size must be an integer >= 2 (drafting stops "
+            "while that many requests run) or None (never), got 8.0",
+        ),
+        (
+            {**NGRAM, "disable_by_batch_size": True},
+            "speculative_config.disable_by_batch_size must be an integer >= 2 (drafting stops "
+            "while that many requests run) or None (never), got True",
+        ),
+        (
+            {**NGRAM, "min_accepted_tokens_per_step": -0.5},
+            "speculative_config.min_accepted_tokens_per_step must be a number in "
+            "[0, num_speculative_tokens=2], got -0.5",
+        ),
+        (
+            {**NGRAM, "min_accepted_tokens_per_step": 2.5},
+            "speculative_config.min_accepted_tokens_per_step must be a number in "
+            "[0, num_speculative_tokens=2], got 2.5",
+        ),
+        (
+            {**NGRAM, "min_accepted_tokens_per_step": "1"},
+            "speculative_config.min_accepted_tokens_per_step must be a number in "
+            "[0, num_speculative_tokens=2], got '1'",
+        ),
+        (
+            {**NGRAM, "min_accepted_tokens_per_step": float("nan")},
+            "speculative_config.min_accepted_tokens_per_step must be a number in "
+            "[0, num_speculative_tokens=2], got nan",
+        ),
+        (
+            {**NGRAM, "probe_interval": 0},
+            "speculative_config.probe_interval must be an integer >= 1, got 0",
         ),
     ],
 )

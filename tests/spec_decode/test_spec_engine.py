@@ -1,6 +1,8 @@
 """Speculative decoding through the whole engine (CPU, float32, tiny models): greedy output is the
 output without speculation, token for token, for every proposer and with chunked prefill,
-preemption and the prefix cache; max_tokens and stop tokens are never overrun; blocks balance."""
+preemption and the prefix cache, with drafting always on and with the drafting policy switching
+it on and off under async scheduling (no step with drafts ever launched while another is in
+flight); max_tokens and stop tokens are never overrun; blocks balance."""
 
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ PROMPTS = [
     [3, 40, 41, 42, 3, 40, 41, 42, 3, 40, 41, 42, 3, 40, 41],
 ]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# The drafting policy out of the way: every step drafts whatever the batch and acceptance.
+ALWAYS_DRAFT = {"disable_by_batch_size": None, "min_accepted_tokens_per_step": 0}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, **ALWAYS_DRAFT}
 
 
 def generate(model: str, params: SamplingParams = GREEDY, prompts=PROMPTS,
@@ -61,8 +65,9 @@ def spec_configs(qwen3_dir: str, draft_dir: str, eagle_dir: str) -> dict[str, di
     return {
         "ngram": NGRAM,
         "draft_model": {"method": "draft_model", "model": draft_dir,
-                        "num_speculative_tokens": 3},
-        "eagle": {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": 2},
+                        "num_speculative_tokens": 3, **ALWAYS_DRAFT},
+        "eagle": {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": 2,
+                  **ALWAYS_DRAFT},
     }
 
 
@@ -109,7 +114,8 @@ def test_ngram_accepts_drafts_of_a_repeating_output(qwen3_dir: str,
 
 def test_self_speculation_accepts_every_draft(qwen3_dir: str,
                                               reference: list[list[int]]) -> None:
-    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4}
+    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4,
+              **ALWAYS_DRAFT}
     tokens, llm = generate(qwen3_dir, speculative_config=config)
     stats = llm.get_spec_decoding_stats()
     assert tokens == reference
@@ -123,7 +129,8 @@ def test_self_speculation_accepts_every_draft(qwen3_dir: str,
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 11])
 def test_max_tokens_is_never_exceeded(qwen3_dir: str, reference: list[list[int]],
                                       max_tokens: int) -> None:
-    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4}
+    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4,
+              **ALWAYS_DRAFT}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     tokens, llm = generate(qwen3_dir, params, speculative_config=config)
     assert tokens == [t[:max_tokens] for t in reference]
@@ -134,7 +141,8 @@ def test_max_tokens_is_never_exceeded(qwen3_dir: str, reference: list[list[int]]
 def test_stop_token_inside_accepted_drafts_ends_the_output(qwen3_dir: str,
                                                            reference: list[list[int]]) -> None:
     # Self-speculation accepts whole runs of drafts; stop at the 6th token of each output.
-    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4}
+    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4,
+              **ALWAYS_DRAFT}
     outputs = []
     for prompt, ref in zip(PROMPTS, reference):
         stop_id = ref[5]
@@ -153,7 +161,8 @@ def test_max_model_len_caps_drafts(qwen3_dir: str) -> None:
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     ref, llm = generate(qwen3_dir, params, prompts=prompts, max_model_len=30)
     llm.shutdown()
-    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4}
+    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4,
+              **ALWAYS_DRAFT}
     tokens, llm = generate(qwen3_dir, params, prompts=prompts, max_model_len=30,
                            speculative_config=config)
     assert tokens == ref
@@ -168,7 +177,7 @@ def test_only_verified_blocks_enter_the_prefix_cache(qwen3_dir: str,
     block of it and still generates the reference continuation."""
     llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
               speculative_config={"method": "draft_model", "model": qwen3_dir,
-                                  "num_speculative_tokens": 4})
+                                  "num_speculative_tokens": 4, **ALWAYS_DRAFT})
     prompt = PROMPTS[0]
     first = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
     assert list(first.outputs[0].token_ids) == reference[0]
@@ -215,9 +224,114 @@ def test_n_greater_than_one_and_penalties_run_with_speculation(qwen3_dir: str) -
     assert list(got.outputs[0].token_ids) == ref[0]
 
 
-def test_async_scheduling_with_speculation_is_refused(qwen3_dir: str) -> None:
-    with pytest.raises(ValueError, match="async_scheduling=True is not supported"):
-        LLM(model=qwen3_dir, device="cpu", async_scheduling=True, speculative_config=NGRAM)
+# ---- the drafting policy, with async scheduling ---------------------------------------------
+
+# Drafting switches with the acceptance (on when a request's output repeats, off when not):
+# probes every step, on from one accepted token per step, whatever the batch size.
+BY_ACCEPTANCE = {"disable_by_batch_size": None, "min_accepted_tokens_per_step": 1.0,
+                 "probe_interval": 1}
+# Drafting switches with the batch size: off while 3 or more requests run; the outputs end at
+# different lengths, so it turns on as the batch shrinks (then every step drafts).
+BY_BATCH_SIZE = {"disable_by_batch_size": 3, "min_accepted_tokens_per_step": 0}
+SHRINKING = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+             for n in (24, 6, 16, 10)]
+
+
+def record_launches(llm: LLM) -> list[tuple[bool, bool]]:
+    """(the step has drafts, a step was in flight when it launched) for every launched step."""
+    core = llm.llm_engine.engine_core
+    execute_model = core.executor.execute_model
+    launches: list[tuple[bool, bool]] = []
+
+    def recording(scheduler_output):  # noqa: ANN001, ANN202
+        launches.append((bool(scheduler_output.scheduled_spec_decode_tokens),
+                         core.in_flight is not None))
+        return execute_model(scheduler_output)
+
+    core.executor.execute_model = recording
+    return launches
+
+
+# The step message to a worker process: drafts, and steps in flight, over the executor's wire.
+SWITCHING_SETTINGS = {**SETTINGS, "mp_executor": {"distributed_executor_backend": "mp"}}
+
+
+@pytest.mark.parametrize("setting", list(SWITCHING_SETTINGS))
+@pytest.mark.parametrize("policy", ["by_acceptance", "by_batch_size"])
+def test_greedy_output_is_unchanged_when_drafting_switches_under_async_scheduling(
+        qwen3_dir: str, reference: list[list[int]], policy: str, setting: str) -> None:
+    """Steps without drafts overlap (async), steps with drafts run synchronously, and a step
+    with drafts never launches while another is in flight: the drafts continue from tokens
+    the host has."""
+    ngram = {**NGRAM, **(BY_ACCEPTANCE if policy == "by_acceptance" else BY_BATCH_SIZE)}
+    params = GREEDY if policy == "by_acceptance" else SHRINKING
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              async_scheduling=True, speculative_config=ngram, **SWITCHING_SETTINGS[setting])
+    launches = record_launches(llm)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    expected = reference if policy == "by_acceptance" else [
+        ref[:p.max_tokens] for ref, p in zip(reference, SHRINKING)]
+    assert tokens == expected
+    stats = llm.get_spec_decoding_stats()
+    assert stats.num_draft_tokens > 0 and stats.num_steps_drafting > 0
+    off = (stats.num_steps_off_acceptance if policy == "by_acceptance"
+           else stats.num_steps_off_batch_size)
+    assert off > 0
+    assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
+    assert not any(drafted and overlapped for drafted, overlapped in launches)
+    assert any(overlapped for _, overlapped in launches)  # steps without drafts overlapped
+    if setting == "preemption":
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
+def test_drafts_counted_are_the_drafts_verified(qwen3_dir: str) -> None:
+    """With the policy switching, the counters add up the drafts of the steps that ran, and
+    the policy's step counters the steps scheduled while a request could speculate."""
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              async_scheduling=True, speculative_config={**NGRAM, **BY_ACCEPTANCE})
+    core = llm.llm_engine.engine_core
+    execute_model = core.executor.execute_model
+    scheduled: list[dict[str, list[int]]] = []
+
+    def recording(scheduler_output):  # noqa: ANN001, ANN202
+        if scheduler_output.total_num_scheduled_tokens:
+            scheduled.append(scheduler_output.scheduled_spec_decode_tokens)
+        return execute_model(scheduler_output)
+
+    core.executor.execute_model = recording
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    stats = llm.get_spec_decoding_stats()
+    assert stats.num_drafts == sum(len(step) for step in scheduled) > 0
+    assert stats.num_draft_tokens == sum(len(d) for step in scheduled for d in step.values())
+    assert (stats.num_steps_drafting + stats.num_steps_off_acceptance
+            + stats.num_steps_off_batch_size) == len(scheduled)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_model_proposer_steps_run_synchronously_with_the_default_policy(
+        qwen3_dir: str, draft_dir: str, eagle_dir: str, reference: list[list[int]],
+        method: str) -> None:
+    """A model proposer writes its KV from every step's tokens on the host: no step of it
+    overlaps another, drafting on or off (the default policy: off from 2 requests)."""
+    config = dict(spec_configs(qwen3_dir, draft_dir, eagle_dir)[method])
+    for field in ALWAYS_DRAFT:
+        del config[field]
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              async_scheduling=True, speculative_config=config)
+    launches = record_launches(llm)
+    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SHRINKING, use_tqdm=False)]
+    assert tokens == [ref[:p.max_tokens] for ref, p in zip(reference, SHRINKING)]
+    stats = llm.get_spec_decoding_stats()
+    assert stats.num_steps_off_batch_size > 0 and stats.num_steps_drafting > 0
+    assert stats.num_draft_tokens > 0
+    assert not any(overlapped for _, overlapped in launches)
+    assert_blocks_balance(llm)
+    llm.shutdown()
 
 
 def test_draft_model_of_another_vocabulary_is_refused(qwen3_dir: str,
@@ -234,7 +348,8 @@ def test_stop_string_inside_accepted_drafts_ends_the_output_as_without_speculati
         qwen3_dir: str) -> None:
     """Several tokens arrive in one step; the text ends before the stop string and the token ids
     end with the token that completed it, exactly as when tokens come one at a time."""
-    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4}
+    config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4,
+              **ALWAYS_DRAFT}
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     base = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4)

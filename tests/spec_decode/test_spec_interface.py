@@ -26,10 +26,13 @@ from sluice.engine.wire import EngineCoreOutputs, ResponseDecoder, UtilityReply
 from sluice.entrypoints.cli import build_parser, engine_args_from, main
 from sluice.spec_decode.config import SpeculativeConfig
 
+# Drafting on at every batch size and acceptance (the drafting policy out of the way).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-         "prompt_lookup_min": 1}
+         "prompt_lookup_min": 1, "disable_by_batch_size": None,
+         "min_accepted_tokens_per_step": 0}
 NGRAM_CONFIG = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
-                                 prompt_lookup_max=3)
+                                 prompt_lookup_max=3, disable_by_batch_size=None,
+                                 min_accepted_tokens_per_step=0)
 ENGINE_KWARGS: dict[str, Any] = dict(dtype="float32", max_model_len=512, block_size=8, seed=0,
                                      device="cpu")
 # A prompt that repeats itself, so that n-gram lookup finds drafts from the first step.
@@ -55,7 +58,9 @@ def test_speculative_config_flag_fills_in_defaults_and_null_or_absent_means_off(
                             '{"method": "ngram", "num_speculative_tokens": 2}'])
     assert ns.speculative_config == {"method": "ngram", "num_speculative_tokens": 2,
                                      "model": None, "prompt_lookup_min": 5,
-                                     "prompt_lookup_max": 5}
+                                     "prompt_lookup_max": 5, "disable_by_batch_size": 2,
+                                     "min_accepted_tokens_per_step": 1.25,
+                                     "probe_interval": 2}
     assert parser.parse_args(["generate", "--speculative-config", "null"]).speculative_config \
         is None
     assert parser.parse_args(["generate"]).speculative_config is None
@@ -84,14 +89,17 @@ def test_bad_speculative_config_is_a_usage_error_naming_the_flag(
         assert "Traceback" not in err
 
 
-def test_speculation_with_async_scheduling_exits_with_a_clear_error(
+def test_speculation_runs_with_async_scheduling(
         qwen3_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Steps without drafts overlap; steps with drafts run synchronously (no refusal)."""
     status = main(["generate", "--model", qwen3_dir, "--device", "cpu", "--async-scheduling",
-                   "--speculative-config", json.dumps(NGRAM)])
-    assert status == 2
-    err = capsys.readouterr().err
-    assert err.startswith("sluice: error: async_scheduling=True is not supported with "
-                          "speculative decoding")
+                   "--speculative-config", json.dumps(NGRAM), "--max-tokens", "4"])
+    assert status == 0
+    assert "Traceback" not in capsys.readouterr().err
+    config = EngineArgs(model=qwen3_dir, async_scheduling=True, speculative_config=NGRAM,
+                        **ENGINE_KWARGS).create_engine_config()
+    assert config.scheduler_config.async_scheduling
+    assert config.scheduler_config.speculative_config == NGRAM_CONFIG
 
 
 # ---- engine arguments on their way to the engine-core process ------------------------------
@@ -125,7 +133,9 @@ def test_no_speculation_travels_as_null(qwen3_dir: str) -> None:
 SPEC_STATS = SchedulerStats(num_running=1, num_blocks=40, num_free_blocks=30,
                             spec_num_drafts=10, spec_num_draft_tokens=30,
                             spec_num_accepted_tokens=12,
-                            spec_num_accepted_tokens_per_pos=(6, 4, 2))
+                            spec_num_accepted_tokens_per_pos=(6, 4, 2),
+                            spec_num_steps_drafting=7, spec_num_steps_off_batch_size=3,
+                            spec_num_steps_off_acceptance=1)
 
 
 def test_spec_counters_survive_the_wire_and_derive_rates() -> None:
@@ -135,6 +145,8 @@ def test_spec_counters_survive_the_wire_and_derive_rates() -> None:
         stats = back.scheduler_stats if isinstance(back, EngineCoreOutputs) else back.result
         assert stats == SPEC_STATS
         assert stats.spec_num_accepted_tokens_per_pos == (6, 4, 2)
+        assert (stats.spec_num_steps_drafting, stats.spec_num_steps_off_batch_size,
+                stats.spec_num_steps_off_acceptance) == (7, 3, 1)
     assert SPEC_STATS.spec_acceptance_rate == pytest.approx(12 / 30)
     assert SPEC_STATS.spec_mean_acceptance_length == pytest.approx(1 + 12 / 10)
     off = SchedulerStats()
@@ -227,3 +239,9 @@ def test_ngram_greedy_equals_plain_greedy_and_counters_balance(plain_llm: LLM,
             list(wire.spec_num_accepted_tokens_per_pos)) == (
         stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
         stats.num_accepted_tokens_per_pos)
+    assert (wire.spec_num_steps_drafting, wire.spec_num_steps_off_batch_size,
+            wire.spec_num_steps_off_acceptance) == (
+        stats.num_steps_drafting, stats.num_steps_off_batch_size,
+        stats.num_steps_off_acceptance)
+    assert stats.num_steps_drafting > 0  # the policy out of the way: every step drafts
+    assert stats.num_steps_off_batch_size == stats.num_steps_off_acceptance == 0

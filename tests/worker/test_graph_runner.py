@@ -16,7 +16,8 @@ from sluice.worker import graph_runner
 from sluice.worker.cuda_graphs import DecodeGraphs
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, "disable_by_batch_size": None,
+         "min_accepted_tokens_per_step": 0}
 
 
 class EmulatedGraphs(DecodeGraphs):
@@ -37,7 +38,10 @@ def greedy_ids(llm: LLM, prompts: list[dict]) -> list[list[int]]:
 @pytest.mark.parametrize("kwargs", [
     {"max_num_batched_tokens": 64, "async_scheduling": True},
     {"max_num_batched_tokens": 64, "speculative_config": NGRAM},
-], ids=["async_chunks_of_64", "ngram"])
+    # Drafting off while 3 requests or more run: decode graphs overlapped, then verification.
+    {"max_num_batched_tokens": 64, "async_scheduling": True,
+     "speculative_config": {**NGRAM, "disable_by_batch_size": 3}},
+], ids=["async_chunks_of_64", "ngram", "ngram_async_switching"])
 def test_emulated_graph_replays_give_eager_greedy_ids(qwen3_dir: str, kwargs: dict,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     common = dict(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256,

@@ -90,6 +90,13 @@ class PrometheusStatsListener:
         self._model_name = model_name
         for pos in range(num_speculative_tokens):
             self._spec_accepted_per_pos.labels(model_name, str(pos))
+        steps = Counter(
+            "sluice:spec_decode_num_steps",
+            "Scheduled steps by the drafting policy's decision: drafting on, off for the batch "
+            "size (disable_by_batch_size), off for low acceptance (min_accepted_tokens_per_step).",
+            ["model_name", "drafting"], registry=registry)
+        self._spec_steps = {field: steps.labels(model_name, label)
+                            for field, label in _SPEC_STEP_FIELDS.items()}
         self.spec_acceptance_rate = gauge("spec_decode_acceptance_rate",
                                           "Accepted / drafted tokens since the engine started.")
         self.spec_mean_acceptance_length = gauge(
@@ -146,12 +153,22 @@ class PrometheusStatsListener:
             before = last_per_pos[pos] if pos < len(last_per_pos) else 0
             self._spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(
                 max(0, total - before))
+        for field, counter in self._spec_steps.items():
+            counter.inc(max(0, getattr(stats, field) - getattr(last, field)))
         self.spec_acceptance_rate.set(stats.spec_acceptance_rate)
         self.spec_mean_acceptance_length.set(stats.spec_mean_acceptance_length)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+# SchedulerStats field -> the `drafting` label of sluice:spec_decode_num_steps_total.
+_SPEC_STEP_FIELDS = {
+    "spec_num_steps_drafting": "on",
+    "spec_num_steps_off_batch_size": "off_batch_size",
+    "spec_num_steps_off_acceptance": "off_acceptance",
+}
 
 
 # The global KV pool's counters (sluice/kv_transfer/pool): stats name -> (metric, help).

@@ -1,0 +1,218 @@
+"""When to draft: the scheduler's drafting policy for speculative decoding.
+
+A step with drafts runs synchronously (how many drafts each request accepted decides where its
+next step starts, and its next drafts continue from its last token) and verifies 1 + k tokens
+per request; a step without drafts overlaps the host with the device (async scheduling) as in an
+engine without speculation. Drafting pays only when enough drafts are accepted, and less as the
+batch grows. Per step, `begin_step(batch_size)` says whether the scheduler drafts:
+
+- off while `disable_by_batch_size` or more requests run (vLLM's rule);
+- off while the expected number of draft tokens accepted per request and step is below
+  `min_accepted_tokens_per_step`: the mean, over the live requests that can speculate, of each
+  request's exponential moving average of the draft tokens accepted in the steps that drafted
+  for it (a step whose proposer found nothing counts 0). A request not yet measured counts as
+  the average over every request so far.
+
+While drafting is off for acceptance the averages are kept fresh by probes, one every
+`probe_interval` steps of a request:
+- n-gram drafts need nothing but the tokens, on the host: a probe proposes from the tokens
+  known (`start_probe`) and compares the drafts with the tokens the request then gets
+  (`observe_tokens`). That is what verification would accept: for greedy requests exactly, for
+  sampled ones in distribution (a draft d is accepted with probability p(d), the chance that the
+  token sampled instead is d; d's successor likewise, given d). The device never sees a probe.
+- a model proposer's drafts need the device: every `probe_interval` steps off, one step drafts.
+
+Lifecycle, driven by the scheduler: `add_request` for a request that can speculate
+(`can_speculate`), `begin_step` once per scheduled step, `observe` per verified row (and for a
+row the n-gram proposer found nothing for), `start_probe` (while `probes_wanted` and
+`wants_probe`) and `observe_tokens` as a request's tokens come back, `remove_request` when the
+request ends. Host-only, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from sluice.sampling_params import SamplingParams
+from sluice.spec_decode.config import SpeculativeConfig
+
+# Weight of a new observation in a request's moving average (about the last 1 / w count): a step
+# that drafted, and a probe (rarer, while drafting is off: each weighs more, so a request whose
+# output starts repeating itself turns drafting on within a few probes); and in the average over
+# all requests (the prior of a request not yet measured).
+_REQUEST_EMA_WEIGHT = 0.25
+_PROBE_EMA_WEIGHT = 0.5
+_GLOBAL_EMA_WEIGHT = 0.05
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether drafts can be verified exactly for a request sampled with `params`. Token
+    constraints (logit_bias, a structured-output grammar, whose mask is built for one position
+    per step) are applied by the sampler alone: such requests decode without drafts. Penalties,
+    min_tokens and logprobs depend on every position's tokens: likewise."""
+    return (params.logprobs is None and not params.min_tokens and params.presence_penalty == 0
+            and params.frequency_penalty == 0 and params.repetition_penalty == 1.0
+            and not params.logit_bias and params.structured_outputs is None)
+
+
+class Drafting(enum.Enum):
+    """The policy's decision for one step, with the reason when off."""
+
+    ON = "on"
+    OFF_BATCH_SIZE = "off_batch_size"
+    OFF_ACCEPTANCE = "off_acceptance"
+    IDLE = "idle"  # no request that can speculate
+
+
+@dataclass(slots=True)
+class _Probe:
+    drafts: list[int]  # what the proposer would have drafted after the tokens known then
+    num_matched: int = 0  # of those, the leading ones the request's next tokens equalled
+
+
+class DraftingPolicy:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.disable_by_batch_size = config.disable_by_batch_size
+        self.min_accepted = config.min_accepted_tokens_per_step
+        self.probe_interval = config.probe_interval
+        # n-gram probes run on the host; a model proposer's probe is a step that drafts.
+        self.probes_on_host = config.method == "ngram"
+        self._live: set[str] = set()
+        self._ema: dict[str, float] = {}  # per live request with an observation
+        self._ema_sum = 0.0  # sum of _ema's values
+        self._global_ema: float | None = None
+        self._probes: dict[str, _Probe] = {}
+        self._steps_to_probe: dict[str, int] = {}  # host probes: per request
+        self._steps_since_drafting = 0  # model probes: steps off since the last one drafting
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, req_id: str) -> None:
+        self._live.add(req_id)
+        self._steps_to_probe[req_id] = 0
+
+    def remove_request(self, req_id: str) -> None:
+        if req_id not in self._live:
+            return
+        self._live.discard(req_id)
+        ema = self._ema.pop(req_id, None)
+        if ema is not None:
+            self._ema_sum -= ema
+        if not self._ema:
+            self._ema_sum = 0.0  # no drift from float sums over a long run
+        self._probes.pop(req_id, None)
+        self._steps_to_probe.pop(req_id, None)
+
+    def tracks(self, req_id: str) -> bool:
+        """Whether the request can speculate (it was added and has not ended)."""
+        return req_id in self._live
+
+    # ---- the decision --------------------------------------------------------------------
+
+    def expected_accepted_tokens(self) -> float | None:
+        """Draft tokens a drafting step is expected to get accepted per live request; None
+        before any observation."""
+        num_known = len(self._ema)
+        if self._global_ema is None:
+            return self._ema_sum / num_known if num_known else None
+        num_unknown = len(self._live) - num_known
+        return (self._ema_sum + num_unknown * self._global_ema) / len(self._live)
+
+    def decide(self, batch_size: int) -> Drafting:
+        """This step's decision for `batch_size` running requests, without counting the step
+        (begin_step counts it)."""
+        if batch_size == 0 or not self._live:
+            return Drafting.IDLE
+        if self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size:
+            return Drafting.OFF_BATCH_SIZE
+        if self.min_accepted == 0:
+            return Drafting.ON
+        expected = self.expected_accepted_tokens()
+        if expected is None:
+            # Nothing measured yet: a model proposer drafts to measure; n-gram probes on the host.
+            return Drafting.OFF_ACCEPTANCE if self.probes_on_host else Drafting.ON
+        if expected >= self.min_accepted:
+            return Drafting.ON
+        if not self.probes_on_host and self._steps_since_drafting >= self.probe_interval:
+            return Drafting.ON  # a model proposer's probe
+        return Drafting.OFF_ACCEPTANCE
+
+    def wants_drafts(self, batch_size: int) -> bool:
+        return self.decide(batch_size) is Drafting.ON
+
+    def begin_step(self, batch_size: int) -> Drafting:
+        """Decide for the step being scheduled, and count it."""
+        decision = self.decide(batch_size)
+        if decision is Drafting.ON:
+            self._steps_since_drafting = 0
+            self._probes.clear()  # real drafts measure now
+        elif decision is Drafting.OFF_ACCEPTANCE:
+            self._steps_since_drafting += 1
+        return decision
+
+    # ---- what happened -------------------------------------------------------------------
+
+    def observe(self, req_id: str, num_accepted: int,
+                weight: float = _REQUEST_EMA_WEIGHT) -> None:
+        """A step that drafted for the request (or a probe of it) got `num_accepted` of its
+        draft tokens accepted (0 when the proposer found none)."""
+        if req_id not in self._live:
+            return
+        old = self._ema.get(req_id)
+        if old is None:
+            prior = self._global_ema
+            new = float(num_accepted) if prior is None else (
+                prior + weight * (num_accepted - prior))
+            self._ema_sum += new
+        else:
+            new = old + weight * (num_accepted - old)
+            self._ema_sum += new - old
+        self._ema[req_id] = new
+        self._global_ema = float(num_accepted) if self._global_ema is None else (
+            self._global_ema + _GLOBAL_EMA_WEIGHT * (num_accepted - self._global_ema))
+
+    def probes_wanted(self, batch_size: int) -> bool:
+        """Whether host probes should start now: n-gram, and drafting off for acceptance at
+        this batch size."""
+        return self.probes_on_host and self.decide(batch_size) is Drafting.OFF_ACCEPTANCE
+
+    def has_probes(self) -> bool:
+        """Whether host probes are in progress (the request's next tokens settle them)."""
+        return bool(self._probes)
+
+    def wants_probe(self, req_id: str) -> bool:
+        """Whether to start a host probe for the request now (none in progress, its interval
+        elapsed), when probes_wanted. Counts the request's step."""
+        if req_id not in self._live or req_id in self._probes:
+            return False
+        steps = self._steps_to_probe[req_id]
+        if steps > 0:
+            self._steps_to_probe[req_id] = steps - 1
+            return False
+        return True
+
+    def start_probe(self, req_id: str, drafts: list[int]) -> None:
+        """The drafts the proposer makes from the request's tokens known now; the request's
+        next tokens settle them (observe_tokens)."""
+        self._steps_to_probe[req_id] = self.probe_interval
+        if not drafts:
+            self.observe(req_id, 0, _PROBE_EMA_WEIGHT)
+            return
+        self._probes[req_id] = _Probe(list(drafts))
+
+    def observe_tokens(self, req_id: str, token_ids: list[int]) -> None:
+        """The request's next tokens, in order: they settle its probe in progress."""
+        probe = self._probes.get(req_id)
+        if probe is None:
+            return
+        for token_id in token_ids:
+            if token_id != probe.drafts[probe.num_matched]:
+                break
+            probe.num_matched += 1
+            if probe.num_matched == len(probe.drafts):
+                break
+        else:
+            return  # every token matched and drafts remain: wait for more
+        del self._probes[req_id]
+        self.observe(req_id, probe.num_matched, _PROBE_EMA_WEIGHT)

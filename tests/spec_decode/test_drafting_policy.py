@@ -1,0 +1,138 @@
+"""The drafting policy alone (host logic, no engine): drafting is off from disable_by_batch_size
+requests, off while the expected accepted tokens per request and step are below the threshold,
+and host probes (n-gram) or probing steps (model proposers) turn it back on when drafts would be
+accepted again."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.sampling_params import SamplingParams
+from sluice.spec_decode.config import SpeculativeConfig
+from sluice.spec_decode.policy import Drafting, DraftingPolicy, can_speculate
+
+
+def policy(method: str = "ngram", **fields: object) -> DraftingPolicy:
+    model = None if method == "ngram" else "/models/draft"
+    return DraftingPolicy(SpeculativeConfig(method=method, num_speculative_tokens=4, model=model,
+                                            **fields))
+
+
+def test_batch_size_at_or_above_the_limit_turns_drafting_off() -> None:
+    p = policy(disable_by_batch_size=4, min_accepted_tokens_per_step=0)
+    p.add_request("a")
+    assert [p.decide(b) for b in (1, 3, 4, 100)] == [
+        Drafting.ON, Drafting.ON, Drafting.OFF_BATCH_SIZE, Drafting.OFF_BATCH_SIZE]
+    assert p.decide(0) is Drafting.IDLE
+    unlimited = policy(disable_by_batch_size=None, min_accepted_tokens_per_step=0)
+    unlimited.add_request("a")
+    assert unlimited.decide(10_000) is Drafting.ON
+
+
+def test_no_request_that_can_speculate_is_idle() -> None:
+    p = policy(min_accepted_tokens_per_step=0)
+    assert p.decide(1) is Drafting.IDLE
+    p.add_request("a")
+    p.remove_request("a")
+    assert p.decide(1) is Drafting.IDLE
+
+
+def test_acceptance_below_the_threshold_turns_drafting_off_and_above_on() -> None:
+    p = policy(min_accepted_tokens_per_step=1.5, disable_by_batch_size=None)
+    p.add_request("a")
+    assert p.expected_accepted_tokens() is None
+    assert p.decide(1) is Drafting.OFF_ACCEPTANCE  # n-gram: measured by host probes first
+    p.observe("a", 4)
+    assert p.expected_accepted_tokens() == 4.0  # the first observation is the average
+    assert p.decide(1) is Drafting.ON
+    for _ in range(6):  # drafts rejected from now on: the average decays below 1.5
+        p.observe("a", 0)
+    assert p.expected_accepted_tokens() == pytest.approx(4 * 0.75 ** 6)
+    assert p.decide(1) is Drafting.OFF_ACCEPTANCE
+
+
+def test_expected_tokens_average_over_requests_and_new_ones_start_from_the_global_prior() -> None:
+    p = policy(min_accepted_tokens_per_step=1.0, disable_by_batch_size=None)
+    p.add_request("a")
+    p.add_request("b")
+    p.observe("a", 3)
+    # b has no observation: it counts as the average over all requests so far (3).
+    assert p.expected_accepted_tokens() == pytest.approx(3.0)
+    p.observe("b", 0)  # b starts from the prior and moves a quarter of the way to 0
+    assert p.expected_accepted_tokens() == pytest.approx((3.0 + 3.0 * 0.75) / 2)
+    p.remove_request("a")
+    assert p.expected_accepted_tokens() == pytest.approx(2.25)
+    p.observe("gone", 4)  # a request the policy does not track changes nothing
+    assert p.expected_accepted_tokens() == pytest.approx(2.25)
+
+
+def test_host_probe_counts_the_leading_drafts_the_next_tokens_equal() -> None:
+    p = policy(min_accepted_tokens_per_step=2.0, disable_by_batch_size=None, probe_interval=3)
+    p.add_request("a")
+    assert p.probes_wanted(1)
+    assert p.wants_probe("a")
+    p.start_probe("a", [7, 8, 9, 10])
+    assert not p.wants_probe("a")  # one probe at a time
+    p.observe_tokens("a", [7])
+    p.observe_tokens("a", [8])
+    assert p.expected_accepted_tokens() is None  # not settled while the tokens match
+    p.observe_tokens("a", [1])  # the third draft would have been rejected: 2 accepted
+    assert p.expected_accepted_tokens() == 2.0
+    assert not p.probes_wanted(1)  # on: the verified drafts measure
+
+
+def test_host_probe_settles_on_a_full_match_and_an_empty_draft_counts_zero() -> None:
+    p = policy(min_accepted_tokens_per_step=3.0, disable_by_batch_size=None, probe_interval=1)
+    p.add_request("a")
+    p.start_probe("a", [])  # the proposer found nothing: this step would have gained nothing
+    assert p.expected_accepted_tokens() == 0.0
+    assert not p.wants_probe("a")  # probe_interval = 1: one step to wait
+    assert p.wants_probe("a")
+    p.start_probe("a", [5, 6])
+    p.observe_tokens("a", [5, 6, 99])  # several tokens at once (after a verification)
+    assert p.expected_accepted_tokens() == pytest.approx(0.0 + 0.5 * 2)
+
+
+def test_host_probes_only_while_off_for_acceptance() -> None:
+    p = policy(min_accepted_tokens_per_step=1.0, disable_by_batch_size=2)
+    p.add_request("a")
+    assert p.probes_wanted(1)  # nothing measured yet
+    assert not p.probes_wanted(2)  # off for the batch size: probes would not turn it on
+    p.observe("a", 3)
+    assert not p.probes_wanted(1)  # on
+
+
+def test_model_proposer_drafts_to_measure_then_probes_every_interval() -> None:
+    p = policy("draft_model", min_accepted_tokens_per_step=1.0, disable_by_batch_size=None,
+               probe_interval=3)
+    p.add_request("a")
+    assert p.begin_step(1) is Drafting.ON  # nothing measured: draft to measure
+    p.observe("a", 0)
+    decisions = [p.begin_step(1) for _ in range(8)]
+    assert decisions == [Drafting.OFF_ACCEPTANCE] * 3 + [Drafting.ON] + [
+        Drafting.OFF_ACCEPTANCE] * 3 + [Drafting.ON]
+    assert not p.probes_wanted(1)  # no host probes for a model proposer
+    p.observe("a", 4)  # the probe found drafts accepted again: on
+    assert p.begin_step(1) is Drafting.ON
+
+
+def test_threshold_zero_always_drafts_below_the_batch_limit() -> None:
+    p = policy(min_accepted_tokens_per_step=0, disable_by_batch_size=3)
+    p.add_request("a")
+    for _ in range(5):
+        p.observe("a", 0)
+    assert p.decide(2) is Drafting.ON and p.decide(3) is Drafting.OFF_BATCH_SIZE
+
+
+@pytest.mark.parametrize(("params", "expected"), [
+    (SamplingParams(), True),
+    (SamplingParams(temperature=0.7, top_p=0.9, seed=3), True),
+    (SamplingParams(logprobs=2), False),
+    (SamplingParams(min_tokens=3), False),
+    (SamplingParams(repetition_penalty=1.2), False),
+    (SamplingParams(presence_penalty=0.5), False),
+    (SamplingParams(logit_bias={5: 1.0}), False),
+])
+def test_only_requests_whose_drafts_verify_exactly_can_speculate(params: SamplingParams,
+                                                                  expected: bool) -> None:
+    assert can_speculate(params) is expected
