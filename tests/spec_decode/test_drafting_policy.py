@@ -51,6 +51,36 @@ def test_acceptance_below_the_threshold_turns_drafting_off_and_above_on() -> Non
     assert p.decide(1) is Drafting.OFF_ACCEPTANCE
 
 
+def test_drafting_once_on_stays_on_down_to_half_the_threshold() -> None:
+    """Hysteresis: a switch costs overlap, so drafting does not flip around one threshold."""
+    p = policy(min_accepted_tokens_per_step=1.5, disable_by_batch_size=None)
+    p.add_request("a")
+    p.observe("a", 2)
+    assert p.begin_step(1) is Drafting.ON
+    p.observe("a", 0)  # 1.5
+    p.observe("a", 0)  # 1.125: below the threshold, above half of it
+    assert p.begin_step(1) is Drafting.ON
+    p.observe("a", 0)  # 0.84
+    assert p.begin_step(1) is Drafting.ON
+    p.observe("a", 0)  # 0.63: below half
+    assert p.begin_step(1) is Drafting.OFF_ACCEPTANCE
+    p.observe("a", 2, 0.5)  # 1.32: back above half, not above the threshold
+    assert p.begin_step(1) is Drafting.OFF_ACCEPTANCE
+    p.observe("a", 2, 0.5)  # 1.66
+    assert p.begin_step(1) is Drafting.ON
+    # The batch size turns it off at once, and the way back is the full threshold again.
+    p.observe("a", 0)  # 1.24
+    assert p.begin_step(2) is Drafting.ON  # no batch limit here
+    limited = policy(min_accepted_tokens_per_step=1.5, disable_by_batch_size=2)
+    limited.add_request("a")
+    limited.observe("a", 2)
+    assert limited.begin_step(1) is Drafting.ON
+    assert limited.begin_step(2) is Drafting.OFF_BATCH_SIZE
+    limited.observe("a", 0)  # 1.5
+    limited.observe("a", 0)  # 1.125
+    assert limited.begin_step(1) is Drafting.OFF_ACCEPTANCE
+
+
 def test_expected_tokens_average_over_requests_and_new_ones_start_from_the_global_prior() -> None:
     p = policy(min_accepted_tokens_per_step=1.0, disable_by_batch_size=None)
     p.add_request("a")
