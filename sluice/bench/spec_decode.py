@@ -1,8 +1,9 @@
 """`sluice bench spec`: decode speed with speculative decoding against none, in the same run.
 
 Per batch size B: B greedy requests to `output_len` tokens each, timed (median of `num_iters`)
-once on an engine without speculation and once on an engine with `--speculative-config` (n-gram
-prompt lookup by default). Decode time is the time to `output_len` tokens less the time to one
+on an engine without speculation and on an engine with `--speculative-config` (n-gram prompt
+lookup by default). Both engines are up at once (each with half of `--gpu-memory-utilization`)
+and their timed runs alternate, so that drift of the machine lands on both alike. Decode time is the time to `output_len` tokens less the time to one
 token (prefill), as in `sluice bench latency`; the speed-up is the ratio of the two decode times.
 Acceptance figures are counted over the timed runs of the speculative engine, and so are the
 drafting policy's decisions (sluice/spec_decode/policy.py): the share of steps that drafted, and
@@ -83,55 +84,69 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--bench-speculative-config must be a speculative config to measure, "
                          f"got {ns.bench_speculative_config!r}")
     spec_config = dataclasses.asdict(config)
-    results: dict[str, dict[int, dict[str, Any]]] = {}
-    outputs_by_engine: dict[str, dict[int, list[list[int]]]] = {}
-    machine = model = dtype_name = None
-    prompts: dict[int, list[list[int]]] = {}
-    for name in ("baseline", "speculative"):
+    # Both engines live at once, each on half the memory, and their timed runs alternate: drift
+    # of the machine (clocks, a neighbour) over a run then lands on both alike. Measured one
+    # engine after the other on an H100, two engines doing the same work (drafting off) differed
+    # by up to 10% from one call to the next.
+    if ns.gpu_memory_utilization is not None:
+        ns.gpu_memory_utilization = ns.gpu_memory_utilization / 2
+    names = ("baseline", "speculative")
+    engines: dict[str, Any] = {}
+    for name in names:
         ns.speculative_config = spec_config if name == "speculative" else None
-        llm, device, dtype = build_llm(ns)
-        engine = llm.llm_engine
-        machine, model = report.machine_info(device), engine.model_config.model
-        dtype_name = str(dtype).removeprefix("torch.")
-        vocab_size = engine.hf_config.vocab_size
-        if not prompts:  # made once, with the baseline engine: the same for both
-            rng = random.Random(ns.seed)
-            prompts.update({b: make_prompts(ns.workload, b, ns.input_len, ns.segment_len,
-                                            vocab_size, rng) for b in batch_sizes})
+        engines[name] = build_llm(ns)
+    llm, device, dtype = engines["baseline"]
+    engine = llm.llm_engine
+    machine, model = report.machine_info(device), engine.model_config.model
+    dtype_name = str(dtype).removeprefix("torch.")
+    rng = random.Random(ns.seed)
+    prompts = {b: make_prompts(ns.workload, b, ns.input_len, ns.segment_len,
+                               engine.hf_config.vocab_size, rng) for b in batch_sizes}
 
-        def timed(batch: list[list[int]], max_tokens: int,
-                  llm: Any = llm, device: Any = device) -> tuple[float, list[list[int]]]:
-            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
-            report.synchronize(device)
-            start = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in batch], params,
-                                use_tqdm=False)
-            report.synchronize(device)
-            return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+    def timed(name: str, batch: list[list[int]], max_tokens: int
+              ) -> tuple[float, list[list[int]]]:
+        llm = engines[name][0]
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+        report.synchronize(device)
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        report.synchronize(device)
+        return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
 
-        if ns.workload == "continue" and name == "baseline":
-            for b in batch_sizes:
-                _, continuations = timed(prompts[b], ns.input_len - ns.segment_len)
-                prompts[b] = [p + c for p, c in zip(prompts[b], continuations)]
-        timed(prompts[max(batch_sizes)], 16)  # warm-up
-        results[name], outputs_by_engine[name] = {}, {}
+    if ns.workload == "continue":
         for b in batch_sizes:
-            before = llm.get_spec_decoding_stats()
-            runs = [timed(prompts[b], ns.output_len) for _ in range(ns.num_iters)]
-            after = llm.get_spec_decoding_stats()
-            t_out = statistics.median(t for t, _ in runs)
-            t_1 = statistics.median(timed(prompts[b], 1)[0] for _ in range(ns.num_iters))
+            _, continuations = timed("baseline", prompts[b], ns.input_len - ns.segment_len)
+            prompts[b] = [p + c for p, c in zip(prompts[b], continuations)]
+    for name in names:
+        timed(name, prompts[max(batch_sizes)], 16)  # warm-up
+    results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
+    outputs_by_engine: dict[str, dict[int, list[list[int]]]] = {name: {} for name in names}
+    spec_llm = engines["speculative"][0]
+    for b in batch_sizes:
+        before = spec_llm.get_spec_decoding_stats()
+        runs: dict[str, list[tuple[float, list[list[int]]]]] = {name: [] for name in names}
+        t_1s: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(ns.num_iters):
+            for name in names if i % 2 == 0 else names[::-1]:
+                runs[name].append(timed(name, prompts[b], ns.output_len))
+        after = spec_llm.get_spec_decoding_stats()
+        for i in range(ns.num_iters):
+            for name in names if i % 2 == 0 else names[::-1]:
+                t_1s[name].append(timed(name, prompts[b], 1)[0])
+        for name in names:
+            t_out = statistics.median(t for t, _ in runs[name])
+            t_1 = statistics.median(t_1s[name])
             decode_s = max(t_out - t_1, 1e-9)
             point = {"batch_size": b, "t_out_s": t_out, "t_1_s": t_1,
                      "itl_ms": 1e3 * decode_s / (ns.output_len - 1),
                      "decode_tok_s": b * (ns.output_len - 1) / decode_s}
-            if after is not None:
+            if name == "speculative" and after is not None:
                 drafts = after.num_drafts - before.num_drafts
                 drafted = after.num_draft_tokens - before.num_draft_tokens
                 accepted = after.num_accepted_tokens - before.num_accepted_tokens
-                steps = {name: getattr(after, name) - getattr(before, name)
-                         for name in ("num_steps_drafting", "num_steps_off_batch_size",
-                                      "num_steps_off_acceptance")}
+                steps = {key: getattr(after, key) - getattr(before, key)
+                         for key in ("num_steps_drafting", "num_steps_off_batch_size",
+                                     "num_steps_off_acceptance")}
                 num_steps = sum(steps.values())
                 point.update(num_drafts=drafts, num_draft_tokens=drafted,
                              num_accepted_tokens=accepted,
@@ -144,10 +159,12 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
                              tokens_per_step=(ns.num_iters * (ns.output_len - 1) / num_steps
                                               if num_steps else 0.0))
             results[name][b] = point
-            outputs_by_engine[name][b] = runs[0][1]
-        llm.shutdown()
-        del llm, engine
-        release_device_memory(device)
+            outputs_by_engine[name][b] = runs[name][0][1]
+    for name in names:
+        engines[name][0].shutdown()
+    engines.clear()
+    del llm, engine, spec_llm
+    release_device_memory(device)
 
     points = []
     for b in batch_sizes:
