@@ -3,8 +3,9 @@
 Per batch size B: B greedy requests to `output_len` tokens each, timed (median of `num_iters`)
 on an engine without speculation and on an engine with `--speculative-config` (n-gram prompt
 lookup by default). Both engines are up at once (each with half of `--gpu-memory-utilization`)
-and their timed runs alternate, so that drift of the machine lands on both alike. Decode time is the time to `output_len` tokens less the time to one
-token (prefill), as in `sluice bench latency`; the speed-up is the ratio of the two decode times.
+and their timed runs alternate, so that drift of the machine lands on both alike. Decode time
+is the time to `output_len` tokens less the time to one token (prefill), as in `sluice bench
+latency`; the speed-up is the ratio of the two decode times.
 Acceptance figures are counted over the timed runs of the speculative engine, and so are the
 drafting policy's decisions (sluice/spec_decode/policy.py): the share of steps that drafted, and
 of those that did not, how many for the batch size and how many for low acceptance. Both engines
