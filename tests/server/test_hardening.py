@@ -320,3 +320,30 @@ def test_sigterm_with_a_stalled_body_exits_after_the_shutdown_timeout(
     assert "shutdown timeout (2 s): aborting 2 request(s) still in flight" in log
     assert "drained: shutting down" in log and "did not end when aborted" not in log
     assert "server stopped" in log and "Traceback" not in log
+
+
+def test_connections_are_accepted_with_nagle_off() -> None:
+    """The listening socket sluice makes itself (bound before the model loads) must give
+    accepted connections TCP_NODELAY, as asyncio's own sockets have: with Nagle's algorithm on,
+    each response's second write on a kept-alive connection waited for the client's delayed
+    ACK, 40 ms added to the first token of every request after a connection's first."""
+    from sluice.entrypoints.openai.api_server import bind_socket
+
+    async def main() -> int:
+        sock = bind_socket("127.0.0.1", 0)
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                             ) -> None:
+            conn = writer.get_extra_info("socket")
+            accepted.set_result(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            value = await asyncio.wait_for(accepted, 10)
+            writer.close()
+        return value
+
+    assert asyncio.run(main()) != 0
