@@ -54,7 +54,9 @@ def add_parser(bench_sub: Any) -> None:
     parser.add_argument("--output-len", type=int, default=256, help="tokens per request")
     parser.add_argument("--num-iters", type=int, default=3, help="timed runs per point (median)")
     parser.add_argument("--bench-speculative-config", default=DEFAULT_SPEC,
-                        help=f"the speculative engine's config (default: {DEFAULT_SPEC})")
+                        help=f"the speculative engine's config (default: {DEFAULT_SPEC}); "
+                             "'none': a second engine without speculation, the benchmark's "
+                             "noise floor (an A/A run)")
     parser.add_argument("--output", default=None, help="write the result as JSON here")
     add_engine_args(parser)
     parser.set_defaults(func=_cmd_spec)
@@ -80,11 +82,13 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
 
     batch_sizes = parse_sizes("batch_sizes", ns.batch_sizes)
     # Validated, with the defaults filled in: the record says which policy ran.
-    config = SpeculativeConfig.from_dict(ns.bench_speculative_config)
-    if config is None:
-        raise ValueError("--bench-speculative-config must be a speculative config to measure, "
-                         f"got {ns.bench_speculative_config!r}")
-    spec_config = dataclasses.asdict(config)
+    spec_config: dict[str, Any] | None = None
+    if ns.bench_speculative_config != "none":
+        config = SpeculativeConfig.from_dict(ns.bench_speculative_config)
+        if config is None:
+            raise ValueError("--bench-speculative-config must be a speculative config to "
+                             f"measure or 'none', got {ns.bench_speculative_config!r}")
+        spec_config = dataclasses.asdict(config)
     # Both engines live at once, each on half the memory, and their timed runs alternate: drift
     # of the machine (clocks, a neighbour) over a run then lands on both alike. Measured one
     # engine after the other on an H100, two engines doing the same work (drafting off) differed

@@ -236,6 +236,23 @@ def test_bench_spec_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path, workload: s
     assert "drafted" in result.stdout
 
 
+def test_bench_spec_none_measures_two_engines_without_speculation(tiny_dir: str,
+                                                                   tmp_path: Path) -> None:
+    """The A/A run: the benchmark's noise floor, the same alternation as a real comparison."""
+    out_json = tmp_path / "spec.json"
+    result = run_sluice("bench", "spec", "--model", tiny_dir, "--device", "cpu",
+                        "--dtype", "float32", "--workload", "random", "--batch-sizes", "2",
+                        "--input-len", "16", "--output-len", "6", "--num-iters", "2",
+                        "--bench-speculative-config", "none", "--output", str(out_json))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out_json.read_text())
+    assert record["speculative_config"] is None
+    (point,) = record["points"]
+    assert point["tokens_equal"] == 1.0 and "num_drafts" not in point
+    assert point["speedup"] == pytest.approx(point["decode_tok_s"]
+                                             / point["baseline_decode_tok_s"])
+
+
 def test_bench_spec_rejects_a_bad_speculative_config(tiny_dir: str) -> None:
     result = run_sluice("bench", "spec", "--model", tiny_dir, "--device", "cpu",
                         "--bench-speculative-config",
