@@ -34,7 +34,13 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from sluice.bench.serve import ServeBenchConfig, machine_line, model_tokenizer, run_benchmark
+from sluice.bench.serve import (
+    ServeBenchConfig,
+    add_served_model_args,
+    machine_line,
+    model_tokenizer,
+    run_benchmark,
+)
 
 _METRICS = ("ttft", "tpot", "itl")
 _SUMMARY = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
@@ -173,14 +179,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "kv-pool-serve", help="two instances sharing a global KV pool vs two without, serving",
         description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None,
-                        help="model folder (default: the Qwen3-0.6B architecture, random bf16)")
-    parser.add_argument("--tokenizer", default=None)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
-                        help="each instance's share of its GPU (default: 0.4, so two fit one)")
+    add_served_model_args(parser, max_model_len=8192, gpu_memory_utilization=0.4,
+                          gpu_memory_help="each instance's share of its GPU (default: 0.4, so "
+                                          "two fit one)")
     parser.add_argument("--engine-args", default="", help="more `sluice serve` flags, quoted")
     parser.add_argument("--backend", default="mooncake", choices=("mooncake", "redis"))
     parser.add_argument("--pool-bytes", type=int, default=16 << 30,

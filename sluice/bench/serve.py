@@ -295,6 +295,20 @@ async def run_benchmark(config: ServeBenchConfig) -> dict[str, Any]:
     }
 
 
+def add_served_model_args(parser: argparse.ArgumentParser, *, max_model_len: int,
+                          gpu_memory_utilization: float, gpu_memory_help: str | None = None
+                          ) -> None:
+    """The model and engine flags of the benchmarks that start their own servers."""
+    parser.add_argument("--model", default=None,
+                        help="model folder (default: the Qwen3-0.6B architecture, random bf16)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--max-model-len", type=int, default=max_model_len)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=gpu_memory_utilization,
+                        help=gpu_memory_help)
+
+
 def machine_line() -> str:
     return (f"machine: {socket.gethostname()} | {os.cpu_count()} CPUs | {platform.platform()} | "
             f"Python {platform.python_version()}")

@@ -36,7 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sluice.bench.serve import ServeBenchConfig, machine_line, run_benchmark
+from sluice.bench.serve import (
+    ServeBenchConfig,
+    add_served_model_args,
+    machine_line,
+    run_benchmark,
+)
 
 _METRICS = ("ttft", "tpot", "itl")
 _WARMUP_REQUESTS, _WARMUP_MAX_TOKENS = 4, 8
@@ -102,6 +107,7 @@ def _workload(ns: argparse.Namespace) -> list[Any]:
 
 def run_offline(ns: argparse.Namespace, samples: list[Any]) -> dict[str, Any]:
     from sluice import LLM, SamplingParams
+    from sluice.bench.offline_report import synchronize
     from sluice.bench.throughput import release_device_memory
     from sluice.worker.model_runner import resolve_device
 
@@ -114,8 +120,6 @@ def run_offline(ns: argparse.Namespace, samples: list[Any]) -> dict[str, Any]:
         llm.generate([s.prompt for s in samples[:_WARMUP_REQUESTS]], warmup, use_tqdm=False)
         params = [SamplingParams(temperature=ns.temperature, ignore_eos=True,
                                  max_tokens=s.expected_output_len) for s in samples]
-        from sluice.bench.offline_report import synchronize
-
         synchronize(device)
         start = time.perf_counter()
         outputs = llm.generate([s.prompt for s in samples], params, use_tqdm=False)
@@ -177,7 +181,7 @@ def _table(offline: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         util = run.get("client_cpu_util") or {}
         lines.append(
             f"{concurrency:>11} {run['num_clients']:>7} {run['output_throughput']:>9,.0f} "
-            f"{run['output_throughput'] / offline['output_throughput']:>8.3f} "
+            f"{run['fraction_of_offline']:>8.3f} "
             f"{run['mean_ttft_ms']:>9.1f} {run['median_ttft_ms']:>7.1f} "
             f"{run['p99_ttft_ms']:>7.1f} {run['mean_tpot_ms']:>6.2f} "
             f"{util.get('max', math.nan):>10.2f}")
@@ -221,13 +225,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve-vs-offline", help="the same prompts offline and through sluice serve, same run",
         description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None,
-                        help="model folder (default: the Qwen3-0.6B architecture, random bf16)")
-    parser.add_argument("--tokenizer", default=None)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    add_served_model_args(parser, max_model_len=4096, gpu_memory_utilization=0.9)
     parser.add_argument("--engine-args", default="",
                         help="more engine flags for both halves, quoted")
     parser.add_argument("--num-prompts", type=int, default=256)
