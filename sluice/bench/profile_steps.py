@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from collections import defaultdict
 from typing import Any
@@ -29,6 +30,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--fixed-lengths", action="store_true",
+                        help="every prompt max-input-len tokens, every output max-output-len "
+                             "(greedy): the shapes of `sluice bench latency`")
     parser.add_argument("--profile-steps", type=int, default=20,
                         help="steps per window under torch.profiler (GPU kernels); 0 = none")
     parser.add_argument("--profile-at", default="100",
@@ -54,16 +58,26 @@ def main(ns: argparse.Namespace) -> int:
     from sluice import SamplingParams
     from sluice.bench.offline_report import command_line, machine_info
     from sluice.bench.throughput import build_llm
-    from sluice.bench.workloads import nano_vllm_workload
+    from sluice.bench.workloads import OfflineWorkload, nano_vllm_workload, random_prompts
     from sluice.worker.step_handle import StepHandle
 
     llm, device, _ = build_llm(ns)
-    workload = nano_vllm_workload(ns.num_requests, ns.max_input_len, ns.max_output_len)
-    workload = workload.fold_token_ids(llm.llm_engine.hf_config.vocab_size)
+    vocab_size = llm.llm_engine.hf_config.vocab_size
+    if ns.fixed_lengths:
+        rng = random.Random(ns.seed)
+        token_ids = random_prompts(ns.num_requests + 4, ns.max_input_len, vocab_size, rng)
+        workload = OfflineWorkload(token_ids[4:], [ns.max_output_len] * ns.num_requests)
+        temperature = 0.0
+        warm_up = [{"prompt_token_ids": p} for p in token_ids[:4]]  # no prefix shared
+    else:
+        workload = nano_vllm_workload(ns.num_requests, ns.max_input_len, ns.max_output_len)
+        workload = workload.fold_token_ids(vocab_size)
+        temperature = 0.6
+        warm_up = None
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m)
               for m in workload.max_tokens]
-    warm_up = prompts[:4]
+    warm_up = warm_up or prompts[:4]
     llm.generate(warm_up, [SamplingParams(max_tokens=8)] * len(warm_up), use_tqdm=False)
 
     engine = llm.llm_engine
