@@ -16,7 +16,9 @@ are included in the phase times and the timeline, so take the timeline from a ru
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import time
 from collections import defaultdict
@@ -37,6 +39,9 @@ def add_parser(subparsers: Any) -> None:
                         help="steps per window under torch.profiler (GPU kernels); 0 = none")
     parser.add_argument("--profile-at", default="100",
                         help="comma-separated first steps of the profiler windows")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="run under cProfile and report the N functions of the most host "
+                             "time (own and cumulative, ms per step); 0 = no")
     parser.add_argument("--output", default=None)
     add_engine_args(parser)
     parser.set_defaults(func=main)
@@ -59,6 +64,7 @@ def main(ns: argparse.Namespace) -> int:
     from sluice.bench.offline_report import command_line, machine_info
     from sluice.bench.throughput import build_llm
     from sluice.bench.workloads import OfflineWorkload, nano_vllm_workload, random_prompts
+    from sluice.worker.cuda_graphs import DecodeGraphs
     from sluice.worker.step_handle import StepHandle
 
     llm, device, _ = build_llm(ns)
@@ -89,6 +95,12 @@ def main(ns: argparse.Namespace) -> int:
     runner = getattr(core.executor, "model_runner", None)
     if runner is not None:
         runner.launch = _timed(phases, "launch", runner.launch)
+        # Parts of launch: the graph replay's host call, and sampling (logits on).
+        runner._sample = _timed(phases, "launch.sample", runner._sample)
+        runner.input_builder.prepare = _timed(phases, "launch.prepare",
+                                              runner.input_builder.prepare)
+    original_replay = DecodeGraphs.replay
+    DecodeGraphs.replay = _timed(phases, "launch.graph_replay", original_replay)
     core.scheduler.update_from_output = _timed(phases, "update", core.scheduler.update_from_output)
     engine.output_processor.process_outputs = _timed(
         phases, "output_processing", engine.output_processor.process_outputs)
@@ -137,8 +149,11 @@ def main(ns: argparse.Namespace) -> int:
               if ns.profile_steps > 0 else [])
     profiling = False
     window_start = 0
+    host_profiler = cProfile.Profile() if ns.host_profile > 0 else None
     try:
         start = time.perf_counter()
+        if host_profiler is not None:
+            host_profiler.enable()
         for prompt, p in zip(prompts, params):
             engine.add_request(None, prompt, p, RequestOutputKind.FINAL_ONLY)
         while engine.has_unfinished_requests():
@@ -155,6 +170,8 @@ def main(ns: argparse.Namespace) -> int:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
     finally:
+        if host_profiler is not None:
+            host_profiler.disable()
         StepHandle.result = original_result  # type: ignore[method-assign]
         if runner is not None:
             runner.launch, builder.prepare = original_launch, original_prepare
@@ -171,6 +188,8 @@ def main(ns: argparse.Namespace) -> int:
                                for k, v in sorted(phases.items())},
         "timeline": _summarize_timeline(timeline) if timeline else None,
         "profiler_windows": windows,
+        "host_functions": (_host_functions(host_profiler, ns.host_profile, steps[0])
+                           if host_profiler is not None else None),
         # Triton kernels compiled (or loaded from the disk cache) during the run: each one a
         # variant the warm-up did not reach. Clear ~/.triton/cache to see compile times.
         "jit_compiles_during_run": compiles.records if compiles is not None else None,
@@ -180,6 +199,20 @@ def main(ns: argparse.Namespace) -> int:
         with open(ns.output, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def _host_functions(profiler: cProfile.Profile, top: int, steps: int) -> dict[str, Any]:
+    """The `top` functions by own host time and by cumulative time, in ms per step (cProfile's
+    overhead included: compare them with each other, not with the phase times)."""
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, calls, own, cum, callers)
+    rows = [{"function": f"{'/'.join(path.split('/')[-2:])}:{line}({name})",
+             "calls": calls, "own_ms_per_step": round(1000 * own / max(steps, 1), 4),
+             "cum_ms_per_step": round(1000 * cum / max(steps, 1), 4)}
+            for (path, line, name), (_, calls, own, cum, _) in stats.items()]
+    return {
+        "by_own_time": sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top],
+        "by_cumulative_time": sorted(rows, key=lambda r: -r["cum_ms_per_step"])[:top],
+    }
 
 
 def _profiler_window(summaries: list[Any], first_step: int, batch: int) -> dict[str, Any]:

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sluice.model.pdl import line_elems, lines_pad, pdl_wait, prefetch_l2, use_pdl
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Batches of at most this many rows run here; larger ones in cuBLAS.
@@ -81,12 +83,22 @@ def _skinny_mm_kernel(
     INV_RMS: tl.constexpr,  # y = (x W^T) / rms(x) per row (SPLIT_K 1: a program sees all of K)
     UPCAST: tl.constexpr,  # the CPU interpreter: its 16-bit dot products are wrong
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs: no TF32 rounding
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
+    LINE_ELEMS: tl.constexpr,  # USE_PDL: weight elements per L2 line
+    LINES_PAD: tl.constexpr,  # USE_PDL: a power of two >= the L2 lines of a row's K_PART
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     K_PART: tl.constexpr = K // SPLIT_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if USE_PDL:
+        # This program's weight slice, on its way to L2 while the kernel before still runs
+        # (weights are written by no kernel); the loop below then reads it from L2.
+        line_k = tl.minimum(tl.arange(0, LINES_PAD) * LINE_ELEMS, K_PART - 1)
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+        prefetch_l2(w_ptr + rows[:, None] + (pid_k * K_PART + line_k)[None, :])
+    pdl_wait(USE_PDL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * K_PART + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
@@ -217,6 +229,7 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
         counters = _counters(x.device)
     else:
         partial = counters = out  # not read
+    pdl = use_pdl(x)
     _skinny_mm_kernel[grid](
         x, weight, out, partial, counters, m, n, 0.0 if inv_rms_eps is None else inv_rms_eps,
         x.stride(0), weight.stride(0), out.stride(0),
@@ -224,7 +237,9 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
         SPLIT_K=config.split_k, SILU_MUL=silu_mul, ACCUMULATE=accumulate,
         INV_RMS=inv_rms_eps is not None, UPCAST=_INTERPRET,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_PDL=pdl, LINE_ELEMS=line_elems(weight),
+        LINES_PAD=lines_pad(k // config.split_k, weight),
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     return out if out.shape[0] == m else out[:m]
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.model.pdl import pdl_wait, use_pdl
+
 # qk_norm_rope: with fewer (token, head) pairs than this, one head per program (a small decode
 # batch: every head its own program gives the most parallelism for a latency-bound launch);
 # below TWO_HEADS_PER_PROGRAM_BELOW two; past it up to PREFILL_HEADS_PER_PROGRAM heads (more
@@ -84,7 +86,9 @@ def _qk_norm_rope_kernel(
     CACHE_BLOCK_SIZE: tl.constexpr,
     ROW_RMS: tl.constexpr,  # scale q, k and v by the residual row's 1 / rms first
     HIDDEN_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
 ):
+    pdl_wait(USE_PDL)  # first: before any read of an activation and any write
     # Head blocks [0, num_q_blocks) cover q heads, then num_kv_blocks of k heads, then (with
     # STORE_KV) num_kv_blocks of v heads: a block never mixes two, so it has one norm weight.
     token = tl.program_id(0).to(tl.int64)
@@ -252,6 +256,7 @@ def qk_norm_rope(
                   + num_kv_blocks * (2 if stores_kv or row_rms else 1))
     key_cache, value_cache = (kv_cache[0], kv_cache[1]) if stores_kv else (qkv, qkv)
     half_pad = triton.next_power_of_2(head_dim // 2)
+    pdl = use_pdl(qkv)
     _qk_norm_rope_kernel[(num_tokens, num_blocks)](
         qkv,
         positions,
@@ -283,6 +288,8 @@ def qk_norm_rope(
         HIDDEN_PAD=triton.next_power_of_2(residual.shape[1]) if row_rms else 1,
         # 16 bytes per thread and load: 2 warps for 8 bfloat16 heads of 128, 1 for one head.
         num_warps=max(1, min(4, block_heads * half_pad * qkv.element_size() // 512)),
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     return q, k
 
@@ -326,7 +333,9 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     ROW_RMS: tl.constexpr,  # scale gate and up by the residual row's 1 / rms first
     HIDDEN_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
 ):
+    pdl_wait(USE_PDL)  # first: before any read of an activation and any write
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
@@ -366,11 +375,14 @@ def silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None = None,
         return out
     block = min(SILU_BLOCK, triton.next_power_of_2(intermediate_size))
     grid = (num_tokens, triton.cdiv(intermediate_size, block))
+    pdl = use_pdl(x)
     _silu_and_mul_kernel[grid](
         x, out, residual if row_rms else x, x.stride(0), out.stride(0),
         residual.stride(0) if row_rms else 0, intermediate_size,
         residual.shape[1] if row_rms else 1, residual_eps, BLOCK=block, ROW_RMS=row_rms,
         HIDDEN_PAD=triton.next_power_of_2(residual.shape[1]) if row_rms else 1, num_warps=4,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     return out
 
@@ -388,7 +400,9 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
 ):
+    pdl_wait(USE_PDL)  # first: before any read of an activation and any write
     # One program per row; out and sum are fresh contiguous [T, N] tensors.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -423,6 +437,7 @@ def _launch_rms_norm(
     if rows.shape[0] == 0:
         return out, summed
     block = triton.next_power_of_2(hidden_size)
+    pdl = use_pdl(rows)
     _rms_norm_kernel[(rows.shape[0],)](
         rows,
         residual_rows,
@@ -436,6 +451,8 @@ def _launch_rms_norm(
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
         num_warps=max(1, min(16, block // 256)),
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     return out, summed
 

@@ -52,6 +52,7 @@ from sluice.worker.kv_connector import KVConnectorWorker
 from sluice.worker.layer_events import GraphLayerEvents
 from sluice.worker.sampling_inputs import (
     GrammarStaging,
+    SamplingMetadataReuse,
     SamplingStaging,
     build_row_seeds,
     build_sampling_metadata,
@@ -137,6 +138,7 @@ class ModelRunner:
                                           pin_memory=dev.type == "cuda") for _ in range(2)]
         self._launch_parity = 0
         self.sampling_staging = SamplingStaging(max_num_reqs, dev)
+        self.sampling_reuse = SamplingMetadataReuse(self.sampling_staging)
         self.grammar_staging = GrammarStaging(max_num_reqs, dev)  # structured outputs
         self._num_sampling_launches = 0  # keys the fused sampler's unseeded rows
         self._last_step: StepHandle | None = None
@@ -314,9 +316,12 @@ class ModelRunner:
         self._num_sampling_launches += 1
         for state in sample_states:
             state.num_sampled += 1
-        metadata = build_sampling_metadata(sample_states, self.sampling_staging,
-                                           self.hf_config.vocab_size, row_seeds,
-                                           grammar, self.grammar_staging)
+        metadata = self.sampling_reuse.get(sample_states, row_seeds, grammar)
+        if metadata is None:
+            metadata = build_sampling_metadata(sample_states, self.sampling_staging,
+                                               self.hf_config.vocab_size, row_seeds,
+                                               grammar, self.grammar_staging)
+            self.sampling_reuse.keep(sample_states, metadata)
         sampler_output = self.sampler(logits, metadata)
         handle.set_samples(sample_rows, sample_states, sampler_output,
                            self._sampled_host[self._launch_parity])

@@ -15,6 +15,8 @@ row or the step), any other row's from the runner's seed, the launch number and 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -69,6 +71,45 @@ class SamplingStaging:
         return (device_floats.view(self.NUM_FLOAT_COLUMNS, width)[:, :num_rows],
                 device_ints.view(self.NUM_INT_COLUMNS, width)[:, :num_rows])
 
+    def upload_seeds(self, row_seeds: np.ndarray) -> torch.Tensor:
+        """Row seeds alone ([B] int64 on the device), for metadata otherwise reused
+        (SamplingMetadataReuse): through the int buffer of the turn, its seed column."""
+        self.turn ^= 1
+        num_rows = len(row_seeds)
+        host = self.ints[self.turn][:_aligned_width(num_rows)]
+        host.numpy()[:num_rows] = row_seeds
+        if self.device.type == "cpu":
+            return host[:num_rows].clone()
+        return host.to(self.device, non_blocking=True)[:num_rows]
+
+
+class SamplingMetadataReuse:
+    """A step's sampling metadata kept for the next one when that samples the same requests in
+    the same rows and none of its columns can have changed: then only the row seeds (new every
+    launch) are uploaded. In steady decoding most steps are such. Not kept when a column depends
+    on the tokens so far (penalties, min_tokens' blocking) or the step had grammar masks."""
+
+    def __init__(self, staging: SamplingStaging) -> None:
+        self.staging = staging
+        self._states: list[CachedRequestState] = []
+        self._metadata: SamplingMetadata | None = None
+
+    def get(self, states: list[CachedRequestState], row_seeds: np.ndarray,
+            grammar: GrammarBitmask | None) -> SamplingMetadata | None:
+        """The kept metadata with these seeds, or None when it does not fit this step."""
+        kept = self._metadata
+        if (kept is None or grammar is not None or len(states) != len(self._states)
+                or any(a is not b for a, b in zip(states, self._states))):
+            return None
+        return dataclasses.replace(kept, seeds=self.staging.upload_seeds(row_seeds))
+
+    def keep(self, states: list[CachedRequestState], metadata: SamplingMetadata) -> None:
+        reusable = (metadata.seeds is not None and metadata.no_penalties
+                    and metadata.grammar_bitmask is None
+                    and not any(s.sampling_params.min_tokens for s in states))
+        self._states = list(states) if reusable else []
+        self._metadata = metadata if reusable else None
+
 
 class GrammarStaging:
     """Host buffers for a step's grammar masks laid out by batch row ([max_rows, W] int32, two
@@ -117,8 +158,20 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def _splitmix64_int(x: int) -> int:
+    """_splitmix64 of one python int (a scalar costs a few numpy calls more than this)."""
+    x = (x + 0x9E3779B97F4A7C15) & _UINT64_MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64_MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _UINT64_MASK
+    return x ^ (x >> 31)
+
+
 def _mix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return _splitmix64(_splitmix64(a) ^ b)
+
+
+def _mix_int(a: int, b: int) -> int:
+    return _splitmix64_int(_splitmix64_int(a & _UINT64_MASK) ^ (b & _UINT64_MASK))
 
 
 def _as_uint64(values: list[int]) -> np.ndarray:
@@ -131,8 +184,12 @@ def build_row_seeds(states: list[CachedRequestState], base_seed: int,
     seed and its num_sampled; any other row: a mix of base_seed (the runner's), the launch
     number and i."""
     num_rows = len(states)
-    launch_key = _mix(_as_uint64([base_seed]), _as_uint64([launch]))
-    keys = _mix(np.repeat(launch_key, num_rows), np.arange(num_rows, dtype=np.uint64))
+    # mix(launch_key, i) = splitmix(splitmix(launch_key) ^ i): the scalar half in python ints.
+    launch_mixed = _splitmix64_int(_mix_int(base_seed, launch))
+    if num_rows == 1:
+        keys = np.array([_splitmix64_int(launch_mixed)], dtype=np.uint64)
+    else:
+        keys = _splitmix64(np.uint64(launch_mixed) ^ np.arange(num_rows, dtype=np.uint64))
     seeded = [i for i, s in enumerate(states) if s.sampling_params.seed is not None]
     if seeded:
         keys[seeded] = _mix(_as_uint64([states[i].sampling_params.seed for i in seeded]),

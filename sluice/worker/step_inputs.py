@@ -184,6 +184,15 @@ class InputBuilder:
             # Padding rows keep whatever they held: with no context they read nothing.
             self.graph_block_tables[:num_reqs, :width].copy_(block_tables)
         for handle, start, count in pending_spans:
+            dst = self.buf_pending.np[start:start + count]
+            src = self.buf_pending.np[start + count:start + 2 * count]
+            if (count == len(handle.sampled) and src[0] == 0 and dst[-1] - dst[0] == count - 1
+                    and (count == 1 or ((np.diff(src) == 1).all() and (np.diff(dst) == 1).all()))):
+                # Steady decoding: every token the step in flight sampled, in its order, to
+                # consecutive positions here: one copy instead of a gather and a scatter.
+                first = int(dst[0])
+                self.buf_input_ids.device[first:first + count].copy_(handle.sampled)
+                continue
             index = self.buf_pending.device[start:start + 2 * count]
             self.buf_input_ids.device.index_copy_(0, index[:count], handle.sampled[index[count:]])
         if self.device.type == "cuda":

@@ -24,11 +24,13 @@ import triton
 import triton.language as tl
 
 from sluice import LLM, SamplingParams
+from sluice.core.outputs import GrammarBitmask
 from sluice.sample.metadata import SamplingMetadata
 from sluice.sample.sampler import Sampler, SamplerOutput
 from sluice.sample.triton_sampling import MAX_VOCAB, _neg_log2_uniform, sample_tokens
 from sluice.worker.input_batch import CachedRequestState
 from sluice.worker.sampling_inputs import (
+    SamplingMetadataReuse,
     SamplingStaging,
     build_row_seeds,
     build_sampling_metadata,
@@ -454,3 +456,32 @@ def test_sampling_columns_start_16_byte_aligned(num_rows: int) -> None:
         assert float_columns.tolist() == floats and int_columns.tolist() == ints
         for column in [*float_columns.unbind(0), *int_columns.unbind(0)]:
             assert column.is_contiguous() and column.data_ptr() % 16 == 0
+
+
+def test_metadata_is_reused_for_the_same_rows_with_new_seeds() -> None:
+    staging = SamplingStaging(8, torch.device("cpu"))
+    reuse = SamplingMetadataReuse(staging)
+    states = [make_state(0, temperature=0.7, top_p=0.9), make_state(1, seed=4)]
+    seeds = build_row_seeds(states, 0, 0)
+    first = build_sampling_metadata(states, staging, 100, seeds)
+    reuse.keep(states, first)
+    next_seeds = build_row_seeds(states, 0, 1)
+    again = reuse.get(list(states), next_seeds, None)
+    assert again is not None and again.temperature is first.temperature
+    assert again.top_p is first.top_p and again.top_k is None
+    assert again.seeds.tolist() == next_seeds.tolist() != seeds.tolist()
+    # Other requests, another order, a grammar step: built anew.
+    assert reuse.get([states[1], states[0]], next_seeds, None) is None
+    assert reuse.get(states[:1], next_seeds[:1], None) is None
+    assert reuse.get(states, next_seeds, GrammarBitmask(req_ids=["r0"], bitmask=b"\0" * 16)) \
+        is None
+
+
+@pytest.mark.parametrize("params", [{"min_tokens": 2}, {"presence_penalty": 0.5}])
+def test_metadata_that_depends_on_the_tokens_is_not_kept(params) -> None:
+    staging = SamplingStaging(8, torch.device("cpu"))
+    reuse = SamplingMetadataReuse(staging)
+    states = [make_state(0), make_state(1, **params)]
+    seeds = build_row_seeds(states, 0, 0)
+    reuse.keep(states, build_sampling_metadata(states, staging, 100, seeds))
+    assert reuse.get(states, seeds, None) is None

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.model.pdl import pdl_wait, use_pdl
+
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.triton.common import (
     LOG2_E,
@@ -55,7 +57,9 @@ def _split_kv_partial_kernel(
     PAGE_SIZE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
 ):
+    pdl_wait(USE_PDL)  # first: before any read of an activation and any write
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -124,7 +128,9 @@ def _split_kv_reduce_kernel(
     NUM_SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
 ):
+    pdl_wait(USE_PDL)  # first: before any read of an activation and any write
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS_PAD)
@@ -182,6 +188,7 @@ def split_kv_attention(
     )
     partial_sum = torch.empty_like(partial_max)
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and out.stride(2) == 1
+    pdl = use_pdl(query)
     _split_kv_partial_kernel[(num_tokens, num_kv_heads, num_splits)](
         partial_acc,
         partial_max,
@@ -212,6 +219,8 @@ def split_kv_attention(
         DOT_PRECISION=dtypes.dot_precision,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     _split_kv_reduce_kernel[(num_tokens, num_heads)](
         out,
@@ -225,5 +234,7 @@ def split_kv_attention(
         NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     return out

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.model.pdl import pdl_wait, use_pdl
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -31,7 +33,9 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
 ):
+    pdl_wait(USE_PDL)  # first: before any read of an activation and any write
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -68,6 +72,7 @@ def store_kv(
         return
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.stride(4) == 1
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    pdl = use_pdl(key)
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -86,4 +91,6 @@ def store_kv(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         PAGE_SIZE=kv_cache.shape[2],
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )

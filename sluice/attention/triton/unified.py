@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.model.pdl import pdl_wait, use_pdl
+
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.triton.common import (
     LOG2_E,
@@ -79,7 +81,9 @@ def _unified_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     ONE_QUERY: tl.constexpr,  # every request in this launch has one query token
     ORDERED: tl.constexpr,  # ONE_QUERY, no padding tokens, programs follow order_ptr
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
 ):
+    pdl_wait(USE_PDL)  # first: before any read of an activation and any write
     kv_head = tl.program_id(1)
     if ORDERED:
         # A decode batch with an order: program i serves request order[i] (longest first), whose
@@ -214,6 +218,7 @@ def unified_attention(
         page_size = 1
         stride_kv = (0, key.stride(0), key.stride(1))
     assert query.stride(2) == 1 and key.stride(-1) == 1 and out.stride(2) == 1
+    pdl = use_pdl(query)
     _unified_attention_kernel[(num_q_tiles, num_kv_heads)](
         out,
         query,
@@ -249,5 +254,7 @@ def unified_attention(
         ORDERED=ordered,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     return out
