@@ -5,7 +5,8 @@ slices that run in parallel, and a second kernel merges their partial softmaxes.
 Only for batches where every request has at most one query token (the last position of its
 context, so no causal mask beyond seq_len). `num_splits` is a python int and every buffer's shape
 follows from python ints, so both launches can be captured in a CUDA graph. Each request's own
-tiles are spread evenly over the splits; splits past its end write an empty partial.
+tiles are spread evenly over the splits; splits past its end return at once, and the merge reads
+only the splits that hold keys.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ def _split_kv_partial_kernel(
     seq_len = 0
     if req < num_reqs:
         seq_len = tl.load(seq_lens_ptr + req)
+    num_seq_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_seq_tiles, NUM_SPLITS)
+    tile_begin = split * tiles_per_split
+    if tile_begin >= num_seq_tiles:
+        return  # a split past the context's end: the merge reads none of it (_used_splits)
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_seq_tiles)
 
     rows = tl.arange(0, BLOCK_M)
     row_valid = rows < GROUP
@@ -85,11 +92,6 @@ def _split_kv_partial_kernel(
         q = q.to(key_cache_ptr.dtype.element_ty).to(tl.float32)
     else:
         q = q.to(key_cache_ptr.dtype.element_ty)
-
-    num_seq_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_seq_tiles, NUM_SPLITS)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_seq_tiles)
 
     k_base = key_cache_ptr + kv_head * stride_kv_head
     v_base = value_cache_ptr + kv_head * stride_kv_head
@@ -116,14 +118,28 @@ def _split_kv_partial_kernel(
 
 
 @triton.jit
+def _used_splits(seq_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Splits that hold a tile of a context of seq_len keys: each takes cdiv(tiles,
+    NUM_SPLITS) tiles in turn, so a short context fills the first few and the partial kernel's
+    programs of the others return at once (decode graphs are captured with splits for
+    max_model_len)."""
+    num_seq_tiles = tl.cdiv(seq_len, BLOCK_N)
+    return tl.cdiv(num_seq_tiles, tl.maximum(tl.cdiv(num_seq_tiles, NUM_SPLITS), 1))
+
+
+@triton.jit(do_not_specialize=["num_reqs"])  # varies by step
 def _split_kv_reduce_kernel(
     out_ptr,  # [T, H, D]
     partial_acc_ptr,
     partial_max_ptr,
     partial_sum_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_reqs,
     stride_out_token,
     stride_out_head,
     NUM_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the partial kernel's keys per tile
     NUM_SPLITS: tl.constexpr,
     NUM_SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -133,8 +149,12 @@ def _split_kv_reduce_kernel(
     pdl_wait(USE_PDL)  # first: before any read of an activation and any write
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    req = find_token_owner(query_start_loc_ptr, num_reqs, token)
+    seq_len = 0
+    if req < num_reqs:
+        seq_len = tl.load(seq_lens_ptr + req)
     splits = tl.arange(0, NUM_SPLITS_PAD)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < _used_splits(seq_len, BLOCK_N, NUM_SPLITS)
     dims = tl.arange(0, HEAD_DIM_PAD)
     stat = (token * NUM_HEADS + head) * NUM_SPLITS + splits  # [NUM_SPLITS_PAD]
     m = tl.load(partial_max_ptr + stat, mask=split_mask, other=float("-inf"))
@@ -145,7 +165,7 @@ def _split_kv_reduce_kernel(
         other=0.0,
     )
     m_all = tl.max(m, 0)
-    # Empty splits (and whole padding rows) have m = -inf: weight 0, and zeros out.
+    # Splits with no key (and whole padding rows) have m = -inf: weight 0, and zeros out.
     weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # [NUM_SPLITS_PAD]
     total = tl.sum(l_split * weight, 0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
@@ -227,9 +247,13 @@ def split_kv_attention(
         partial_acc,
         partial_max,
         partial_sum,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        metadata.num_reqs,
         out.stride(0),
         out.stride(1),
         NUM_HEADS=num_heads,
+        BLOCK_N=tiles.block_n,
         NUM_SPLITS=num_splits,
         NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
