@@ -2,16 +2,22 @@
 
 Per batch size B: B greedy requests to `output_len` tokens each, timed (median of `num_iters`)
 on an engine without speculation and on an engine with `--speculative-config` (n-gram prompt
-lookup by default). Both engines are up at once (each with half of `--gpu-memory-utilization`)
-and their timed runs alternate, so that drift of the machine lands on both alike. Decode time
-is the time to `output_len` tokens less the time to one token (prefill), as in `sluice bench
-latency`; the speed-up is the ratio of the two decode times.
+lookup by default). Both engines are up at once (each with half of `--gpu-memory-utilization`;
+the record gives each one's KV blocks) and their timed runs alternate, A B, B A, A B, ... Decode
+time is the time to `output_len` tokens less the time to one token (prefill), as in `sluice bench
+latency`. The speed-up is the median, over every two consecutive iterations (A B B A), of the
+ratio of the two engines' decode times in them: a drift of the machine's speed linear in time
+lands on both alike, and a change of speed in the middle of a point moves only the ratios of the
+iterations around it. (The ratio of each engine's median did neither: the two engines' runs sit
+at different places in the order, so a change of speed between them went whole to one engine.)
+`speedup_min` / `speedup_max` give the spread over those ratios.
 Acceptance figures are counted over the timed runs of the speculative engine, and so are the
 drafting policy's decisions (sluice/spec_decode/policy.py): the share of steps that drafted, and
 of those that did not, how many for the batch size and how many for low acceptance. Both engines
-see the same prompts, each several times (so the prompt is a prefix-cache hit after the first run,
-alike for both). The speculative config is given with the policy's fields filled in (defaults
-when not given), as the engine ran it.
+see the same prompts, and before a point's timed runs each runs them once untimed: every timed
+run is then a prefix-cache hit on both (the record gives each engine's hit rate), and the point's
+shapes have run once. The speculative config is given with the policy's fields filled in
+(defaults when not given), as the engine ran it.
 
 Workloads (`--workload`): `continue`, prompts that are a random segment followed by the model's
 own greedy continuation of it (made by the baseline engine first), so that the output goes on
@@ -35,6 +41,8 @@ import statistics
 import time
 from typing import Any
 
+# Untimed tokens per engine and point before its timed runs.
+_WARMUP_TOKENS = 16
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ' \
                '"prompt_lookup_min": 2}'
 
@@ -71,6 +79,26 @@ def make_prompts(workload: str, num: int, input_len: int, segment_len: int, voca
                               vocab_size, rng)
     segments = random_prompts(num, segment_len, vocab_size, rng)
     return [(s * (input_len // segment_len + 1))[:input_len] for s in segments]
+
+
+def run_order(names: tuple[str, str], iteration: int) -> tuple[str, str]:
+    """Which engine runs first in an iteration: they alternate (A B, B A, A B, ...), so that any
+    two consecutive iterations are A B B A or B A A B."""
+    return names if iteration % 2 == 0 else names[::-1]
+
+
+def paired_speedups(baseline_s: list[float], speculative_s: list[float]) -> list[float]:
+    """Speed-ups (baseline time / speculative time) from the decode times of the iterations, in
+    run_order: one per two consecutive iterations (A B B A: a drift of the machine's speed
+    linear in time lands on both engines alike; a change of speed moves the one or two that
+    straddle it), or the one pair's with a single iteration."""
+    if len(baseline_s) != len(speculative_s) or not baseline_s:
+        raise ValueError(f"need as many runs of each engine, at least one; got "
+                         f"{len(baseline_s)} and {len(speculative_s)}")
+    if len(baseline_s) == 1:
+        return [baseline_s[0] / speculative_s[0]]
+    return [(baseline_s[i] + baseline_s[i + 1]) / (speculative_s[i] + speculative_s[i + 1])
+            for i in range(len(baseline_s) - 1)]
 
 
 def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
@@ -122,29 +150,48 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
         for b in batch_sizes:
             _, continuations = timed("baseline", prompts[b], ns.input_len - ns.segment_len)
             prompts[b] = [p + c for p, c in zip(prompts[b], continuations)]
-    for name in names:
-        timed(name, prompts[max(batch_sizes)], 16)  # warm-up
+
+    def prefix_cache_counters(name: str) -> tuple[int, int]:
+        manager = engines[name][0].llm_engine.kv_cache_manager
+        return manager.prefix_cache_queries, manager.prefix_cache_hits
+
     results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
     outputs_by_engine: dict[str, dict[int, list[list[int]]]] = {name: {} for name in names}
     spec_llm = engines["speculative"][0]
     for b in batch_sizes:
+        # Untimed, on each engine: the point's prompts enter its prefix cache, so that every
+        # timed run of either engine is a hit whatever ran before (with `continue` the baseline
+        # made the prompts and held them already), and the point's shapes (graph sizes, at
+        # batch 1 the drafting path) run once before they are timed.
+        for name in names:
+            timed(name, prompts[b], _WARMUP_TOKENS)
         before = spec_llm.get_spec_decoding_stats()
+        counters_before = {name: prefix_cache_counters(name) for name in names}
         runs: dict[str, list[tuple[float, list[list[int]]]]] = {name: [] for name in names}
         t_1s: dict[str, list[float]] = {name: [] for name in names}
         for i in range(ns.num_iters):
-            for name in names if i % 2 == 0 else names[::-1]:
+            for name in run_order(names, i):
                 runs[name].append(timed(name, prompts[b], ns.output_len))
         after = spec_llm.get_spec_decoding_stats()
+        counters_after = {name: prefix_cache_counters(name) for name in names}
         for i in range(ns.num_iters):
-            for name in names if i % 2 == 0 else names[::-1]:
+            for name in run_order(names, i):
                 t_1s[name].append(timed(name, prompts[b], 1)[0])
+        decode_runs = {name: [max(t - t_1, 1e-9) for (t, _), t_1 in zip(runs[name], t_1s[name])]
+                       for name in names}
+        speedups = paired_speedups(decode_runs["baseline"], decode_runs["speculative"])
         for name in names:
             t_out = statistics.median(t for t, _ in runs[name])
             t_1 = statistics.median(t_1s[name])
             decode_s = max(t_out - t_1, 1e-9)
+            queries, hits = (a - z for a, z in zip(counters_after[name], counters_before[name]))
             point = {"batch_size": b, "t_out_s": t_out, "t_1_s": t_1,
                      "itl_ms": 1e3 * decode_s / (ns.output_len - 1),
-                     "decode_tok_s": b * (ns.output_len - 1) / decode_s}
+                     "decode_tok_s": b * (ns.output_len - 1) / decode_s,
+                     "prefix_cache_hit_rate": hits / queries if queries else 0.0}
+            if name == "speculative":
+                point.update(speedup=statistics.median(speedups), speedup_min=min(speedups),
+                             speedup_max=max(speedups))
             if name == "speculative" and after is not None:
                 drafts = after.num_drafts - before.num_drafts
                 drafted = after.num_draft_tokens - before.num_draft_tokens
@@ -165,6 +212,8 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
                                               if num_steps else 0.0))
             results[name][b] = point
             outputs_by_engine[name][b] = runs[name][0][1]
+    num_gpu_blocks = {name: engines[name][0].llm_engine.kv_cache_manager.block_pool.num_blocks
+                      for name in names}
     for name in names:
         engines[name][0].shutdown()
     engines.clear()
@@ -178,13 +227,14 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
         equal = sum(x == y for r, g in zip(ref, got) for x, y in zip(r, g))
         points.append({**spec, "baseline_itl_ms": base["itl_ms"],
                        "baseline_decode_tok_s": base["decode_tok_s"],
-                       "speedup": spec["decode_tok_s"] / base["decode_tok_s"],
+                       "baseline_prefix_cache_hit_rate": base["prefix_cache_hit_rate"],
                        "tokens_equal": equal / sum(len(r) for r in ref)})
     return {
         "machine": machine, "gpu": machine["gpu"], "command": report.command_line(None),
         "model": model, "dtype": dtype_name, "workload": ns.workload,
         "input_len": ns.input_len, "segment_len": ns.segment_len, "output_len": ns.output_len,
-        "num_iters": ns.num_iters, "speculative_config": spec_config, "points": points,
+        "num_iters": ns.num_iters, "speculative_config": spec_config,
+        "num_gpu_blocks": num_gpu_blocks, "points": points,
         "sluice_version": report.sluice_version(), "date": report.now_iso(),
     }
 
@@ -198,20 +248,22 @@ def format_spec(record: dict[str, Any]) -> str:
         f"model: {record['model']} ({record['dtype']}); workload {record['workload']}: "
         f"{record['input_len']} prompt tokens, {record['output_len']} output tokens, greedy",
         f"speculative: {json.dumps(record['speculative_config'])}",
-        f"{'batch':>6} {'ITL base':>9} {'ITL spec':>9} {'speed-up':>9} {'accept':>7} "
+        f"{'batch':>6} {'ITL base':>9} {'ITL spec':>9} {'speed-up':>9} {'range':>11} {'accept':>7} "
         f"{'mean len':>9} {'tok/step':>9} {'drafted':>8} {'off:batch':>10} {'off:accept':>11} "
         f"{'equal':>6}",
     ]
     lines += [f"{p['batch_size']:>6} {p['baseline_itl_ms']:>9.3f} {p['itl_ms']:>9.3f} "
-              f"{p['speedup']:>8.2f}x {p.get('acceptance_rate', 0):>7.1%} "
+              f"{p['speedup']:>8.2f}x {p['speedup_min']:>5.2f}-{p['speedup_max']:<5.2f} "
+              f"{p.get('acceptance_rate', 0):>7.1%} "
               f"{p.get('mean_acceptance_length', 0):>9.2f} {p.get('tokens_per_step', 0):>9.2f} "
               f"{p.get('drafting_step_fraction', 0):>8.1%} "
               f"{p.get('num_steps_off_batch_size', 0):>10} "
               f"{p.get('num_steps_off_acceptance', 0):>11} {p['tokens_equal']:>6.1%}"
               for p in record["points"]]
-    lines.append("tok/step: decode tokens per request and step; drafted: share of the timed "
-                 "steps that drafted (the drafting policy); off: steps without drafts for the "
-                 "batch size / for low acceptance")
+    lines.append("speed-up: median over consecutive iterations (A B B A) of baseline / "
+                 "speculative decode time, range: their spread; tok/step: decode tokens per "
+                 "request and step; drafted: share of the timed steps that drafted (the drafting "
+                 "policy); off: steps without drafts for the batch size / for low acceptance")
     return "\n".join(lines)
 
 

@@ -3,13 +3,16 @@
 Lifecycle: once the KV cache is bound, `warm_up` runs eager steps on padding inputs so that their
 Triton and cuBLAS kernels load now rather than in the first requests' steps; then, unless the
 engine is eager, `capture` records four sets (sluice.worker.cuda_graphs.DecodeGraphs), all on the
-InputBuilder's persistent device buffers and sharing one memory pool (one graph runs at a time):
+InputBuilder's persistent device buffers and sharing one memory pool (one graph runs at a time),
+in this order:
 
 - decode batches, by number of requests (padded to the next captured size);
-- verification steps of speculative decoding, every request 1 + k tokens, by number of requests;
 - one prompt (maybe over a cached prefix), by padded token count;
 - any other step (several prompts, prompts beside decodes), by padded token count, its requests
-  padded to a fixed number.
+  padded to a fixed number;
+- verification steps of speculative decoding, every request 1 + k tokens, by number of requests.
+  Last, so that an engine with speculation captures the other three exactly as one without
+  (same order, same pool state): with drafting off, the two replay the same graphs.
 
 Per step the InputBuilder asks `verify_size` (which fixes the step's token layout) and then
 `pad_for_graph`, which picks the graph and writes the padding rows and tokens that graph was
@@ -210,9 +213,14 @@ class GraphRunner:
 
         self.graphs.capture(model, self._hooked(make_inputs))
         logger.info("captured CUDA graphs for decode batch sizes %s", self.graphs.sizes)
+        self._capture_prompt_graphs(model, max_size)
         if self.query_len is not None:
             self._capture_verify_graphs(model, max_size)
 
+    def _capture_prompt_graphs(self, model: nn.Module, max_size: int) -> None:
+        """Steps with prompts: one prompt, and any other step of several requests."""
+        b = self.inputs
+        max_model_len = self.scheduler_config.max_model_len
         # One prompt (maybe over a cached prefix) padded to a token bucket: the prefill of a
         # lone request is otherwise dominated by launching ~30 kernels a layer from Python.
         max_tokens = min(self.scheduler_config.max_num_batched_tokens, max_model_len,

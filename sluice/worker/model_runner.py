@@ -251,8 +251,7 @@ class ModelRunner:
                 # scheduler recomputes from the first bad block (or fails the request). (Loads
                 # never serve requests that want prompt logprobs: those skip every cache.)
                 sample_rows = [i for i in sample_rows if i not in failed]
-        if self.spec is not None and (self.spec.model_proposer is not None
-                                      or step.num_drafts.any()):
+        if self.spec is not None and (self.spec.model_proposer is not None or step.drafts):
             if previous is not None:
                 previous.result()  # verification appends this step's tokens after those
             # Rows with drafts are verified by the rejection sampler, and so are the others

@@ -44,7 +44,7 @@ class StepInputs:
     # CUDA graph lays requests out every 1 + k tokens, padding after the real ones)
     query_start_loc: np.ndarray
     num_drafts: np.ndarray  # [B] draft tokens at the end of each request's scheduled tokens
-    drafts: list[list[int]]
+    drafts: list[list[int]]  # [B] each request's drafts; [] for a step without any
     block_tables: torch.Tensor  # [B, most blocks of any request], on the device
     graph: tuple[DecodeGraphs, int] | None  # the CUDA graph to replay (graph set, size), if any
     ordered: bool  # a decode batch: buf_decode_order holds its longest-first order
@@ -110,7 +110,9 @@ class InputBuilder:
         # Tokens each request occupies in the flattened step: its scheduled ones, or 1 + k for
         # every request of a verification step that replays a CUDA graph.
         layout = num_scheduled
-        verify_size = graphs.verify_size(states, num_computed, num_scheduled, num_drafts)
+        # Only a step with drafts can replay a verification graph (drafting off: never asked).
+        verify_size = (graphs.verify_size(states, num_computed, num_scheduled, num_drafts)
+                       if drafts else None)
         if verify_size is not None:
             layout = np.full(num_reqs, graphs.query_len, dtype=np.int64)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)

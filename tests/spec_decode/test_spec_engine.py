@@ -287,6 +287,50 @@ def test_greedy_output_is_unchanged_when_drafting_switches_under_async_schedulin
     llm.shutdown()
 
 
+def record_steps(llm: LLM) -> list[tuple]:
+    """Per launched step: its tokens, the blocks it gives each request, its drafts, and whether
+    a step was in flight when it launched."""
+    core = llm.llm_engine.engine_core
+    execute_model = core.executor.execute_model
+    steps: list[tuple] = []
+
+    def recording(so):  # noqa: ANN001, ANN202
+        steps.append((so.num_scheduled_tokens,
+                      [(r.req_id, r.block_ids) for r in so.scheduled_new_reqs],
+                      [(r.req_id, r.new_block_ids) for r in so.scheduled_cached_reqs],
+                      so.scheduled_spec_decode_tokens, core.in_flight is not None))
+        return execute_model(so)
+
+    core.executor.execute_model = recording
+    return steps
+
+
+def test_off_for_the_batch_size_an_engine_does_the_work_of_one_without_speculation(
+        qwen3_dir: str, reference: list[list[int]]) -> None:
+    """While drafting is off for the batch size (the default policy: 2 requests and more), an
+    n-gram engine schedules what an engine without speculation schedules, step for step (same
+    tokens, same blocks: no lookahead slots), overlaps every step the same way, and never
+    verifies."""
+    steps = {}
+    for name, spec in (("baseline", None), ("ngram", {**NGRAM, "disable_by_batch_size": 2})):
+        llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+                  async_scheduling=True, speculative_config=spec)
+        steps[name] = record_steps(llm)
+        runner = llm.llm_engine.engine_core.executor.model_runner
+        if runner.spec is not None:
+            runner.spec.verify = None  # a call would fail the test
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                               use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+        if spec is not None:
+            stats = llm.get_spec_decoding_stats()
+            assert stats.num_steps_off_batch_size > 0
+            assert stats.num_steps_drafting == stats.num_steps_off_acceptance == 0
+        llm.shutdown()
+    assert steps["ngram"] == steps["baseline"]
+    assert any(overlapped for *_, overlapped in steps["ngram"])
+
+
 def test_drafts_counted_are_the_drafts_verified(qwen3_dir: str) -> None:
     """With the policy switching, the counters add up the drafts of the steps that ran, and
     the policy's step counters the steps scheduled while a request could speculate."""

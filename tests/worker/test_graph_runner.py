@@ -66,3 +66,35 @@ def test_emulated_graph_replays_give_eager_greedy_ids(qwen3_dir: str, kwargs: di
     if "speculative_config" in kwargs:
         sets.append(graphs.verify_graphs)
     assert all(s is not None and s.num_replays > 0 for s in sets)
+
+
+def test_speculation_captures_the_graphs_of_an_engine_without_first_then_verification(
+        qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With drafting off the two engines replay the same graphs: captured in the same order
+    (sharing one pool, each capture may reuse what the one before freed), the verification
+    graphs only after them."""
+    captured: list[DecodeGraphs] = []
+
+    class RecordedGraphs(EmulatedGraphs):
+        def capture(self, forward: Callable, make_inputs: Callable) -> None:
+            captured.append(self)
+            super().capture(forward, make_inputs)
+
+    monkeypatch.setattr(graph_runner, "DecodeGraphs", RecordedGraphs)
+    orders = []
+    for spec in (None, NGRAM):
+        captured.clear()
+        llm = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256,
+                  max_num_seqs=8, max_num_batched_tokens=64, speculative_config=spec)
+        runner = llm.llm_engine.engine_core.executor.model_runner
+        builder, graphs = runner.input_builder, runner.graph_runner
+        builder.graph_block_tables = torch.zeros_like(builder.buf_block_tables.cpu.view(8, -1))
+        graphs.capture(runner.model)
+        names = {id(graphs.graphs): "decode", id(graphs.prefill_graphs): "prefill",
+                 id(graphs.mixed_graphs): "mixed", id(graphs.verify_graphs): "verify"}
+        orders.append([(names[id(s)], s.sizes) for s in captured])
+        llm.shutdown()
+    without, with_spec = orders
+    assert [name for name, _ in without] == ["decode", "prefill", "mixed"]
+    assert with_spec[:3] == without
+    assert with_spec[3][0] == "verify"
