@@ -19,9 +19,10 @@ after its own wait returned, that is after kernel N - 1 had finished: every earl
 kernel launched without PDL (cuBLAS, torch's) waits for the full completion of the one before it,
 as always.
 
-`use_pdl(tensor)` says whether launches on that tensor's device use it: a CUDA device of compute
-capability 9.0 or more, and not turned off with SLUICE_PDL=0 (for A/B runs). Never on the CPU
-(Triton's interpreter in the tests), where the kernels take the branch without it.
+`use_pdl(tensor, family)` says whether launches on that tensor's device use it: a CUDA device of
+compute capability 9.0 or more, and not turned off with SLUICE_PDL (0: off; a comma-separated
+list of FAMILIES: those only, for A/B runs). Never on the CPU (Triton's interpreter in the
+tests), where the kernels take the branch without it.
 """
 
 from __future__ import annotations
@@ -43,9 +44,18 @@ def _device_supports_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def use_pdl(tensor: torch.Tensor) -> bool:
-    """Whether kernels launched on `tensor`'s device use programmatic dependent launch."""
-    if tensor.device.type != "cuda" or os.environ.get("SLUICE_PDL", "1") == "0":
+# The kernel families, each on or off with SLUICE_PDL: "0" none, "1" (the default) all, or a
+# comma-separated list of families (for A/B runs).
+FAMILIES = ("gemm", "attention", "ops")
+
+
+def use_pdl(tensor: torch.Tensor, family: str) -> bool:
+    """Whether a kernel of `family` (one of FAMILIES) launched on `tensor`'s device uses
+    programmatic dependent launch."""
+    if tensor.device.type != "cuda":
+        return False
+    setting = os.environ.get("SLUICE_PDL", "1")
+    if setting == "0" or (setting != "1" and family not in setting.split(",")):
         return False
     return _device_supports_pdl(tensor.device.index or 0)
 

@@ -229,7 +229,7 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
         counters = _counters(x.device)
     else:
         partial = counters = out  # not read
-    pdl = use_pdl(x)
+    pdl = use_pdl(x, "gemm")
     _skinny_mm_kernel[grid](
         x, weight, out, partial, counters, m, n, 0.0 if inv_rms_eps is None else inv_rms_eps,
         x.stride(0), weight.stride(0), out.stride(0),

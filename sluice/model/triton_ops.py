@@ -256,7 +256,7 @@ def qk_norm_rope(
                   + num_kv_blocks * (2 if stores_kv or row_rms else 1))
     key_cache, value_cache = (kv_cache[0], kv_cache[1]) if stores_kv else (qkv, qkv)
     half_pad = triton.next_power_of_2(head_dim // 2)
-    pdl = use_pdl(qkv)
+    pdl = use_pdl(qkv, "ops")
     _qk_norm_rope_kernel[(num_tokens, num_blocks)](
         qkv,
         positions,
@@ -375,7 +375,7 @@ def silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None = None,
         return out
     block = min(SILU_BLOCK, triton.next_power_of_2(intermediate_size))
     grid = (num_tokens, triton.cdiv(intermediate_size, block))
-    pdl = use_pdl(x)
+    pdl = use_pdl(x, "ops")
     _silu_and_mul_kernel[grid](
         x, out, residual if row_rms else x, x.stride(0), out.stride(0),
         residual.stride(0) if row_rms else 0, intermediate_size,
@@ -437,7 +437,7 @@ def _launch_rms_norm(
     if rows.shape[0] == 0:
         return out, summed
     block = triton.next_power_of_2(hidden_size)
-    pdl = use_pdl(rows)
+    pdl = use_pdl(rows, "ops")
     _rms_norm_kernel[(rows.shape[0],)](
         rows,
         residual_rows,

@@ -17,11 +17,14 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9,
 
 def test_off_on_the_cpu_and_when_turned_off(monkeypatch):
     monkeypatch.delenv("SLUICE_PDL", raising=False)
-    assert not pdl.use_pdl(torch.zeros(1))
+    assert not pdl.use_pdl(torch.zeros(1), "gemm")
     if HOPPER:
-        assert pdl.use_pdl(torch.zeros(1, device="cuda"))
+        gpu = torch.zeros(1, device="cuda")
+        assert all(pdl.use_pdl(gpu, family) for family in pdl.FAMILIES)
         monkeypatch.setenv("SLUICE_PDL", "0")
-        assert not pdl.use_pdl(torch.zeros(1, device="cuda"))
+        assert not any(pdl.use_pdl(gpu, family) for family in pdl.FAMILIES)
+        monkeypatch.setenv("SLUICE_PDL", "gemm,ops")
+        assert [pdl.use_pdl(gpu, f) for f in ("gemm", "attention", "ops")] == [True, False, True]
 
 
 def test_l2_lines():

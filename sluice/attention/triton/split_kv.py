@@ -208,7 +208,7 @@ def split_kv_attention(
     )
     partial_sum = torch.empty_like(partial_max)
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and out.stride(2) == 1
-    pdl = use_pdl(query)
+    pdl = use_pdl(query, "attention")
     _split_kv_partial_kernel[(num_tokens, num_kv_heads, num_splits)](
         partial_acc,
         partial_max,

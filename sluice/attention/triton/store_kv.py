@@ -72,7 +72,7 @@ def store_kv(
         return
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.stride(4) == 1
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    pdl = use_pdl(key)
+    pdl = use_pdl(key, "attention")
     _store_kv_kernel[(num_tokens,)](
         key,
         value,

@@ -218,7 +218,7 @@ def unified_attention(
         page_size = 1
         stride_kv = (0, key.stride(0), key.stride(1))
     assert query.stride(2) == 1 and key.stride(-1) == 1 and out.stride(2) == 1
-    pdl = use_pdl(query)
+    pdl = use_pdl(query, "attention")
     _unified_attention_kernel[(num_q_tiles, num_kv_heads)](
         out,
         query,
