@@ -11,6 +11,10 @@ the time the device sat idle waiting for the host before it. torch.profiler wind
 steps (`--profile-at`, e.g. at batch ~256, ~128 and ~16) list the top GPU kernels; those steps
 are included in the phase times and the timeline, so take the timeline from a run without them
 (`--profile-steps 0`). Prints per-phase totals and per-step means; writes JSON.
+
+`--fixed-lengths` gives every request a prompt of max-input-len random tokens and max-output-len
+greedy tokens (the shapes of `sluice bench latency`); `--host-profile N` runs under cProfile and
+lists the N functions of the most host time.
 """
 
 from __future__ import annotations

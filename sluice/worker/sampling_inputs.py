@@ -73,7 +73,8 @@ class SamplingStaging:
 
     def upload_seeds(self, row_seeds: np.ndarray) -> torch.Tensor:
         """Row seeds alone ([B] int64 on the device), for metadata otherwise reused
-        (SamplingMetadataReuse): through the int buffer of the turn, its seed column."""
+        (SamplingMetadataReuse): through the start of the turn's int buffer, taking a turn as
+        `upload` does."""
         self.turn ^= 1
         num_rows = len(row_seeds)
         host = self.ints[self.turn][:_aligned_width(num_rows)]

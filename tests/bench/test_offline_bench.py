@@ -190,6 +190,22 @@ def test_bench_profile_of_one_request_on_cpu(tiny_dir: str, tmp_path: Path) -> N
     assert window["top_host_ops"] and "ranks" not in window
 
 
+def test_bench_profile_of_fixed_lengths_with_the_host_profile(tiny_dir: str,
+                                                              tmp_path: Path) -> None:
+    out_json = tmp_path / "profile.json"
+    result = run_sluice("bench", "profile", "--model", tiny_dir, "--device", "cpu",
+                        "--num-requests", "2", "--max-input-len", "10", "--max-output-len", "5",
+                        "--fixed-lengths", "--profile-steps", "0", "--host-profile", "5",
+                        "--output", str(out_json))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out_json.read_text())
+    assert record["output_tokens"] == 10 and record["steps"] == 5  # one prefill, four decodes
+    assert {"launch.prepare", "launch.sample"} <= set(record["phases_s"])
+    functions = record["host_functions"]
+    assert len(functions["by_own_time"]) == 5
+    assert functions["by_cumulative_time"][0]["cum_ms_per_step"] > 0
+
+
 def test_bench_latency_rejects_bad_arguments(tiny_dir: str) -> None:
     result = run_sluice("bench", "latency", "--model", tiny_dir, "--device", "cpu",
                         "--output-len", "1")
