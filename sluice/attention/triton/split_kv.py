@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.model.pdl import pdl_wait, use_pdl
-
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.triton.common import (
     LOG2_E,
@@ -27,6 +25,7 @@ from sluice.attention.triton.common import (
     fit_tiles,
     group_padded,
 )
+from sluice.model.pdl import pdl_wait, use_pdl
 
 
 @triton.jit(do_not_specialize=["num_reqs", "stride_block_table"])  # vary by step

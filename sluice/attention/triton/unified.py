@@ -25,8 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.model.pdl import pdl_wait, use_pdl
-
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.triton.common import (
     LOG2_E,
@@ -37,6 +35,7 @@ from sluice.attention.triton.common import (
     fit_tiles,
     group_padded,
 )
+from sluice.model.pdl import pdl_wait, use_pdl
 
 MAX_INT32 = 2**31 - 1
 
