@@ -3,11 +3,13 @@
 copies (no L2 reuse between calls, as in the model):
 
 1. per shape and batch size: cuBLAS (the down projection: the SiLU-and-mul kernel then cuBLAS),
-   the best of a sweep of Triton configurations, and the configuration choose_config picks;
+   the best of a sweep of Triton configurations (tensor-core tiles, and for at most 4 rows the
+   CUDA-core tiles of GemmConfig.fma), the five best, and the configuration choose_config picks;
 2. the whole decode chain of 28 layers' four projections, cuBLAS against triton_gemm.linear /
-   silu_mul_linear (what the model runs).
+   silu_mul_linear (what the model runs) and against the best configuration of each shape.
 
-    PYTHONPATH=. python scripts/gemm_sweep.py OUT_DIR   # writes OUT_DIR/gemm-sweep.json
+    PYTHONPATH=. python scripts/gemm_sweep.py OUT_DIR [ROWS]  # writes OUT_DIR/gemm-sweep.json
+                                                              # ROWS: e.g. 1,4,16 (the default)
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ from sluice.model import triton_gemm, triton_ops
 from sluice.model.triton_gemm import GemmConfig, choose_config, skinny_mm
 
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-SWEEP_ROWS = [1, 16, 32, 64]
-CHAIN_ROWS = [1, 4, 8, 16, 32]
+SWEEP_ROWS = [1, 4, 16]
 COPIES = 24
 REPS = 10
 
@@ -60,12 +61,19 @@ def time_graph(fns: list) -> float:
 
 def configs(m: int, k: int):
     for bn, bm, bk, stages, split in itertools.product(
-            (32, 64, 128), (16, 32, 64), (128, 256), (3, 5), (1, 2, 4, 8)):
+            (16, 32, 64, 128), (16, 32, 64), (128, 256), (3, 5), (1, 2, 4, 8)):
         if bm > max(16, 1 << (m - 1).bit_length()) or k % (bk * split) or k // split < 2 * bk:
             continue
         if (bn + bm) * bk * 2 * stages > 200_000:
             continue
         yield GemmConfig(bn, bm, bk, 4, stages, split)
+    if m > 4:
+        return
+    bm = 1 << (m - 1).bit_length()  # CUDA-core tiles: the rows in one tile
+    for bn, bk, warps, stages, split in itertools.product(
+            (4, 8, 16, 32), (128, 256, 512, 1024), (4, 8), (1, 3), (1, 2)):
+        if k % (bk * split) == 0 and k // split >= bk:
+            yield GemmConfig(bn, bm, bk, warps, stages, split, True)
 
 
 def _compile(job: tuple[str, tuple]) -> tuple | None:
@@ -89,19 +97,21 @@ def cublas(x: torch.Tensor, w: torch.Tensor, silu: bool) -> torch.Tensor:
 
 def main() -> None:
     out_dir = sys.argv[1]
+    rows = [int(r) for r in sys.argv[2].split(",")] if len(sys.argv) > 2 else SWEEP_ROWS
     jobs = sorted({(name, tuple(c)) for name, (_, k) in SHAPES.items()
-                   for m in SWEEP_ROWS for c in configs(m, k)})
+                   for m in rows for c in configs(m, k)})
     with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 1)) as pool:
         # fill Triton's cache in parallel; drop what does not fit
         unfit = {job for job in pool.map(_compile, jobs, chunksize=4) if job is not None}
-    result = {"command": "PYTHONPATH=. python scripts/gemm_sweep.py " + out_dir,
+    result = {"command": "PYTHONPATH=. python scripts/gemm_sweep.py " + " ".join(sys.argv[1:]),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "configs_swept": len(jobs) - len(unfit), "shapes": {}, "chain_us": {}}
+    best_configs: dict[tuple[str, int], GemmConfig] = {}
     for name, (n, k) in SHAPES.items():
         silu = name == "down"
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
                    for _ in range(COPIES)]
-        for m in SWEEP_ROWS:
+        for m in rows:
             x = torch.randn(m, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
             t_cublas = time_graph([lambda w=w, x=x, s=silu: cublas(x, w, s) for w in weights])
             times = {}
@@ -110,33 +120,43 @@ def main() -> None:
                     continue
                 times[cfg] = time_graph([lambda w=w, x=x, c=cfg, s=silu:
                                          skinny_mm(x, w, c, silu_mul=s) for w in weights])
-            best = min(times, key=times.get)
+            ranked = sorted(times, key=times.get)
+            best = ranked[0]
+            best_configs[name, m] = best
             chosen = choose_config(m, n, k, silu_mul=silu)
             row = {"cublas_us": round(t_cublas, 2), "best_us": round(times[best], 2),
                    "best_config": list(best),
+                   "top5": [[list(c), round(times[c], 2)] for c in ranked[:5]],
                    "chosen_config": list(chosen) if chosen else None,
                    "chosen_us": round(times[chosen], 2) if chosen in times else None}
             result["shapes"][f"{name} m={m}"] = row
             print(f"{name:8s} m={m:3d} {row}", flush=True)
     layers = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
                      for _ in range(28)] for name, (n, k) in SHAPES.items()}
-    for m in CHAIN_ROWS:
+    for m in rows:
         h = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
 
-        def layer(i: int, fused: bool, h: torch.Tensor = h):
+        def layer(i: int, kind: str, h: torch.Tensor = h, m: int = m):
+            def best(name: str, x: torch.Tensor) -> torch.Tensor:
+                return skinny_mm(x, layers[name][i], best_configs[name, m],
+                                 silu_mul=name == "down")
+
             def run() -> None:
-                lin = triton_gemm.linear if fused else F.linear
+                if kind == "best":
+                    best("down", best("gate_up", best("o", best("qkv", h)[:, :2048])))
+                    return
+                lin = triton_gemm.linear if kind == "sluice" else F.linear
                 qkv = lin(h, layers["qkv"][i])
                 o = lin(qkv[:, :2048], layers["o"][i])
                 gate_up = lin(o, layers["gate_up"][i])
-                if fused:
+                if kind == "sluice":
                     triton_gemm.silu_mul_linear(gate_up, layers["down"][i])
                 else:
                     F.linear(triton_ops.silu_and_mul(gate_up), layers["down"][i])
             return run
 
-        row = {"cublas": round(28 * time_graph([layer(i, False) for i in range(28)]), 1),
-               "sluice": round(28 * time_graph([layer(i, True) for i in range(28)]), 1)}
+        row = {kind: round(28 * time_graph([layer(i, kind) for i in range(28)]), 1)
+               for kind in ("cublas", "sluice", "best")}
         result["chain_us"][f"m={m}"] = row
         print(f"28 layers' projections, {m} rows: {row} us", flush=True)
     with open(os.path.join(out_dir, "gemm-sweep.json"), "w") as f:

@@ -19,9 +19,11 @@ epilogues remove the norm launches at these sizes too: `linear_add` accumulates 
 `inv_rms_linear` scales each output row by 1 / rms of its input row, whose squares the program
 sums as it streams the row through its K loop (gate_up_proj reads the raw residual).
 
-Measured on the H200 (see benchmarks/README.md): with the configuration `choose_config` picks,
-within 2% of the best of 454 configurations at one and 16 rows for Qwen3-0.6B's four
-projections; above 16 rows cuBLAS is as fast or faster, and `linear` leaves those to it.
+Measured on the H200 (see benchmarks/README.md, `scripts/gemm_sweep.py`): at one row the
+CUDA-core tiles of `GemmConfig.fma` (4 weight rows a program, K never split) beat the
+tensor-core tiles for Qwen3-0.6B's o, gate_up and down projections; at 16 and 32 rows the
+tensor-core tiles beat cuBLAS by 5-30% a projection; at 64 rows cuBLAS is as fast or faster
+(the down projection by 20%), and `linear` leaves batches above MAX_ROWS to it.
 
 The functions take CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1` (the tests). The grid
 depends only on python ints, so a launch can be captured in a CUDA graph. The split-K counters
@@ -43,7 +45,7 @@ from sluice.model.pdl import line_elems, lines_pad, pdl_wait, prefetch_l2, use_p
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Batches of at most this many rows run here; larger ones in cuBLAS.
-MAX_ROWS = 16
+MAX_ROWS = 32
 # K is split until the launch has about this many programs (the H200 has 132 SMs).
 TARGET_PROGRAMS = 128
 MAX_SPLIT_K = 8
@@ -58,6 +60,10 @@ class GemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1
+    # Products on the CUDA cores (float32 multiply-adds) instead of the tensor cores: tiles
+    # narrower than tl.dot's 16 (block_n 8 over 1024 weight rows is 128 programs without
+    # splitting K), for a few batch rows (block_m 1 to 4).
+    fma: bool = False
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled variant for every batch size
@@ -82,6 +88,7 @@ def _skinny_mm_kernel(
     ACCUMULATE: tl.constexpr,  # y += x W^T (y holds the residual stream)
     INV_RMS: tl.constexpr,  # y = (x W^T) / rms(x) per row (SPLIT_K 1: a program sees all of K)
     UPCAST: tl.constexpr,  # the CPU interpreter: its 16-bit dot products are wrong
+    FMA: tl.constexpr,  # multiply-adds in float32 on the CUDA cores, not tl.dot (GemmConfig.fma)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs: no TF32 rounding
     USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
     LINE_ELEMS: tl.constexpr,  # USE_PDL: weight elements per L2 line
@@ -121,10 +128,14 @@ def _skinny_mm_kernel(
         if INV_RMS:
             x32 = x.to(tl.float32)
             sum_squares += tl.sum(x32 * x32, axis=1)
-        if UPCAST:
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        if FMA:
+            products = w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+            acc += tl.sum(products, axis=2)
+        else:
+            if UPCAST:
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out_mask = n_mask[:, None] & m_mask[None, :]
@@ -169,23 +180,30 @@ def _counters(device: torch.device) -> torch.Tensor:
 def choose_config(m: int, n: int, k: int, silu_mul: bool = False,
                   split_k: bool = True) -> GemmConfig | None:
     """The configuration for an [m, k] x [n, k]^T product, or None to leave it to cuBLAS (more
-    than MAX_ROWS rows, or K not a multiple of 16). 16-row tiles; 64-wide weight tiles,
-    32-wide when fewer than 96 tiles would leave SMs idle (not with the SiLU prologue, whose
-    cost grows with the number of tiles); 128 of K per iteration (less where K has no such
-    factor: tiny test models); then, unless `split_k` is False, K split in two until about
-    TARGET_PROGRAMS programs, each over at least 256 of K."""
+    than MAX_ROWS rows, or K not a multiple of 16).
+
+    One row: CUDA-core tiles of 4 weight rows, up to 1024 of K per iteration, K never split.
+    More rows: 16-row tiles (32-row above 16 rows); 64-wide weight tiles, 32-wide when fewer
+    than 64 tiles would leave SMs idle (not with the SiLU prologue, whose cost grows with the
+    number of tiles); 128 of K per iteration (less where K has no such factor: tiny test
+    models); then, while there are fewer than 64 tiles and unless `split_k` is False, K split
+    in two until about TARGET_PROGRAMS programs, each over at least 256 of K."""
     if m > MAX_ROWS or m < 1 or k % 16:
         return None
+    if m == 1:
+        block_k = next(b for b in (1024, 512, 256, 128, 64, 32, 16) if k % b == 0)
+        return GemmConfig(4, 1, block_k, 4, 3, 1, fma=True)
     block_k = next(b for b in (128, 64, 32, 16) if k % b == 0)
-    block_m = 16
+    block_m = 16 if m <= 16 else 32
     m_tiles = triton.cdiv(m, block_m)
     block_n = 64
-    if not silu_mul and triton.cdiv(n, 64) * m_tiles < 96:
+    if not silu_mul and triton.cdiv(n, 64) * m_tiles < 64:
         block_n = 32
     programs = triton.cdiv(n, block_n) * m_tiles
     split = 1
-    while (split_k and programs * split * 2 <= TARGET_PROGRAMS and split < MAX_SPLIT_K
-           and k % (2 * split * block_k) == 0 and k // (2 * split) >= 256):
+    while (split_k and programs < 64 and programs * split * 2 <= TARGET_PROGRAMS
+           and split < MAX_SPLIT_K and k % (2 * split * block_k) == 0
+           and k // (2 * split) >= 256):
         split *= 2
     return GemmConfig(block_n, block_m, block_k, 4, 5, split)
 
@@ -208,6 +226,8 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
         raise ValueError("skinny_mm needs the rows of x and of the weight contiguous")
     if k % (config.split_k * config.block_k):
         raise ValueError(f"K={k} is not a multiple of split_k * block_k of {config}")
+    if not config.fma and min(config.block_n, config.block_m, config.block_k) < 16:
+        raise ValueError(f"tensor-core tiles are at least 16 wide: {config} (or set fma)")
     if inv_rms_eps is not None and (config.split_k > 1 or silu_mul):
         raise ValueError(f"1 / rms needs whole plain rows: not with {config}"
                          f"{' and SiLU-and-mul' if silu_mul else ''}")
@@ -235,7 +255,7 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
         x.stride(0), weight.stride(0), out.stride(0),
         K=k, BLOCK_N=config.block_n, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
         SPLIT_K=config.split_k, SILU_MUL=silu_mul, ACCUMULATE=accumulate,
-        INV_RMS=inv_rms_eps is not None, UPCAST=_INTERPRET,
+        INV_RMS=inv_rms_eps is not None, UPCAST=_INTERPRET, FMA=config.fma,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, LINE_ELEMS=line_elems(weight),
         LINES_PAD=lines_pad(k // config.split_k, weight),

@@ -44,12 +44,16 @@ CONFIGS = [
     GemmConfig(32, 16, 32, 4, 2, 1),
     GemmConfig(16, 16, 32, 4, 2, 2),  # split-K
     GemmConfig(32, 16, 16, 4, 3, 4),
+    GemmConfig(8, 1, 64, 4, 1, 1, True),  # CUDA-core tiles, one row each
+    GemmConfig(4, 4, 32, 4, 3, 2, True),  # CUDA-core tiles of four rows, split-K
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 32, 128), (5, 40, 128), (16, 48, 256), (19, 32, 128)])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=lambda c: f"n{c.block_n}m{c.block_m}k{c.block_k}s{c.split_k}"
+                         + ("fma" if c.fma else ""))
 def test_skinny_mm_is_the_product(dtype, m, n, k, config):
     """Rows past a tile (m = 5, 19) and weight rows past a tile (n = 40) are masked."""
     x = random(m, k, dtype=dtype, seed=1)
@@ -60,7 +64,8 @@ def test_skinny_mm_is_the_product(dtype, m, n, k, config):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", CONFIGS[:2], ids=["split1", "split2"])
+@pytest.mark.parametrize("config", CONFIGS[:2] + CONFIGS[3:],
+                         ids=["split1", "split2", "fma", "fma_split2"])
 def test_silu_mul_folded_into_the_product(dtype, config):
     m, n, k = 7, 32, 128
     gate_up = random(m, 2 * k, dtype=dtype, seed=3, scale=2.0)
@@ -70,7 +75,8 @@ def test_silu_mul_folded_into_the_product(dtype, config):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", CONFIGS, ids=["split1", "split2", "split4"])
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=["split1", "split2", "split4", "fma", "fma_split2"])
 @pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
 def test_accumulate_adds_the_product_to_out(dtype, config, silu):
     """The folded layers' o_proj / down_proj: residual += x W^T in the epilogue (after the
@@ -137,16 +143,24 @@ def test_a_strided_input_is_read_in_place():
 
 
 def test_choose_config_for_qwen3_0_6b_decode():
-    """The measured choices (benchmarks/README.md): 16-row tiles; q/k/v and o projections in
-    32-wide weight tiles, o with K split in four; gate_up in 64-wide tiles; down (SiLU-and-mul
-    folded in) 64-wide with K split in eight; cuBLAS above 16 rows."""
-    assert choose_config(1, 4096, 1024) == GemmConfig(32, 16, 128, 4, 5, 1)
+    """The measured choices (benchmarks/README.md, H200): one row in CUDA-core tiles of 4
+    weight rows over 1024 of K; 16-row tiles to 16 rows, 32-row tiles to 32; q/k/v and gate_up
+    in 64-wide weight tiles, K whole; o 32-wide with K split in four; down (SiLU-and-mul folded
+    in) 64-wide with K split in eight; cuBLAS above 32 rows."""
+    assert choose_config(1, 4096, 1024) == GemmConfig(4, 1, 1024, 4, 3, 1, True)
+    assert choose_config(1, 1024, 3072, silu_mul=True) == GemmConfig(4, 1, 1024, 4, 3, 1, True)
+    assert choose_config(1, 1024, 2048) == GemmConfig(4, 1, 1024, 4, 3, 1, True)
+    assert choose_config(16, 4096, 1024) == GemmConfig(64, 16, 128, 4, 5, 1)
     assert choose_config(16, 1024, 2048) == GemmConfig(32, 16, 128, 4, 5, 4)
     assert choose_config(8, 6144, 1024) == GemmConfig(64, 16, 128, 4, 5, 1)
-    assert choose_config(1, 1024, 3072, silu_mul=True) == GemmConfig(64, 16, 128, 4, 5, 8)
-    assert choose_config(17, 4096, 1024) is None
+    assert choose_config(2, 1024, 3072, silu_mul=True) == GemmConfig(64, 16, 128, 4, 5, 8)
+    assert choose_config(32, 4096, 1024) == GemmConfig(64, 32, 128, 4, 5, 1)
+    assert choose_config(17, 1024, 2048) == GemmConfig(32, 32, 128, 4, 5, 4)
+    assert choose_config(32, 1024, 3072, silu_mul=True) == GemmConfig(64, 32, 128, 4, 5, 8)
+    assert choose_config(33, 4096, 1024) is None
     assert choose_config(4, 4096, 1000) is None  # K with no factor of 16
     assert choose_config(4, 64, 96) == GemmConfig(32, 16, 32, 4, 5, 1)
+    assert choose_config(1, 64, 96) == GemmConfig(4, 1, 32, 4, 3, 1, True)
 
 
 def test_linear_and_silu_mul_linear():
@@ -178,10 +192,13 @@ def test_bad_shapes_are_refused_with_their_sizes():
     with pytest.raises(ValueError, match="K=64 is not a multiple of split_k \\* block_k"):
         skinny_mm(random(2, 64, dtype=torch.float32, seed=12), weight,
                   GemmConfig(32, 16, 64, 4, 2, 2))
+    with pytest.raises(ValueError, match="tensor-core tiles are at least 16 wide"):
+        skinny_mm(random(2, 64, dtype=torch.float32, seed=12), weight,
+                  GemmConfig(8, 16, 64, 4, 2, 1))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need a GPU")
-@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("m", [1, 7, 16, 25, 32])
 @pytest.mark.parametrize("n,k,silu", [(4096, 1024, False), (1024, 2048, False),
                                       (6144, 1024, False), (1024, 3072, True)])
 def test_qwen3_0_6b_projections_on_the_gpu(m, n, k, silu):
