@@ -16,8 +16,7 @@ import torch
 from sluice.attention.backend import get_attention_backend
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.torch_ref import TorchRefBackend
-from sluice.attention.triton import TileConfig, split_kv_attention, store_kv
-from sluice.attention.triton import split_kv as split_kv_module
+from sluice.attention.triton import split_kv_attention, store_kv
 from sluice.attention.triton_backend import (
     SPLIT_TILES,
     TritonBackend,
@@ -152,6 +151,8 @@ def test_other_block_sizes_match_reference(device, block_size):
 def test_query_tiles_smaller_than_a_prompt_skip_future_keys(device):
     # Prefill tiles of 16 rows (8 tokens x 2 heads) over 16-key tiles: a 45-token prompt spans
     # several query tiles, each with unmasked, masked and skipped key tiles.
+    from sluice.attention.triton import TileConfig
+
     tiles = TileConfig(block_m=16, block_n=16)
     config = TritonBackendConfig(split_kv="never", prefill_tiles=tiles)
     step = make_step([(45, 45), (60, 33)], 4, 2, 16, device=device, seed=2)
@@ -166,55 +167,6 @@ def test_split_kv_decode_matches_reference(device, num_splits, num_heads, num_kv
     config = TritonBackendConfig(split_kv="always", num_splits=num_splits)
     step = make_step(DECODE, num_heads, num_kv_heads, block_size, device=device, seed=3)
     assert_matches_reference(step, TritonBackend(config))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_split_kv_launches_in_a_row_reuse_the_arrival_counters(device):
-    # The last split of each (token, KV head) to arrive merges and resets its counter: a later
-    # launch on the same counters must merge again, to the same output bit for bit (on a GPU
-    # the splits arrive in varying orders; the merge's order is fixed). Every output is kept
-    # alive, so each launch writes into fresh memory.
-    config = TritonBackendConfig(split_kv="always", num_splits=4)
-    step = make_step(DECODE, 4, 2, 16, device=device, seed=10)
-    backend = TritonBackend(config)
-    ref_cache = step.kv_cache.clone()
-    expected = TorchRefBackend().forward(
-        step.query, step.key, step.value, ref_cache, step.metadata, 0.25
-    )
-    launches = 2 if device == "cpu" else 20
-    outputs = [
-        backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25)
-        for _ in range(launches)
-    ]
-    torch.testing.assert_close(outputs[0], expected, **TOLERANCE[torch.float32])
-    for out in outputs[1:]:
-        assert torch.equal(out, outputs[0])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_split_kv_batch_of_one_split_and_all_split_contexts_matches_reference(device):
-    # 16-key tiles over 8 splits: the 1- and 16-key contexts hold one tile (one used split),
-    # the 128- and 113-key ones eight (every split), the 97-key one seven; a padding request too.
-    num_splits, block_n = 8, 16
-    requests = [(1, 1), (128, 1), (16, 1), (0, 1), (97, 1), (113, 1)]
-    tiles = [-(-seq_len // block_n) for seq_len, _ in requests]
-    used_splits = [-(-t // max(-(-t // num_splits), 1)) for t in tiles]
-    assert used_splits == [1, 8, 1, 0, 7, 8]
-    config = TritonBackendConfig(
-        split_kv="always", num_splits=num_splits, split_tiles=TileConfig(16, block_n)
-    )
-    step = make_step(requests, 8, 2, 16, device=device, seed=11)
-    assert_matches_reference(step, TritonBackend(config))
-
-
-def test_split_kv_refuses_more_token_kv_heads_than_arrival_counters(monkeypatch):
-    monkeypatch.setattr(split_kv_module, "MAX_ARRIVAL_COUNTERS", 9)
-    step = make_step(DECODE, 4, 2, 16)  # 5 tokens x 2 KV heads
-    with pytest.raises(ValueError, match="5 tokens x 2 KV heads is more than 9"):
-        split_kv_attention(
-            torch.empty_like(step.query), step.query, step.kv_cache[0], step.kv_cache[1],
-            step.metadata, 0.25, num_splits=2, tiles=SPLIT_TILES,
-        )
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,19 +1,12 @@
 """Split-KV decode attention (flash-decoding): for a few long sequences, one program per
 (token, KV head) would leave most SMs idle, so each request's context is cut into `num_splits`
-slices that run in parallel, one program each. Their partial softmaxes are merged in the same
-launch, as triton_gemm.py's serial split-K merges its partial sums: every split stores its
-float32 partial, and the last split of a (token, KV head) to arrive (an int32 counter per pair)
-reads all of them back, merges them in a fixed order (whatever the order of arrival), writes
-the output and resets the counter. No second launch for the merge: at small batches a launch's
-fixed cost is a large part of the attention's time.
+slices that run in parallel, and a second kernel merges their partial softmaxes.
 
 Only for batches where every request has at most one query token (the last position of its
 context, so no causal mask beyond seq_len). `num_splits` is a python int and every buffer's shape
-follows from python ints, so the launch can be captured in a CUDA graph. Each request's own
-tiles are spread evenly over the splits; splits past its end return at once without arriving,
-and the merge reads only the splits that hold keys (`_used_splits`). A row with no context (a
-CUDA graph's padding request or token) gets zeros from its split 0. The arrival counters are one
-buffer per device: split-KV launches must not run concurrently on two streams.
+follows from python ints, so both launches can be captured in a CUDA graph. Each request's own
+tiles are spread evenly over the splits; splits past its end return at once, and the merge reads
+only the splits that hold keys.
 """
 
 from __future__ import annotations
@@ -34,26 +27,12 @@ from sluice.attention.triton.common import (
 )
 from sluice.model.pdl import pdl_wait, use_pdl
 
-# Arrival counters: one per (token, KV head) of a launch (256 KiB per device).
-MAX_ARRIVAL_COUNTERS = 1 << 16
-
-
-@triton.jit
-def _used_splits(seq_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Splits that hold a tile of a context of seq_len keys: each takes cdiv(tiles,
-    NUM_SPLITS) tiles in turn, so a short context fills the first few and the programs of the
-    others return at once (decode graphs are captured with splits for max_model_len)."""
-    num_seq_tiles = tl.cdiv(seq_len, BLOCK_N)
-    return tl.cdiv(num_seq_tiles, tl.maximum(tl.cdiv(num_seq_tiles, NUM_SPLITS), 1))
-
 
 @triton.jit(do_not_specialize=["num_reqs", "stride_block_table"])  # vary by step
-def _split_kv_kernel(
-    out_ptr,  # [T, H, D], written
+def _split_kv_partial_kernel(
     partial_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] float32, unnormalised
     partial_max_ptr,  # [T, H, NUM_SPLITS] float32, log2 domain
     partial_sum_ptr,  # [T, H, NUM_SPLITS] float32
-    counter_ptr,  # [>= T * KVH] int32, zero between launches
     query_ptr,  # [T, H, D]
     key_cache_ptr,  # [num_blocks, block_size, KVH, D]
     value_cache_ptr,
@@ -62,8 +41,6 @@ def _split_kv_kernel(
     query_start_loc_ptr,
     num_reqs,
     qk_scale,
-    stride_out_token,
-    stride_out_head,
     stride_query_token,
     stride_query_head,
     stride_kv_block,
@@ -72,7 +49,6 @@ def _split_kv_kernel(
     stride_block_table,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    NUM_SPLITS_PAD: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -94,24 +70,15 @@ def _split_kv_kernel(
     num_seq_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_seq_tiles, NUM_SPLITS)
     tile_begin = split * tiles_per_split
+    if tile_begin >= num_seq_tiles:
+        return  # a split past the context's end: the merge reads none of it (_used_splits)
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_seq_tiles)
 
     rows = tl.arange(0, BLOCK_M)
     row_valid = rows < GROUP
     head = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    out_row = out_ptr + token.to(tl.int64) * stride_out_token
-    if tile_begin >= num_seq_tiles:
-        if (split == 0) & (seq_len == 0):
-            # A padding row (a CUDA graph's padding request or token): no keys, zeros out.
-            tl.store(
-                out_row + head[:, None] * stride_out_head + dims[None, :],
-                tl.zeros([BLOCK_M, HEAD_DIM_PAD], out_ptr.dtype.element_ty),
-                mask=row_valid[:, None] & dim_mask[None, :],
-            )
-        return  # a split past the context's end: it neither arrives nor is merged
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_seq_tiles)
-
     q = tl.load(
         query_ptr
         + token.to(tl.int64) * stride_query_token
@@ -148,48 +115,64 @@ def _split_kv_kernel(
         partial_acc_ptr + stat[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_valid[:, None]
     )
 
-    tl.debug_barrier()  # every thread's partial is stored before the release below
-    counter = counter_ptr + token * tl.num_programs(1) + kv_head
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    used_splits = _used_splits(seq_len, BLOCK_N, NUM_SPLITS)
-    if arrived == used_splits - 1:
-        # The last used split to arrive: every used split's partial is visible (acquire). Each
-        # head reads all of them back, its own included, and reduces over the split axis in
-        # one fixed order of sums, so the output does not depend on which split arrived last.
-        splits = tl.arange(0, NUM_SPLITS_PAD)
-        split_mask = splits < used_splits
-        for r in tl.static_range(GROUP):
-            head_r = kv_head * GROUP + r
-            stat_r = (token.to(tl.int64) * NUM_HEADS + head_r) * NUM_SPLITS + splits
-            m = tl.load(partial_max_ptr + stat_r, mask=split_mask, other=float("-inf"),
-                        cache_modifier=".cg")  # [NUM_SPLITS_PAD]
-            l_split = tl.load(partial_sum_ptr + stat_r, mask=split_mask, other=0.0,
-                              cache_modifier=".cg")
-            acc_split = tl.load(partial_acc_ptr + stat_r[:, None] * HEAD_DIM_PAD + dims[None, :],
-                                mask=split_mask[:, None], other=0.0,
-                                cache_modifier=".cg")  # [NUM_SPLITS_PAD, HEAD_DIM_PAD]
-            m_all = tl.max(m, 0)
-            # Splits past the context's end load m = -inf: weight 0.
-            weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
-            total = tl.sum(l_split * weight, 0)
-            out = tl.sum(acc_split * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-            tl.store(out_row + head_r * stride_out_head + dims,
-                     out.to(out_ptr.dtype.element_ty), mask=dim_mask)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+
+@triton.jit
+def _used_splits(seq_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Splits that hold a tile of a context of seq_len keys: each takes cdiv(tiles,
+    NUM_SPLITS) tiles in turn, so a short context fills the first few and the partial kernel's
+    programs of the others return at once (decode graphs are captured with splits for
+    max_model_len)."""
+    num_seq_tiles = tl.cdiv(seq_len, BLOCK_N)
+    return tl.cdiv(num_seq_tiles, tl.maximum(tl.cdiv(num_seq_tiles, NUM_SPLITS), 1))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The split-KV arrival counters of a device: zero between launches (each launch's last
-    arrivers reset theirs), so one buffer serves every launch on the stream. Allocated on first
-    use, outside any CUDA graph's pool when a warm-up runs before capture."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        counters = torch.zeros(MAX_ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
+@triton.jit(do_not_specialize=["num_reqs"])  # varies by step
+def _split_kv_reduce_kernel(
+    out_ptr,  # [T, H, D]
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_reqs,
+    stride_out_token,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the partial kernel's keys per tile
+    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
+):
+    pdl_wait(USE_PDL)  # first: before any read of an activation and any write
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    req = find_token_owner(query_start_loc_ptr, num_reqs, token)
+    seq_len = 0
+    if req < num_reqs:
+        seq_len = tl.load(seq_lens_ptr + req)
+    splits = tl.arange(0, NUM_SPLITS_PAD)
+    split_mask = splits < _used_splits(seq_len, BLOCK_N, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    stat = (token * NUM_HEADS + head) * NUM_SPLITS + splits  # [NUM_SPLITS_PAD]
+    m = tl.load(partial_max_ptr + stat, mask=split_mask, other=float("-inf"))
+    l_split = tl.load(partial_sum_ptr + stat, mask=split_mask, other=0.0)
+    acc = tl.load(
+        partial_acc_ptr + stat[:, None] * HEAD_DIM_PAD + dims[None, :],
+        mask=split_mask[:, None],
+        other=0.0,
+    )
+    m_all = tl.max(m, 0)
+    # Splits with no key (and whole padding rows) have m = -inf: weight 0, and zeros out.
+    weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # [NUM_SPLITS_PAD]
+    total = tl.sum(l_split * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 def split_kv_attention(
@@ -211,11 +194,6 @@ def split_kv_attention(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    if num_tokens * num_kv_heads > MAX_ARRIVAL_COUNTERS:
-        raise ValueError(
-            f"split-KV attention has one arrival counter per (token, KV head): {num_tokens} "
-            f"tokens x {num_kv_heads} KV heads is more than {MAX_ARRIVAL_COUNTERS}"
-        )
     group, group_pad = group_padded(num_heads, num_kv_heads)
     head_dim_pad = triton.next_power_of_2(head_dim)
     tiles, block_m = fit_tiles(tiles, max(tiles.block_m, group_pad), head_dim_pad,
@@ -230,12 +208,10 @@ def split_kv_attention(
     partial_sum = torch.empty_like(partial_max)
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and out.stride(2) == 1
     pdl = use_pdl(query, "attention")
-    _split_kv_kernel[(num_tokens, num_kv_heads, num_splits)](
-        out,
+    _split_kv_partial_kernel[(num_tokens, num_kv_heads, num_splits)](
         partial_acc,
         partial_max,
         partial_sum,
-        _counters(query.device),
         query,
         key_cache,
         value_cache,
@@ -244,8 +220,6 @@ def split_kv_attention(
         metadata.query_start_loc,
         metadata.num_reqs,
         scale * LOG2_E,
-        out.stride(0),
-        out.stride(1),
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -254,7 +228,6 @@ def split_kv_attention(
         metadata.block_tables.stride(0),
         NUM_HEADS=num_heads,
         NUM_SPLITS=num_splits,
-        NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
@@ -265,6 +238,25 @@ def split_kv_attention(
         DOT_PRECISION=dtypes.dot_precision,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
+    )
+    _split_kv_reduce_kernel[(num_tokens, num_heads)](
+        out,
+        partial_acc,
+        partial_max,
+        partial_sum,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        metadata.num_reqs,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        BLOCK_N=tiles.block_n,
+        NUM_SPLITS=num_splits,
+        NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
         USE_PDL=pdl,
         launch_pdl=pdl,
     )
