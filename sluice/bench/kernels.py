@@ -61,6 +61,12 @@ PREFILL_SWEEP = [
     TileConfig(128, 128, 8, 4),
     TileConfig(64, 64, 4, 2),
     TileConfig(64, 64, 4, 3),
+    TileConfig(64, 64, 4, 4),
+    TileConfig(64, 128, 4, 2),
+    TileConfig(64, 128, 4, 3),
+    TileConfig(64, 128, 8, 3),
+    TileConfig(32, 64, 4, 3),
+    TileConfig(32, 128, 4, 3),
     TileConfig(256, 64, 8, 3),
 ]
 RAGGED_SWEEP = [TileConfig(16, n, w, s) for n, w, s in [(64, 2, 2), (64, 4, 5), (128, 4, 2),

@@ -19,11 +19,12 @@ epilogues remove the norm launches at these sizes too: `linear_add` accumulates 
 `inv_rms_linear` scales each output row by 1 / rms of its input row, whose squares the program
 sums as it streams the row through its K loop (gate_up_proj reads the raw residual).
 
-Measured on the H200 (see benchmarks/README.md, `scripts/gemm_sweep.py`): at one row the
-CUDA-core tiles of `GemmConfig.fma` (4 weight rows a program, K never split) beat the
-tensor-core tiles for Qwen3-0.6B's o, gate_up and down projections; at 16 and 32 rows the
-tensor-core tiles beat cuBLAS by 5-30% a projection; at 64 rows cuBLAS is as fast or faster
-(the down projection by 20%), and `linear` leaves batches above MAX_ROWS to it.
+Measured on the H200 (see benchmarks/README.md, `scripts/gemm_sweep.py`, and in the model with
+`sluice bench profile`): at one row the CUDA-core tiles of `GemmConfig.fma` (4 weight rows a
+program, K never split) beat the tensor-core tiles; up to 16 rows the tensor-core tiles beat
+cuBLAS; at 32 rows the sweep's chain favoured them too, but in the model the 28 layers'
+projections took 0.71 ms a step against cuBLAS's 0.62, so `linear` leaves batches above
+MAX_ROWS = 16 to cuBLAS.
 
 The functions take CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1` (the tests). The grid
 depends only on python ints, so a launch can be captured in a CUDA graph. The split-K counters
@@ -45,7 +46,7 @@ from sluice.model.pdl import line_elems, lines_pad, pdl_wait, prefetch_l2, use_p
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Batches of at most this many rows run here; larger ones in cuBLAS.
-MAX_ROWS = 32
+MAX_ROWS = 16
 # K is split until the launch has about this many programs (the H200 has 132 SMs).
 TARGET_PROGRAMS = 128
 MAX_SPLIT_K = 8
@@ -183,27 +184,26 @@ def choose_config(m: int, n: int, k: int, silu_mul: bool = False,
     than MAX_ROWS rows, or K not a multiple of 16).
 
     One row: CUDA-core tiles of 4 weight rows, up to 1024 of K per iteration, K never split.
-    More rows: 16-row tiles (32-row above 16 rows); 64-wide weight tiles, 32-wide when fewer
-    than 64 tiles would leave SMs idle (not with the SiLU prologue, whose cost grows with the
-    number of tiles); 128 of K per iteration (less where K has no such factor: tiny test
-    models); then, while there are fewer than 64 tiles and unless `split_k` is False, K split
-    in two until about TARGET_PROGRAMS programs, each over at least 256 of K."""
+    More rows: 16-row tiles; 64-wide weight tiles, 32-wide when fewer than 96 tiles would
+    leave SMs idle (not with the SiLU prologue, whose cost grows with the number of tiles);
+    128 of K per iteration (less where K has no such factor: tiny test models); then, unless
+    `split_k` is False, K split in two until about TARGET_PROGRAMS programs, each over at
+    least 256 of K."""
     if m > MAX_ROWS or m < 1 or k % 16:
         return None
     if m == 1:
         block_k = next(b for b in (1024, 512, 256, 128, 64, 32, 16) if k % b == 0)
         return GemmConfig(4, 1, block_k, 4, 3, 1, fma=True)
     block_k = next(b for b in (128, 64, 32, 16) if k % b == 0)
-    block_m = 16 if m <= 16 else 32
+    block_m = 16
     m_tiles = triton.cdiv(m, block_m)
     block_n = 64
-    if not silu_mul and triton.cdiv(n, 64) * m_tiles < 64:
+    if not silu_mul and triton.cdiv(n, 64) * m_tiles < 96:
         block_n = 32
     programs = triton.cdiv(n, block_n) * m_tiles
     split = 1
-    while (split_k and programs < 64 and programs * split * 2 <= TARGET_PROGRAMS
-           and split < MAX_SPLIT_K and k % (2 * split * block_k) == 0
-           and k // (2 * split) >= 256):
+    while (split_k and programs * split * 2 <= TARGET_PROGRAMS and split < MAX_SPLIT_K
+           and k % (2 * split * block_k) == 0 and k // (2 * split) >= 256):
         split *= 2
     return GemmConfig(block_n, block_m, block_k, 4, 5, split)
 

@@ -144,20 +144,17 @@ def test_a_strided_input_is_read_in_place():
 
 def test_choose_config_for_qwen3_0_6b_decode():
     """The measured choices (benchmarks/README.md, H200): one row in CUDA-core tiles of 4
-    weight rows over 1024 of K; 16-row tiles to 16 rows, 32-row tiles to 32; q/k/v and gate_up
-    in 64-wide weight tiles, K whole; o 32-wide with K split in four; down (SiLU-and-mul folded
-    in) 64-wide with K split in eight; cuBLAS above 32 rows."""
+    weight rows over 1024 of K; 16-row tiles up to 16 rows; q/k/v and o in 32-wide weight
+    tiles, o with K split in four; gate_up in 64-wide tiles; down (SiLU-and-mul folded in)
+    64-wide with K split in eight; cuBLAS above 16 rows."""
     assert choose_config(1, 4096, 1024) == GemmConfig(4, 1, 1024, 4, 3, 1, True)
     assert choose_config(1, 1024, 3072, silu_mul=True) == GemmConfig(4, 1, 1024, 4, 3, 1, True)
     assert choose_config(1, 1024, 2048) == GemmConfig(4, 1, 1024, 4, 3, 1, True)
-    assert choose_config(16, 4096, 1024) == GemmConfig(64, 16, 128, 4, 5, 1)
+    assert choose_config(16, 4096, 1024) == GemmConfig(32, 16, 128, 4, 5, 1)
     assert choose_config(16, 1024, 2048) == GemmConfig(32, 16, 128, 4, 5, 4)
     assert choose_config(8, 6144, 1024) == GemmConfig(64, 16, 128, 4, 5, 1)
     assert choose_config(2, 1024, 3072, silu_mul=True) == GemmConfig(64, 16, 128, 4, 5, 8)
-    assert choose_config(32, 4096, 1024) == GemmConfig(64, 32, 128, 4, 5, 1)
-    assert choose_config(17, 1024, 2048) == GemmConfig(32, 32, 128, 4, 5, 4)
-    assert choose_config(32, 1024, 3072, silu_mul=True) == GemmConfig(64, 32, 128, 4, 5, 8)
-    assert choose_config(33, 4096, 1024) is None
+    assert choose_config(17, 4096, 1024) is None
     assert choose_config(4, 4096, 1000) is None  # K with no factor of 16
     assert choose_config(4, 64, 96) == GemmConfig(32, 16, 32, 4, 5, 1)
     assert choose_config(1, 64, 96) == GemmConfig(4, 1, 32, 4, 3, 1, True)
@@ -198,7 +195,7 @@ def test_bad_shapes_are_refused_with_their_sizes():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need a GPU")
-@pytest.mark.parametrize("m", [1, 7, 16, 25, 32])
+@pytest.mark.parametrize("m", [1, 7, 16])
 @pytest.mark.parametrize("n,k,silu", [(4096, 1024, False), (1024, 2048, False),
                                       (6144, 1024, False), (1024, 3072, True)])
 def test_qwen3_0_6b_projections_on_the_gpu(m, n, k, silu):
