@@ -239,8 +239,14 @@ def main() -> None:
         model = make_tiny_model(os.path.join(work, arch), arch=arch)
         prompts = [{"prompt_token_ids": [rng.randrange(3, 600) for _ in range(n)]}
                    for n in (5, 40, 130, 17)]
-        reference = greedy_ids(LLM(model=model, dtype="float32", device="cpu",
-                                   max_num_batched_tokens=64), prompts)
+        cpu = LLM(model=model, dtype="float32", device="cpu", max_num_batched_tokens=64)
+        reference = greedy_ids(cpu, prompts)
+        # Decode steps from 480 keys to past 512: the decode graphs captured for short
+        # contexts, then the main set (sluice.worker.graph_runner.SHORT_CONTEXT_TOKENS).
+        long_prompts = [{"prompt_token_ids": [random.Random(1).randrange(3, 600)
+                                              for _ in range(480)]}] * 2
+        long_reference = greedy_ids(cpu, long_prompts, max_tokens=64)
+        cpu.shutdown()
         configs = {**CONFIGS, **pools}
         if arch == "qwen3" and "pd" in only:
             pd = (model, prompts, reference)
@@ -299,6 +305,15 @@ def main() -> None:
                     runner.model.model.folded_above_tokens)
                 result[f"{arch}_one_prompt_at_a_time_equals_cpu"] = greedy_ids(
                     llm, prompts, one_at_a_time=True) == reference
+                graphs = runner.graph_runner
+                short_before = graphs.short_graphs.num_replays if graphs.short_graphs else 0
+                main_before = graphs.graphs.num_replays
+                result[f"{arch}_across_512_keys_equals_cpu"] = greedy_ids(
+                    llm, long_prompts, max_tokens=64) == long_reference
+                result[f"{arch}_across_512_keys_replayed_short_then_main_decode_graphs"] = (
+                    graphs.short_graphs is not None
+                    and graphs.short_graphs.num_replays > short_before
+                    and graphs.graphs.num_replays > main_before)
             llm.shutdown()
     stack.close()
     if pd is not None:

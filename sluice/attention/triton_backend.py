@@ -145,14 +145,25 @@ class TritonBackend:
         self, metadata: AttentionMetadata, num_kv_heads: int, device: torch.device
     ) -> int:
         """0 for the unified kernel, else the split count of the split-KV path."""
+        if metadata.max_query_len > 1:
+            return 0
+        return self.decode_plan(metadata.num_reqs, num_kv_heads, metadata.max_seq_len, device)
+
+    def decode_plan(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
+                    device: torch.device) -> int:
+        """The kernels a decode batch (one query token per request) of `num_reqs` requests
+        whose longest context is `max_seq_len` gets: 0 for the unified kernel, else the split
+        count of the split-KV path. A CUDA graph captured with a `max_seq_len` keeps its plan
+        for every batch it replays (sluice.worker.graph_runner captures a second decode set for
+        short contexts where the plans differ)."""
         mode = self.config.split_kv
-        if metadata.max_query_len > 1 or mode == "never":
+        if mode == "never":
             return 0
         if self.config.num_splits is not None:
             num_splits = self.config.num_splits
         else:
             num_splits = choose_num_splits(
-                metadata.num_reqs, num_kv_heads, metadata.max_seq_len, self._sm_count(device)
+                num_reqs, num_kv_heads, max_seq_len, self._sm_count(device)
             )
         if mode == "always":
             return num_splits

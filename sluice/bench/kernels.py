@@ -328,6 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="path of the JSON report")
     parser.add_argument("--iters", type=int, default=20, help="timed repetitions per case")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tile shapes")
+    parser.add_argument("--decode-cases",
+                        default=",".join(f"{b}x{c}" for b, c in DECODE_CASES),
+                        help="decode batches as BATCHxCONTEXT, comma-separated ('' for none)")
+    parser.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)),
+                        help="prompt lengths of the prefill cases, comma-separated ('' for none)")
+    parser.add_argument("--captured-max-len", type=int, default=40960,
+                        help="decode cases also run with the split count a CUDA graph captured "
+                             "for this max_model_len uses (the model's decode graphs do)")
     parser.add_argument("--ragged-steps", default="20,600,900",
                         help="decode batches of the nano-vllm workload at these engine steps "
                              "(ragged contexts); empty: none")
@@ -378,9 +386,16 @@ def main(argv: list[str] | None = None) -> int:
     if ns.only_ragged:
         return 0
 
-    for batch, context in DECODE_CASES:
+    decode_cases = [tuple(int(v) for v in case.split("x"))
+                    for case in ns.decode_cases.split(",") if case.strip()]
+    for batch, context in decode_cases:
         configs = {"auto": TritonBackendConfig(), "unified": TritonBackendConfig(split_kv="never")}
         num_splits = choose_num_splits(batch, NUM_KV_HEADS, context, props.multi_processor_count)
+        captured = choose_num_splits(batch, NUM_KV_HEADS, ns.captured_max_len,
+                                     props.multi_processor_count)
+        if captured > 1:
+            configs[f"as_captured_{captured}_splits"] = TritonBackendConfig(
+                split_kv="always", num_splits=captured)
         if num_splits > 1:
             configs["split_x2"] = TritonBackendConfig(
                 split_kv="always", num_splits=min(2 * num_splits, 64)
@@ -389,13 +404,14 @@ def main(argv: list[str] | None = None) -> int:
                 split_kv="always", num_splits=max(num_splits // 2, 1)
             )
         if ns.sweep:
-            sweep = SPLIT_SWEEP if num_splits > 1 else DECODE_SWEEP
-            for tiles in sweep:
-                configs[_sweep_name(tiles)] = (
-                    TritonBackendConfig(split_kv="always", split_tiles=tiles)
-                    if num_splits > 1
-                    else TritonBackendConfig(split_kv="never", decode_tiles=tiles)
-                )
+            for tiles in DECODE_SWEEP:
+                configs["unified_" + _sweep_name(tiles)] = TritonBackendConfig(
+                    split_kv="never", decode_tiles=tiles)
+            if max(num_splits, captured) > 1:
+                for tiles in SPLIT_SWEEP:  # at the captured graphs' split count
+                    configs["split_" + _sweep_name(tiles)] = TritonBackendConfig(
+                        split_kv="always", split_tiles=tiles,
+                        num_splits=max(num_splits, captured))
         record = run_decode(timer, copy_bps, batch, context, configs)
         report["decode"].append(record)
         _write(ns.output, report)
@@ -409,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"max|diff| {run['max_abs_diff_vs_torch_ref']:.1e}"
             )
 
-    for prompt_len in PREFILL_LENS:
+    for prompt_len in [int(n) for n in ns.prefill_lens.split(",") if n.strip()]:
         configs = {"auto": TritonBackendConfig()}
         if ns.sweep:
             for tiles in PREFILL_SWEEP:

@@ -6,7 +6,11 @@ engine is eager, `capture` records four sets (sluice.worker.cuda_graphs.DecodeGr
 InputBuilder's persistent device buffers and sharing one memory pool (one graph runs at a time),
 in this order:
 
-- decode batches, by number of requests (padded to the next captured size);
+- decode batches, by number of requests (padded to the next captured size); and, where the
+  attention backend would run other kernels for contexts shorter than SHORT_CONTEXT_TOKENS than
+  for max_model_len (split-KV for long contexts, one program per request and KV head for short
+  ones), those sizes again for short contexts: a step replays them while its longest context
+  is that short;
 - one prompt (maybe over a cached prefix), by padded token count;
 - any other step (several prompts, prompts beside decodes), by padded token count, its requests
   padded to a fixed number;
@@ -34,6 +38,7 @@ from torch import nn
 from sluice.attention import AttentionMetadata
 from sluice.attention.metadata import LayerKVHooks
 from sluice.config import SchedulerConfig
+from sluice.model.attention import attention_layers
 from sluice.sample.sampler import Sampler
 from sluice.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from sluice.worker.input_batch import CachedRequestState
@@ -42,6 +47,11 @@ from sluice.worker.step_inputs import InputBuilder
 logger = logging.getLogger("sluice")
 
 _MAX_GRAPH_BATCH = 512
+# Decode steps whose contexts are all shorter than this replay the short-context decode graphs
+# (where the attention backend's plan for them differs). The Triton backend splits no context
+# under 2 x MIN_KEYS_PER_SPLIT = 512 keys: on an H200, the unified kernel at 16 requests of 192
+# keys took 15.9 us against 21.8 with the 4 splits a graph captured for 40,960 keys runs.
+SHORT_CONTEXT_TOKENS = 512
 _PREFILL_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _MAX_PREFILL_GRAPH_TOKENS = _PREFILL_GRAPH_TOKENS[-1]
 
@@ -58,6 +68,9 @@ class GraphRunner:
         self.scheduler_config = scheduler_config
         self.query_len = query_len
         self.graphs: DecodeGraphs | None = None  # decode batches, by number of requests
+        # Decode batches whose contexts are all under SHORT_CONTEXT_TOKENS, by number of
+        # requests: the sizes whose attention plan differs from the main set's.
+        self.short_graphs: DecodeGraphs | None = None
         self.prefill_graphs: DecodeGraphs | None = None  # one prompt, by number of tokens
         # Any other step (several prompts, prompts beside decodes), by number of tokens, its
         # requests padded to mixed_graph_reqs.
@@ -69,6 +82,7 @@ class GraphRunner:
     def clear(self) -> None:
         """Drop every graph and its memory pool (see ModelRunner.shutdown)."""
         self.graphs = self.prefill_graphs = self.mixed_graphs = self.verify_graphs = None
+        self.short_graphs = None
 
     # ---- per step ------------------------------------------------------------------------
 
@@ -86,12 +100,13 @@ class GraphRunner:
         return self.verify_graphs.padded_size(len(states))
 
     def pad_for_graph(self, num_reqs: int, num_tokens: int, num_layout_tokens: int,
-                      verify_size: int | None,
-                      has_pending: bool) -> tuple[tuple[DecodeGraphs, int] | None, int]:
+                      verify_size: int | None, has_pending: bool,
+                      max_seq_len: int) -> tuple[tuple[DecodeGraphs, int] | None, int]:
         """The graph that runs a step of `num_reqs` requests and `num_tokens` tokens
         (`num_layout_tokens` as laid out in the buffers) and the step's padded token count;
         the padding requests and tokens written to the host buffers. has_pending: an input token
-        of the step is still in flight (a lone such request replays no prefill graph)."""
+        of the step is still in flight (a lone such request replays no prefill graph).
+        max_seq_len: the step's longest context (a decode step's picks its graph set)."""
         buffers = self.inputs
         graph = None
         padded_reqs, padded_tokens = num_reqs, num_layout_tokens
@@ -104,9 +119,14 @@ class GraphRunner:
             buffers.buf_query_start_loc.np[num_reqs + 1:verify_size + 1] = q * np.arange(
                 num_reqs + 1, verify_size + 1)
         elif self.graphs is not None and num_tokens == num_reqs:
-            size = self.graphs.padded_size(num_reqs)
+            decode = self.graphs
+            size = decode.padded_size(num_reqs)
+            if (size is not None and self.short_graphs is not None
+                    and max_seq_len < SHORT_CONTEXT_TOKENS
+                    and self.short_graphs.padded_size(num_reqs) == size):
+                decode = self.short_graphs
             if size is not None:
-                graph = (self.graphs, size)
+                graph = (decode, size)
                 padded_reqs = padded_tokens = size
                 # Padding rows: no token to store, no context, the null block; ordered last.
                 buffers.buf_seq_lens.np[num_reqs:size] = 0
@@ -205,14 +225,25 @@ class GraphRunner:
                     b.buf_seq_lens, b.buf_query_start_loc, b.buf_decode_order):
             buf.to_device(buf.np.shape[0])
 
-        def make_inputs(size: int) -> GraphInputs:
-            metadata = b.metadata(size, size, max_query_len=1, max_seq_len=max_model_len,
-                                  block_tables=b.graph_block_tables[:size],
-                                  decode_order=b.buf_decode_order.device[:size])
-            return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
+        def decode_inputs(max_seq_len: int) -> Callable[[int], GraphInputs]:
+            def make_inputs(size: int) -> GraphInputs:
+                metadata = b.metadata(size, size, max_query_len=1, max_seq_len=max_seq_len,
+                                      block_tables=b.graph_block_tables[:size],
+                                      decode_order=b.buf_decode_order.device[:size])
+                return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
+            return make_inputs
 
-        self.graphs.capture(model, self._hooked(make_inputs))
+        self.graphs.capture(model, self._hooked(decode_inputs(max_model_len)))
         logger.info("captured CUDA graphs for decode batch sizes %s", self.graphs.sizes)
+        short = SHORT_CONTEXT_TOKENS - 1
+        plan = _decode_plan(model)
+        if plan is not None and max_model_len > short:
+            sizes = [s for s in self.graphs.sizes if plan(s, short) != plan(s, max_model_len)]
+            if sizes:
+                self.short_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
+                self.short_graphs.capture(model, self._hooked(decode_inputs(short)))
+                logger.info("captured CUDA graphs for decode batch sizes %s with contexts "
+                            "under %d tokens", sizes, SHORT_CONTEXT_TOKENS)
         self._capture_prompt_graphs(model, max_size)
         if self.query_len is not None:
             self._capture_verify_graphs(model, max_size)
@@ -300,3 +331,18 @@ class GraphRunner:
         self.verify_graphs.capture(model, self._hooked(make_inputs))
         logger.info("captured CUDA graphs for verification of %d tokens per request, batch "
                     "sizes %s", q, sizes)
+
+
+def _decode_plan(model: nn.Module) -> Callable[[int, int], object] | None:
+    """(num_reqs, max_seq_len) -> what the model's attention backend runs for such a decode
+    batch (its optional `decode_plan`), or None where the backend does not say."""
+    layers = attention_layers(model)
+    if not layers:
+        return None
+    layer = next(iter(layers.values()))
+    decode_plan = getattr(layer.backend, "decode_plan", None)
+    if decode_plan is None:
+        return None
+    device = layer.kv_cache.device
+    return lambda num_reqs, max_seq_len: decode_plan(num_reqs, layer.num_kv_heads, max_seq_len,
+                                                     device)

@@ -169,8 +169,9 @@ class InputBuilder:
         compact = self.buf_block_tables.np[:num_reqs * width].reshape(num_reqs, width)
         compact[:] = table[rows, :width]
 
-        graph, padded_tokens = graphs.pad_for_graph(num_reqs, num_tokens, num_layout_tokens,
-                                                    verify_size, bool(pending))
+        graph, padded_tokens = graphs.pad_for_graph(
+            num_reqs, num_tokens, num_layout_tokens, verify_size, bool(pending),
+            int(self.buf_seq_lens.np[:num_reqs].max()))
         # Pending tokens: per step in flight, (destinations, sources) side by side.
         pending_spans = []
         start = 0

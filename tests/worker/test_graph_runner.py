@@ -98,3 +98,44 @@ def test_speculation_captures_the_graphs_of_an_engine_without_first_then_verific
     assert [name for name, _ in without] == ["decode", "prefill", "mixed"]
     assert with_spec[:3] == without
     assert with_spec[3][0] == "verify"
+
+
+def test_short_contexts_replay_the_decode_graphs_captured_for_them(
+        qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the attention backend's plan for a decode batch differs between contexts under
+    SHORT_CONTEXT_TOKENS and max_model_len (split-KV only for long contexts), those sizes are
+    captured a second time for short contexts; a decode step replays them while its longest
+    context is under the bound, and the main set from there on; greedy ids stay the eager
+    ones."""
+    common = dict(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=1024,
+                  max_num_seqs=4, async_scheduling=True)
+    short = [{"prompt_token_ids": list(range(40 + n, 40 + 2 * n))} for n in (5, 17)]
+    long_len = graph_runner.SHORT_CONTEXT_TOKENS - 4
+    long = {"prompt_token_ids": [(7 * i) % 500 + 3 for i in range(long_len)]}
+    reference = greedy_ids(LLM(**common), short + [long])
+
+    monkeypatch.setattr(graph_runner, "DecodeGraphs", EmulatedGraphs)
+    llm = LLM(**common)
+    runner = llm.llm_engine.engine_core.executor.model_runner
+    builder, graphs = runner.input_builder, runner.graph_runner
+    builder.graph_block_tables = torch.zeros_like(builder.buf_block_tables.cpu.view(4, -1))
+    plans = []
+
+    def decode_plan(num_reqs: int, num_kv_heads: int, max_seq_len: int, device) -> str:
+        plans.append((num_reqs, max_seq_len))
+        long_context = max_seq_len >= graph_runner.SHORT_CONTEXT_TOKENS
+        return "split" if num_reqs <= 2 and long_context else "unified"
+
+    monkeypatch.setattr(runner.attn_backend, "decode_plan", decode_plan, raising=False)
+    graphs.capture(runner.model)
+    assert graphs.graphs.sizes[:3] == [1, 2, 4]
+    assert graphs.short_graphs.sizes == [1, 2]  # 4 requests: the same plan either way
+    assert (1, graph_runner.SHORT_CONTEXT_TOKENS - 1) in plans and (1, 1024) in plans
+
+    assert greedy_ids(llm, short) == reference[:2]
+    assert graphs.short_graphs.num_replays > 0 and graphs.graphs.num_replays == 0
+    short_replays = graphs.short_graphs.num_replays
+    # The long prompt's decode steps start at 508 + 1 keys and cross 512 within 12 tokens:
+    # the short set until then, the main set after.
+    assert greedy_ids(llm, [long]) == reference[2:]
+    assert graphs.short_graphs.num_replays > short_replays and graphs.graphs.num_replays > 0
