@@ -243,8 +243,9 @@ def main() -> None:
         reference = greedy_ids(cpu, prompts)
         # Decode steps from 480 keys to past 512: the decode graphs captured for short
         # contexts, then the main set (sluice.worker.graph_runner.SHORT_CONTEXT_TOKENS).
-        long_prompts = [{"prompt_token_ids": [random.Random(1).randrange(3, 600)
-                                              for _ in range(480)]}] * 2
+        long_rng = random.Random(1)
+        long_prompts = [{"prompt_token_ids": [long_rng.randrange(3, 600) for _ in range(480)]}
+                        for _ in range(2)]
         long_reference = greedy_ids(cpu, long_prompts, max_tokens=64)
         cpu.shutdown()
         configs = {**CONFIGS, **pools}

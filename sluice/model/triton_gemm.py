@@ -21,10 +21,10 @@ sums as it streams the row through its K loop (gate_up_proj reads the raw residu
 
 Measured on the H200 (see benchmarks/README.md, `scripts/gemm_sweep.py`, and in the model with
 `sluice bench profile`): at one row the CUDA-core tiles of `GemmConfig.fma` (4 weight rows a
-program, K never split) beat the tensor-core tiles; up to 16 rows the tensor-core tiles beat
-cuBLAS; at 32 rows the sweep's chain favoured them too, but in the model the 28 layers'
-projections took 0.71 ms a step against cuBLAS's 0.62, so `linear` leaves batches above
-MAX_ROWS = 16 to cuBLAS.
+program, K never split) beat the tensor-core tiles slightly (the 28 layers' projections 0.564
+against 0.576 ms a step); up to 16 rows the tensor-core tiles beat cuBLAS; at 32 rows the
+sweep's chain favoured them too, but in the model the projections took 0.71 ms a step against
+cuBLAS's 0.62, so `linear` leaves batches above MAX_ROWS = 16 to cuBLAS.
 
 The functions take CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1` (the tests). The grid
 depends only on python ints, so a launch can be captured in a CUDA graph. The split-K counters
@@ -62,8 +62,8 @@ class GemmConfig(NamedTuple):
     num_stages: int
     split_k: int = 1
     # Products on the CUDA cores (float32 multiply-adds) instead of the tensor cores: tiles
-    # narrower than tl.dot's 16 (block_n 8 over 1024 weight rows is 128 programs without
-    # splitting K), for a few batch rows (block_m 1 to 4).
+    # narrower than tl.dot's 16 (block_n 4 over o_proj's 1024 weight rows is 256 programs
+    # without splitting K), for a few batch rows (block_m 1 to 4).
     fma: bool = False
 
 
