@@ -31,6 +31,10 @@ class AttentionBackend(Protocol):
     # `forward` runs for a decode batch of that size whose longest context is max_seq_len
     # (TritonBackend: its split count). Where the plan for short contexts differs from the one
     # for max_model_len, the graph runner captures a decode graph for each.
+    #
+    # Optional: `supports_dense_prefill(device, dtype, num_heads, num_kv_heads, head_dim) ->
+    # bool`: whether the runner should mark steps that are one fresh prompt
+    # (`AttentionMetadata.dense_prefill`), which `forward` then runs as dense causal attention.
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import torch
 
+from sluice.attention.dense import dense_causal_attention
 from sluice.attention.metadata import AttentionMetadata
 
 
 class TorchRefBackend:
     name = "torch_ref"
+    # Steps marked dense_prefill keep the paged path here unless this is set (tests of the
+    # runner's dense-prefill steps on a CPU: sluice.attention.dense).
+    dense_prefill = False
+
+    def supports_dense_prefill(self, device: torch.device, dtype: torch.dtype,
+                               num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return self.dense_prefill
 
     def forward(
         self,
@@ -42,6 +50,8 @@ class TorchRefBackend:
             key_cache[slots[stored]] = key[stored].to(key_cache.dtype)
             value_cache[slots[stored]] = value[stored].to(value_cache.dtype)
 
+        if metadata.dense_prefill and self.dense_prefill:
+            return dense_causal_attention(query, key, value, scale)
         query_start_loc = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
         for i, seq_len in enumerate(seq_lens):

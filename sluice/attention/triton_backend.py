@@ -21,11 +21,13 @@ from typing import Literal
 import torch
 import triton
 
+from sluice.attention.dense import cudnn_attention_works, dense_causal_attention
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.triton import TileConfig, split_kv_attention, store_kv, unified_attention
 from sluice.attention.triton.unified import MAX_INT32
 
 SplitKVMode = Literal["auto", "always", "never"]
+DensePrefillMode = Literal["auto", "never"]
 
 # Picked by `python -m sluice.bench.kernels --sweep` on an H200 with Qwen3-0.6B's attention (16 / 8
 # heads, head_dim 128, bf16, block size 16). Decode: on the ragged decode batches of the nano-vllm
@@ -54,12 +56,18 @@ class TritonBackendConfig:
     num_splits: int | None = None  # fixed split count (tests, benchmarks); None = by the rule
     # Mixed batches: decodes and prefills in separate launches with their own tiles.
     split_mixed_batches: bool = True
+    # A step that is one fresh prompt (AttentionMetadata.dense_prefill): "auto" runs it as
+    # dense causal attention (cuDNN) where that works for the model's dtype and shapes.
+    dense_prefill: DensePrefillMode = "auto"
 
     def __post_init__(self) -> None:
         if self.split_kv not in ("auto", "always", "never"):
             raise ValueError(
                 f"split_kv must be one of ['auto', 'always', 'never'], got {self.split_kv!r}"
             )
+        if self.dense_prefill not in ("auto", "never"):
+            raise ValueError(
+                f"dense_prefill must be one of ['auto', 'never'], got {self.dense_prefill!r}")
         if self.num_splits is not None and not 1 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {self.num_splits}")
 
@@ -105,6 +113,8 @@ class TritonBackend:
             return self._forward_without_cache(output, query, key, value, metadata, scale)
         if not kv_stored:
             store_kv(key, value, kv_cache, metadata.slot_mapping)
+        if metadata.dense_prefill:
+            return dense_causal_attention(query, key, value, scale)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         num_splits = self._num_splits(metadata, key.shape[1], query.device)
         if num_splits > 0:
@@ -113,6 +123,13 @@ class TritonBackend:
                 output, query, key_cache, value_cache, metadata, scale, num_splits, tiles
             )
         return self._unified(output, query, key_cache, value_cache, metadata, scale, paged=True)
+
+    def supports_dense_prefill(self, device: torch.device, dtype: torch.dtype,
+                               num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether `forward` should be given steps marked `dense_prefill` (the runner marks
+        them only then): on CUDA where cuDNN attention runs for the model's dtype and shapes."""
+        return self.config.dense_prefill == "auto" and cudnn_attention_works(
+            device, dtype, num_heads, num_kv_heads, head_dim)
 
     def _unified(
         self,

@@ -55,6 +55,15 @@ SHORT_CONTEXT_TOKENS = 512
 _PREFILL_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _MAX_PREFILL_GRAPH_TOKENS = _PREFILL_GRAPH_TOKENS[-1]
 
+# A lone fresh prompt replays the dense-prefill graph of its padded size when it fills at
+# least this share of it, or the graph is this small: dense attention computes every padding
+# row, the paged kernel skips them. H200, one Qwen3-0.6B layer (cuDNN over the padded size
+# against the Triton kernel over the prompt): 56 us against 58 at 70% of 2,048 tokens, 152
+# against 174 at 80% of 4,096, 484 against 515 at 80% of 8,192; at 512 tokens and fewer
+# dense won at every fill (16 against 16-23 us).
+DENSE_MIN_FILL = 0.8
+DENSE_ALWAYS_UP_TO = 512
+
 # (input_ids [T], positions [T], metadata) of one captured size
 GraphInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
 
@@ -72,6 +81,9 @@ class GraphRunner:
         # requests: the sizes whose attention plan differs from the main set's.
         self.short_graphs: DecodeGraphs | None = None
         self.prefill_graphs: DecodeGraphs | None = None  # one prompt, by number of tokens
+        # One prompt over no cached context, its attention dense (AttentionMetadata.
+        # dense_prefill), by number of tokens: captured where the backend supports it.
+        self.dense_prefill_graphs: DecodeGraphs | None = None
         # Any other step (several prompts, prompts beside decodes), by number of tokens, its
         # requests padded to mixed_graph_reqs.
         self.mixed_graphs: DecodeGraphs | None = None
@@ -82,7 +94,7 @@ class GraphRunner:
     def clear(self) -> None:
         """Drop every graph and its memory pool (see ModelRunner.shutdown)."""
         self.graphs = self.prefill_graphs = self.mixed_graphs = self.verify_graphs = None
-        self.short_graphs = None
+        self.short_graphs = self.dense_prefill_graphs = None
 
     # ---- per step ------------------------------------------------------------------------
 
@@ -100,13 +112,14 @@ class GraphRunner:
         return self.verify_graphs.padded_size(len(states))
 
     def pad_for_graph(self, num_reqs: int, num_tokens: int, num_layout_tokens: int,
-                      verify_size: int | None, has_pending: bool,
-                      max_seq_len: int) -> tuple[tuple[DecodeGraphs, int] | None, int]:
+                      verify_size: int | None, has_pending: bool, max_seq_len: int,
+                      fresh: bool = False) -> tuple[tuple[DecodeGraphs, int] | None, int]:
         """The graph that runs a step of `num_reqs` requests and `num_tokens` tokens
         (`num_layout_tokens` as laid out in the buffers) and the step's padded token count;
         the padding requests and tokens written to the host buffers. has_pending: an input token
         of the step is still in flight (a lone such request replays no prefill graph).
-        max_seq_len: the step's longest context (a decode step's picks its graph set)."""
+        max_seq_len: the step's longest context (a decode step's picks its graph set). fresh:
+        the step is one prompt over no cached context (it may replay a dense-prefill graph)."""
         buffers = self.inputs
         graph = None
         padded_reqs, padded_tokens = num_reqs, num_layout_tokens
@@ -136,7 +149,11 @@ class GraphRunner:
         elif self.prefill_graphs is not None and num_reqs == 1 and not has_pending:
             size = self.prefill_graphs.padded_size(num_tokens)
             if size is not None:
-                graph = (self.prefill_graphs, size)
+                prompts = self.prefill_graphs
+                if fresh and self.dense_prefill_graphs is not None and dense_pays(num_tokens,
+                                                                                   size):
+                    prompts = self.dense_prefill_graphs
+                graph = (prompts, size)
                 padded_tokens = size  # tokens past query_start_loc[1] are padding
         if (graph is None and verify_size is None and self.mixed_graphs is not None
                 and num_tokens > num_reqs and num_reqs <= self.mixed_graph_reqs):
@@ -261,17 +278,25 @@ class GraphRunner:
             return
         self.prefill_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
 
-        def make_prefill_inputs(size: int) -> GraphInputs:
-            b.buf_query_start_loc.np[:2] = [0, size]
-            b.buf_seq_lens.np[:1] = size
-            b.buf_query_start_loc.to_device(2)
-            b.buf_seq_lens.to_device(1)
-            metadata = b.metadata(1, size, max_query_len=size, max_seq_len=max_model_len,
-                                  block_tables=b.graph_block_tables[:1])
-            return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
+        def prefill_inputs(dense: bool) -> Callable[[int], GraphInputs]:
+            def make_inputs(size: int) -> GraphInputs:
+                b.buf_query_start_loc.np[:2] = [0, size]
+                b.buf_seq_lens.np[:1] = size
+                b.buf_query_start_loc.to_device(2)
+                b.buf_seq_lens.to_device(1)
+                metadata = b.metadata(1, size, max_query_len=size, max_seq_len=max_model_len,
+                                      block_tables=b.graph_block_tables[:1])
+                metadata.dense_prefill = dense
+                return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
+            return make_inputs
 
-        self.prefill_graphs.capture(model, self._hooked(make_prefill_inputs))
+        self.prefill_graphs.capture(model, self._hooked(prefill_inputs(dense=False)))
         logger.info("captured CUDA graphs for one-prompt prefills of %s tokens", sizes)
+        if b.dense_prefill:
+            self.dense_prefill_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
+            self.dense_prefill_graphs.capture(model, self._hooked(prefill_inputs(dense=True)))
+            logger.info("captured CUDA graphs for one fresh prompt of %s tokens, dense "
+                        "attention", sizes)
 
         # Every other step: several prompts, or prompts beside decodes (what a full token budget
         # of an offline run or a server under load schedules). Its requests are padded to
@@ -331,6 +356,12 @@ class GraphRunner:
         self.verify_graphs.capture(model, self._hooked(make_inputs))
         logger.info("captured CUDA graphs for verification of %d tokens per request, batch "
                     "sizes %s", q, sizes)
+
+
+def dense_pays(num_tokens: int, padded_tokens: int) -> bool:
+    """Whether a fresh prompt of `num_tokens` runs faster in the dense-prefill graph of
+    `padded_tokens` than in the paged one (see DENSE_MIN_FILL)."""
+    return padded_tokens <= DENSE_ALWAYS_UP_TO or num_tokens >= DENSE_MIN_FILL * padded_tokens
 
 
 def _decode_plan(model: nn.Module) -> Callable[[int, int], object] | None:

@@ -184,6 +184,7 @@ class ModelRunner:
                                             hf.head_dim, self.dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches)
         self.num_blocks = num_blocks
+        self.input_builder.dense_prefill = self._supports_dense_prefill()
         if self.spec is not None:
             self.spec.initialize_kv_cache(num_blocks)
         if self.device.type == "cuda":
@@ -193,6 +194,17 @@ class ModelRunner:
             if with_connector:
                 self.layer_events = GraphLayerEvents(list(self.kv_caches), self.device)
             self.graph_runner.capture(self.model, self.layer_events)
+
+    def _supports_dense_prefill(self) -> bool:
+        """Whether steps that are one fresh prompt may run dense attention (the backend's
+        optional `supports_dense_prefill`, asked for this rank's heads)."""
+        supports = getattr(self.attn_backend, "supports_dense_prefill", None)
+        layers = list(attention_layers(self.model).values())
+        if supports is None or not layers:
+            return False
+        layer = layers[0]
+        return supports(self.device, self.dtype, layer.num_heads, layer.num_kv_heads,
+                        layer.head_dim)
 
     # ---- one step ------------------------------------------------------------------------
 

@@ -90,6 +90,9 @@ class InputBuilder:
             torch.zeros((max_num_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
             if device.type == "cuda" else None)
         self._inputs_copied: torch.cuda.Event | None = None
+        # A step that is one prompt over no cached context is marked for dense attention
+        # (AttentionMetadata.dense_prefill): set by the runner where its backend supports it.
+        self.dense_prefill = False
 
     def prepare(self, so: SchedulerOutput, requests: dict[str, CachedRequestState],
                 graphs: GraphRunner) -> StepInputs:
@@ -171,7 +174,8 @@ class InputBuilder:
 
         graph, padded_tokens = graphs.pad_for_graph(
             num_reqs, num_tokens, num_layout_tokens, verify_size, bool(pending),
-            int(self.buf_seq_lens.np[:num_reqs].max()))
+            int(self.buf_seq_lens.np[:num_reqs].max()),
+            fresh=self.dense_prefill and num_reqs == 1 and num_computed[0] == 0)
         # Pending tokens: per step in flight, (destinations, sources) side by side.
         pending_spans = []
         start = 0
@@ -227,6 +231,8 @@ class InputBuilder:
             max_seq_len=int((step.num_computed + step.num_scheduled).max()),
             block_tables=step.block_tables,
             decode_order=self.buf_decode_order.device[:num_reqs] if step.ordered else None)
+        metadata.dense_prefill = (self.dense_prefill and num_reqs == 1
+                                  and step.num_computed[0] == 0)
         return (self.buf_input_ids.device[:step.num_tokens],
                 self.buf_positions.device[:step.num_tokens], metadata)
 

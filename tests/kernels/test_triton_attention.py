@@ -326,3 +326,73 @@ def test_decode_step_replays_from_a_cuda_graph(split_kv):
     )
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
     torch.testing.assert_close(first.kv_cache, second.kv_cache, atol=0, rtol=0)
+
+
+def dense_step(prompt_len: int, num_padding_tokens: int, num_heads: int, num_kv_heads: int,
+               dtype: torch.dtype, device: str, head_dim: int = 16) -> Step:
+    """One fresh prompt (no cached context) and a CUDA graph's padding rows after it, marked
+    for dense attention as the runner marks such a step."""
+    step = make_step([(prompt_len, prompt_len)], num_heads, num_kv_heads, 16, head_dim=head_dim,
+                     dtype=dtype, device=device, num_padding_tokens=num_padding_tokens)
+    step.metadata.dense_prefill = True
+    return step
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2)])
+def test_dense_prefill_equals_paged_attention_on_the_prompt_rows(device, num_heads,
+                                                                 num_kv_heads):
+    """A step marked dense_prefill: the prompt's rows equal the reference's paged attention,
+    its K/V are stored as by the paged path, the padding rows after it are finite."""
+    step = dense_step(37, 11, num_heads, num_kv_heads, torch.float32, device)
+    ref_cache = step.kv_cache.clone()
+    expected = TorchRefBackend().forward(step.query, step.key, step.value, ref_cache,
+                                         step.metadata, 0.25)
+    out = TritonBackend().forward(step.query, step.key, step.value, step.kv_cache,
+                                  step.metadata, 0.25)
+    assert out.shape == step.query.shape and out.dtype == step.query.dtype
+    torch.testing.assert_close(step.kv_cache, ref_cache, atol=0, rtol=0)
+    torch.testing.assert_close(out[:37], expected[:37], **TOLERANCE[torch.float32])
+    assert torch.isfinite(out[37:]).all()
+
+
+def test_dense_prefill_is_offered_only_where_cudnn_attention_runs():
+    """On a CPU (and for float32 anywhere) the runner is never told to mark dense steps; the
+    reference backend offers them only when a test turns them on; a bad mode is refused."""
+    cpu = torch.device("cpu")
+    assert not TritonBackend().supports_dense_prefill(cpu, torch.bfloat16, 16, 8, 128)
+    assert not TorchRefBackend().supports_dense_prefill(cpu, torch.float32, 16, 8, 128)
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        assert not TritonBackend().supports_dense_prefill(cuda, torch.float32, 16, 8, 128)
+        never = TritonBackend(TritonBackendConfig(dense_prefill="never"))
+        assert not never.supports_dense_prefill(cuda, torch.bfloat16, 16, 8, 128)
+    with pytest.raises(ValueError, match="dense_prefill must be one of"):
+        TritonBackendConfig(dense_prefill="always")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("prompt_len,num_padding_tokens", [(1024, 0), (700, 324), (64, 0)])
+def test_dense_prefill_runs_cudnn_at_qwen3_shapes_within_bf16_tolerance(prompt_len,
+                                                                         num_padding_tokens):
+    """Qwen3-0.6B's attention (16 / 8 heads, head_dim 128, bf16): cuDNN's dense attention is
+    offered, and the prompt's rows equal the reference's paged attention as closely as the
+    Triton kernel's do, eagerly and replayed from a CUDA graph."""
+    cuda = torch.device("cuda")
+    backend = TritonBackend()
+    assert backend.supports_dense_prefill(cuda, torch.bfloat16, 16, 8, 128)
+    step = dense_step(prompt_len, num_padding_tokens, 16, 8, torch.bfloat16, "cuda",
+                      head_dim=128)
+    scale = 128**-0.5
+    expected = TorchRefBackend().forward(step.query, step.key, step.value,
+                                         step.kv_cache.clone(), step.metadata, scale)
+    qkv = (step.query, step.key, step.value)
+    eager = backend.forward(*qkv, step.kv_cache, step.metadata, scale)
+    torch.testing.assert_close(eager[:prompt_len], expected[:prompt_len],
+                               **TOLERANCE[torch.bfloat16])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(*qkv, step.kv_cache, step.metadata, scale)
+    out.zero_()
+    graph.replay()
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)

@@ -139,3 +139,49 @@ def test_short_contexts_replay_the_decode_graphs_captured_for_them(
     # the short set until then, the main set after.
     assert greedy_ids(llm, [long]) == reference[2:]
     assert graphs.short_graphs.num_replays > short_replays and graphs.graphs.num_replays > 0
+
+
+def test_fresh_prompts_replay_the_dense_prefill_graphs(qwen3_dir: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the backend offers dense attention for a step that is one fresh prompt, those
+    sizes are captured a second time with it; a lone prompt over no cached context replays them
+    when it fills enough of its padded size (else, and over a cached prefix, the paged prompt
+    graphs), eager steps of one fresh prompt run it too, and greedy ids stay the paged ones."""
+    from sluice.attention import torch_ref
+
+    common = dict(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256,
+                  max_num_seqs=4)
+    # Of the 64-token graph: 94% and 58%; no prefix in common.
+    full = {"prompt_token_ids": [(7 * i) % 300 + 3 for i in range(60)]}
+    sparse = {"prompt_token_ids": [(11 * i) % 300 + 5 for i in range(37)]}
+    reference = greedy_ids(LLM(**common), [full, sparse])
+
+    dense_calls = []
+
+    def counted(*args: object) -> torch.Tensor:
+        dense_calls.append(args[0].shape[0])
+        return dense_attention(*args)
+
+    dense_attention = torch_ref.dense_causal_attention
+    monkeypatch.setattr(torch_ref, "dense_causal_attention", counted)
+    monkeypatch.setattr(torch_ref.TorchRefBackend, "dense_prefill", True)
+    eager = LLM(**common)
+    assert [greedy_ids(eager, [p])[0] for p in (full, sparse)] == reference
+    assert dense_calls and dense_calls[0] == 60  # eager: the prompt's rows, no padding
+
+    monkeypatch.setattr(graph_runner, "DENSE_ALWAYS_UP_TO", 0)  # the fill rule alone decides
+    monkeypatch.setattr(graph_runner, "DecodeGraphs", EmulatedGraphs)
+    llm = LLM(**common)
+    runner = llm.llm_engine.engine_core.executor.model_runner
+    builder, graphs = runner.input_builder, runner.graph_runner
+    builder.graph_block_tables = torch.zeros_like(builder.buf_block_tables.cpu.view(4, -1))
+    graphs.capture(runner.model)
+    assert graphs.dense_prefill_graphs.sizes == graphs.prefill_graphs.sizes
+    dense_calls.clear()
+    assert greedy_ids(llm, [full]) == reference[:1]
+    assert graphs.dense_prefill_graphs.num_replays == 1 and graphs.prefill_graphs.num_replays == 0
+    assert set(dense_calls) == {64}  # the padded graph's rows
+    assert greedy_ids(llm, [sparse]) == reference[1:]  # 37 of 64: the paged graph
+    assert graphs.dense_prefill_graphs.num_replays == 1 and graphs.prefill_graphs.num_replays == 1
+    assert greedy_ids(llm, [full]) == reference[:1]  # 56 tokens cached: 4 over a prefix
+    assert graphs.dense_prefill_graphs.num_replays == 1 and graphs.prefill_graphs.num_replays == 2
