@@ -38,6 +38,12 @@ DensePrefillMode = Literal["auto", "never"]
 DECODE_TILES = TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)
 PREFILL_TILES = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+# Decode batches whose contexts are all under SHORT_DECODE_CONTEXT keys (the CUDA graphs captured
+# for them: sluice.worker.graph_runner). At 192 keys (`kernels-short-contexts-h200.json`) 64-key
+# tiles took 26.9 us against 30.0 for 64 requests and 19.0 against 20.3 for 32 (one program per
+# request and KV head: their smaller tiles let more programs share an SM); on the workload's
+# ragged batches of longer contexts the 128-key tiles stay faster.
+SHORT_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 # Few programs: split so the GPU fills (about 4 programs per SM), keeping at least
 # MIN_KEYS_PER_SPLIT keys per split so the merge stays cheap next to the reads. With more
 # programs, splits measured slower or within noise on the workload's ragged decode batches
@@ -45,12 +51,16 @@ SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 SPLIT_BELOW_PROGRAMS_PER_SM = 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
+# No context under this is split (see choose_num_splits): short_decode_tiles take such batches.
+SHORT_DECODE_CONTEXT = 2 * MIN_KEYS_PER_SPLIT
 
 
 @dataclass(frozen=True, slots=True)
 class TritonBackendConfig:
     split_kv: SplitKVMode = "auto"  # "always": every decode batch (tests); "never": unified only
     decode_tiles: TileConfig = DECODE_TILES
+    # Decode tiles while the launch's longest context is under SHORT_DECODE_CONTEXT.
+    short_decode_tiles: TileConfig = SHORT_DECODE_TILES
     prefill_tiles: TileConfig = PREFILL_TILES
     split_tiles: TileConfig = SPLIT_TILES
     num_splits: int | None = None  # fixed split count (tests, benchmarks); None = by the rule
@@ -144,7 +154,7 @@ class TritonBackend:
         """Decode tiles while every request's queries fit one decode tile (decodes, short
         speculative runs); else prefill tiles, and with several requests two launches: requests
         that fit a decode tile in decode tiles, the others in prefill tiles."""
-        decode_tiles = self.config.decode_tiles
+        decode_tiles = self._decode_tiles(metadata.max_seq_len)
         group_pad = triton.next_power_of_2(query.shape[1] // key.shape[-2])
         decode_query_len = max(decode_tiles.block_m, group_pad) // group_pad
         args = (output, query, key, value, metadata, scale)
@@ -158,21 +168,32 @@ class TritonBackend:
             *args, self.config.prefill_tiles, paged=paged, query_lens=prefill_lens
         )
 
+    def _decode_tiles(self, max_seq_len: int) -> TileConfig:
+        if max_seq_len < SHORT_DECODE_CONTEXT:
+            return self.config.short_decode_tiles
+        return self.config.decode_tiles
+
     def _num_splits(
         self, metadata: AttentionMetadata, num_kv_heads: int, device: torch.device
     ) -> int:
         """0 for the unified kernel, else the split count of the split-KV path."""
         if metadata.max_query_len > 1:
             return 0
-        return self.decode_plan(metadata.num_reqs, num_kv_heads, metadata.max_seq_len, device)
+        return self._split_count(metadata.num_reqs, num_kv_heads, metadata.max_seq_len, device)
 
     def decode_plan(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
-                    device: torch.device) -> int:
+                    device: torch.device) -> tuple[int, TileConfig]:
         """The kernels a decode batch (one query token per request) of `num_reqs` requests
-        whose longest context is `max_seq_len` gets: 0 for the unified kernel, else the split
-        count of the split-KV path. A CUDA graph captured with a `max_seq_len` keeps its plan
-        for every batch it replays (sluice.worker.graph_runner captures a second decode set for
-        short contexts where the plans differ)."""
+        whose longest context is `max_seq_len` gets: (0 for the unified kernel, else the split
+        count of the split-KV path; the unified kernel's tiles). A CUDA graph captured with a
+        `max_seq_len` keeps its plan for every batch it replays (sluice.worker.graph_runner
+        captures a second decode set for short contexts where the plans differ)."""
+        num_splits = self._split_count(num_reqs, num_kv_heads, max_seq_len, device)
+        return num_splits, self._decode_tiles(max_seq_len)
+
+    def _split_count(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
+                     device: torch.device) -> int:
+        """0 for the unified kernel, else the split count (see choose_num_splits)."""
         mode = self.config.split_kv
         if mode == "never":
             return 0

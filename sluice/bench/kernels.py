@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import triton
 
+from sluice.attention.dense import dense_causal_attention
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.torch_ref import TorchRefBackend
 from sluice.attention.triton import TileConfig
@@ -268,6 +269,11 @@ def run_prefill(
     expected = sdpa()[0].transpose(0, 1).float()  # [S, H, D]
     sdpa_run = {"us": seconds * 1e6, "tflops": flops / seconds / 1e12}
     results: dict[str, Any] = {"torch_sdpa": sdpa_run}
+    # What a step of one fresh prompt runs where cuDNN attention works (dense_prefill).
+    seconds = timer(lambda: dense_causal_attention(query, key, value, SCALE))
+    out = dense_causal_attention(query, key, value, SCALE)
+    results["dense_prefill"] = {"us": seconds * 1e6, "tflops": flops / seconds / 1e12,
+                                "max_abs_diff_vs_sdpa": (out.float() - expected).abs().max().item()}
     for label, config in configs.items():
         backend = TritonBackend(config)
         try:
@@ -373,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             configs[f"split_{n}"] = TritonBackendConfig(split_kv="always", num_splits=n)
         if ns.sweep:
             for tiles in DECODE_SWEEP + RAGGED_SWEEP:
-                configs[_sweep_name(tiles)] = TritonBackendConfig(split_kv="never",
-                                                                  decode_tiles=tiles)
+                configs[_sweep_name(tiles)] = TritonBackendConfig(
+                    split_kv="never", decode_tiles=tiles, short_decode_tiles=tiles)
         record = run_ragged(timer, copy_bps, step, configs, shuffle=not ns.consecutive_blocks)
         report["ragged_decode"].append(record)
         _write(ns.output, report)
@@ -406,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.sweep:
             for tiles in DECODE_SWEEP:
                 configs["unified_" + _sweep_name(tiles)] = TritonBackendConfig(
-                    split_kv="never", decode_tiles=tiles)
+                    split_kv="never", decode_tiles=tiles, short_decode_tiles=tiles)
             if max(num_splits, captured) > 1:
                 for tiles in SPLIT_SWEEP:  # at the captured graphs' split count
                     configs["split_" + _sweep_name(tiles)] = TritonBackendConfig(

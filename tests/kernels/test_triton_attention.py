@@ -272,6 +272,23 @@ def test_split_rule_splits_decode_batches_that_leave_the_gpu_underfilled():
     assert choose_num_splits(0, 8, 0, 132) == 1
 
 
+def test_decode_plan_gives_short_contexts_their_own_tiles():
+    """Decode batches whose longest context is under SHORT_DECODE_CONTEXT get the short-context
+    tiles (so the graph runner captures their sizes again for short contexts), longer ones the
+    decode tiles; a split batch says its split count."""
+    from sluice.attention.triton_backend import (
+        DECODE_TILES,
+        SHORT_DECODE_CONTEXT,
+        SHORT_DECODE_TILES,
+    )
+
+    backend, cpu = TritonBackend(), torch.device("cpu")  # 4 "SMs" off a GPU
+    assert SHORT_DECODE_TILES != DECODE_TILES
+    assert backend.decode_plan(64, 8, SHORT_DECODE_CONTEXT - 1, cpu) == (0, SHORT_DECODE_TILES)
+    assert backend.decode_plan(64, 8, SHORT_DECODE_CONTEXT, cpu) == (0, DECODE_TILES)
+    assert backend.decode_plan(1, 2, 4096, cpu)[0] > 1
+
+
 def test_backend_is_registered_and_validates_its_config():
     assert get_attention_backend("triton").name == "triton"
     with pytest.raises(ValueError, match="split_kv must be one of"):
@@ -344,7 +361,9 @@ def test_dense_prefill_equals_paged_attention_on_the_prompt_rows(device, num_hea
                                                                  num_kv_heads):
     """A step marked dense_prefill: the prompt's rows equal the reference's paged attention,
     its K/V are stored as by the paged path, the padding rows after it are finite."""
-    step = dense_step(37, 11, num_heads, num_kv_heads, torch.float32, device)
+    # cuDNN attention (a GPU's dense path) takes 16-bit dtypes only; the CPU's takes float32.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    step = dense_step(37, 11, num_heads, num_kv_heads, dtype, device)
     ref_cache = step.kv_cache.clone()
     expected = TorchRefBackend().forward(step.query, step.key, step.value, ref_cache,
                                          step.metadata, 0.25)
@@ -352,7 +371,7 @@ def test_dense_prefill_equals_paged_attention_on_the_prompt_rows(device, num_hea
                                   step.metadata, 0.25)
     assert out.shape == step.query.shape and out.dtype == step.query.dtype
     torch.testing.assert_close(step.kv_cache, ref_cache, atol=0, rtol=0)
-    torch.testing.assert_close(out[:37], expected[:37], **TOLERANCE[torch.float32])
+    torch.testing.assert_close(out[:37], expected[:37], **TOLERANCE[dtype])
     assert torch.isfinite(out[37:]).all()
 
 
