@@ -38,12 +38,14 @@ DensePrefillMode = Literal["auto", "never"]
 DECODE_TILES = TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)
 PREFILL_TILES = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-# Decode batches whose contexts are all under SHORT_DECODE_CONTEXT keys (the CUDA graphs captured
-# for them: sluice.worker.graph_runner). At 192 keys (`kernels-short-contexts-h200.json`) 64-key
-# tiles took 26.9 us against 30.0 for 64 requests and 19.0 against 20.3 for 32 (one program per
-# request and KV head: their smaller tiles let more programs share an SM); on the workload's
-# ragged batches of longer contexts the 128-key tiles stay faster.
+# Decode batches of at least SHORT_DECODE_MIN_REQS requests whose contexts are all under
+# SHORT_DECODE_CONTEXT keys (the CUDA graphs captured for them: sluice.worker.graph_runner). At
+# 192 keys (`kernels-short-contexts-h200.json`) 64-key tiles took 26.9 us against 30.0 for 64
+# requests, 19.0 against 20.3 for 32 and 15.7 against 15.9 for 16 (one program per request and
+# KV head: smaller tiles let more programs share an SM); one request was faster with 128-key
+# tiles (11.2 us), and so were the workload's ragged batches of longer contexts.
 SHORT_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+SHORT_DECODE_MIN_REQS = 16
 # Few programs: split so the GPU fills (about 4 programs per SM), keeping at least
 # MIN_KEYS_PER_SPLIT keys per split so the merge stays cheap next to the reads. With more
 # programs, splits measured slower or within noise on the workload's ragged decode batches
@@ -59,7 +61,8 @@ SHORT_DECODE_CONTEXT = 2 * MIN_KEYS_PER_SPLIT
 class TritonBackendConfig:
     split_kv: SplitKVMode = "auto"  # "always": every decode batch (tests); "never": unified only
     decode_tiles: TileConfig = DECODE_TILES
-    # Decode tiles while the launch's longest context is under SHORT_DECODE_CONTEXT.
+    # Decode tiles while the launch's longest context is under SHORT_DECODE_CONTEXT and it has
+    # at least SHORT_DECODE_MIN_REQS requests.
     short_decode_tiles: TileConfig = SHORT_DECODE_TILES
     prefill_tiles: TileConfig = PREFILL_TILES
     split_tiles: TileConfig = SPLIT_TILES
@@ -154,7 +157,7 @@ class TritonBackend:
         """Decode tiles while every request's queries fit one decode tile (decodes, short
         speculative runs); else prefill tiles, and with several requests two launches: requests
         that fit a decode tile in decode tiles, the others in prefill tiles."""
-        decode_tiles = self._decode_tiles(metadata.max_seq_len)
+        decode_tiles = self._decode_tiles(metadata.num_reqs, metadata.max_seq_len)
         group_pad = triton.next_power_of_2(query.shape[1] // key.shape[-2])
         decode_query_len = max(decode_tiles.block_m, group_pad) // group_pad
         args = (output, query, key, value, metadata, scale)
@@ -168,8 +171,8 @@ class TritonBackend:
             *args, self.config.prefill_tiles, paged=paged, query_lens=prefill_lens
         )
 
-    def _decode_tiles(self, max_seq_len: int) -> TileConfig:
-        if max_seq_len < SHORT_DECODE_CONTEXT:
+    def _decode_tiles(self, num_reqs: int, max_seq_len: int) -> TileConfig:
+        if max_seq_len < SHORT_DECODE_CONTEXT and num_reqs >= SHORT_DECODE_MIN_REQS:
             return self.config.short_decode_tiles
         return self.config.decode_tiles
 
@@ -189,7 +192,7 @@ class TritonBackend:
         `max_seq_len` keeps its plan for every batch it replays (sluice.worker.graph_runner
         captures a second decode set for short contexts where the plans differ)."""
         num_splits = self._split_count(num_reqs, num_kv_heads, max_seq_len, device)
-        return num_splits, self._decode_tiles(max_seq_len)
+        return num_splits, self._decode_tiles(num_reqs, max_seq_len)
 
     def _split_count(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
                      device: torch.device) -> int:

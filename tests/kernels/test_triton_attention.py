@@ -273,20 +273,33 @@ def test_split_rule_splits_decode_batches_that_leave_the_gpu_underfilled():
 
 
 def test_decode_plan_gives_short_contexts_their_own_tiles():
-    """Decode batches whose longest context is under SHORT_DECODE_CONTEXT get the short-context
-    tiles (so the graph runner captures their sizes again for short contexts), longer ones the
-    decode tiles; a split batch says its split count."""
+    """Decode batches of SHORT_DECODE_MIN_REQS requests or more whose longest context is under
+    SHORT_DECODE_CONTEXT get the short-context tiles (so the graph runner captures their sizes
+    again for short contexts), others the decode tiles; a split batch says its split count."""
     from sluice.attention.triton_backend import (
         DECODE_TILES,
         SHORT_DECODE_CONTEXT,
+        SHORT_DECODE_MIN_REQS,
         SHORT_DECODE_TILES,
     )
 
     backend, cpu = TritonBackend(), torch.device("cpu")  # 4 "SMs" off a GPU
+    short, many = SHORT_DECODE_CONTEXT - 1, SHORT_DECODE_MIN_REQS
     assert SHORT_DECODE_TILES != DECODE_TILES
-    assert backend.decode_plan(64, 8, SHORT_DECODE_CONTEXT - 1, cpu) == (0, SHORT_DECODE_TILES)
-    assert backend.decode_plan(64, 8, SHORT_DECODE_CONTEXT, cpu) == (0, DECODE_TILES)
+    assert backend.decode_plan(many, 8, short, cpu) == (0, SHORT_DECODE_TILES)
+    assert backend.decode_plan(many, 8, SHORT_DECODE_CONTEXT, cpu) == (0, DECODE_TILES)
+    assert backend.decode_plan(many - 1, 8, short, cpu) == (0, DECODE_TILES)
     assert backend.decode_plan(1, 2, 4096, cpu)[0] > 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_context_decode_tiles_match_reference(device):
+    # 16 decodes of short contexts: the short-context tiles (64 keys) read 1 to 2 tiles each.
+    from sluice.attention.triton_backend import SHORT_DECODE_MIN_REQS
+
+    requests = [(1 + 9 * i, 1) for i in range(SHORT_DECODE_MIN_REQS)]
+    step = make_step(requests, 4, 2, 16, device=device)
+    assert_matches_reference(step, TritonBackend(TritonBackendConfig(split_kv="never")))
 
 
 def test_backend_is_registered_and_validates_its_config():
