@@ -50,7 +50,8 @@ _MAX_GRAPH_BATCH = 512
 # Decode steps whose contexts are all shorter than this replay the short-context decode graphs
 # (where the attention backend's plan for them differs). The Triton backend splits no context
 # under 2 x MIN_KEYS_PER_SPLIT = 512 keys: on an H200, the unified kernel at 16 requests of 192
-# keys took 15.9 us against 21.8 with the 4 splits a graph captured for 40,960 keys runs.
+# keys took 15.9 us against 21.8 with the 4 splits a graph captured for 40,960 keys runs; and
+# from 16 requests it takes narrower tiles there (SHORT_DECODE_CONTEXT, the same 512).
 SHORT_CONTEXT_TOKENS = 512
 _PREFILL_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _MAX_PREFILL_GRAPH_TOKENS = _PREFILL_GRAPH_TOKENS[-1]
