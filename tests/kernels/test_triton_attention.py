@@ -293,11 +293,13 @@ def test_decode_plan_gives_short_contexts_their_own_tiles():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_short_context_decode_tiles_match_reference(device):
-    # 16 decodes of short contexts: the short-context tiles (64 keys) read 1 to 2 tiles each.
+@pytest.mark.parametrize("max_query_len", [1, 3])
+def test_short_context_decode_tiles_match_reference(device, max_query_len):
+    # 16 requests of short contexts in decode tiles, the short-context ones (64 keys): decodes
+    # reading 1 to 2 tiles each, and verification-like steps of 1 to 3 queries.
     from sluice.attention.triton_backend import SHORT_DECODE_MIN_REQS
 
-    requests = [(1 + 9 * i, 1) for i in range(SHORT_DECODE_MIN_REQS)]
+    requests = [(3 + 9 * i, 1 + i % max_query_len) for i in range(SHORT_DECODE_MIN_REQS)]
     step = make_step(requests, 4, 2, 16, device=device)
     assert_matches_reference(step, TritonBackend(TritonBackendConfig(split_kv="never")))
 
