@@ -3,7 +3,8 @@ Triton kernel it replaces, on the benchmark model (Qwen3-0.6B architecture, rand
 
     python scripts/dense_prefill_check.py OUT.json [--prompt-lens 200,1000,4000,8000]
 
-Lone fresh prompts of random ids run through three engines, one after the other: float32 (paged
+Lone fresh prompts of random ids (past 8,192 tokens in chunks: the later ones over a cached
+prefix) run through three engines, one after the other: float32 (paged
 attention: dense prefill is offered only for 16-bit dtypes), bfloat16 with dense prefill (the
 default), and bfloat16 with it turned off. For each prompt it prints the mean and largest
 |logprob difference| of the prompt's own tokens from float32's (every position of the prompt
@@ -26,12 +27,13 @@ from sluice.bench.workloads import benchmark_model_dir, cache_root, random_promp
 
 
 def run(model: str, dtype: str, prompts: list[list[int]], dense: bool) -> list[dict]:
-    original = TritonBackend.supports_dense_prefill
+    original = TritonBackend.supports_dense_prefill, TritonBackend.supports_dense_prefix
     if not dense:
         TritonBackend.supports_dense_prefill = lambda *args: False  # type: ignore[method-assign]
+        TritonBackend.supports_dense_prefix = lambda *args: False  # type: ignore[method-assign]
     try:
-        llm = LLM(model=model, dtype=dtype, max_model_len=8192 + 64, gpu_memory_utilization=0.4,
-                  enable_prefix_caching=False)
+        llm = LLM(model=model, dtype=dtype, max_model_len=max(len(p) for p in prompts) + 64,
+                  gpu_memory_utilization=0.4, enable_prefix_caching=False)
         runner = llm.llm_engine.engine_core.executor.model_runner
         dense_graphs = runner.graph_runner.dense_prefill_graphs is not None
         params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, ignore_eos=True)
@@ -45,7 +47,7 @@ def run(model: str, dtype: str, prompts: list[list[int]], dense: bool) -> list[d
         llm.shutdown()
         return results
     finally:
-        TritonBackend.supports_dense_prefill = original  # type: ignore[method-assign]
+        TritonBackend.supports_dense_prefill, TritonBackend.supports_dense_prefix = original
 
 
 def main(argv: list[str]) -> None:

@@ -10,6 +10,12 @@ tests) PyTorch picks its kernel.
 
 Rows past the prompt (a CUDA graph's padding) attend causally to the prompt and to each other:
 their outputs are finite and unused, and no prompt row sees them.
+
+A long prompt's later chunks (one request's queries over a cached prefix, eager steps) run it in
+two parts merged by their log-sum-exps: the queries over the prefix, gathered from the paged
+cache, with no mask, and over themselves, causally (`dense_attention_over_prefix`). cuDNN gives
+the log-sum-exp only through its private ATen op, so that path is offered where a start-up trial
+of it equals the paged reference (`cudnn_prefix_attention_works`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,28 @@ import functools
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
+
+from sluice.attention.metadata import AttentionMetadata
+
+
+def dense_prefill_attention(
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, KVH, D]
+    value: torch.Tensor,  # [T, KVH, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], this step's K/V stored
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,  # dense_prefill: one request, its queries rows [0, Q)
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """A step marked dense_prefill: over no cached context (a CUDA graph's padding rows may
+    follow), or over a cached prefix (eager: no padding)."""
+    num_queries = int(metadata.query_start_loc_cpu[1])
+    context_len = int(metadata.seq_lens_cpu[0]) - num_queries
+    if context_len == 0:
+        return dense_causal_attention(query, key, value, scale)
+    assert num_queries == query.shape[0], "a step over a prefix runs eagerly, unpadded"
+    return dense_attention_over_prefix(query, key, value, key_cache, value_cache,
+                                       metadata.block_tables[0], context_len, scale)
 
 
 def dense_causal_attention(
@@ -60,3 +88,87 @@ def cudnn_attention_works(device: torch.device, dtype: torch.dtype, num_heads: i
         v.float().repeat_interleave(group, 1).transpose(0, 1), is_causal=True,
         scale=head_dim**-0.5).transpose(0, 1)
     return bool((out.float() - ref).abs().max() < 0.05)
+
+
+def dense_attention_over_prefix(
+    query: torch.Tensor,  # [Q, H, D]: the last Q positions of the context
+    key: torch.Tensor,  # [Q, KVH, D]: this step's keys
+    value: torch.Tensor,  # [Q, KVH, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    value_cache: torch.Tensor,
+    block_table_row: torch.Tensor,  # [>= ceil(context_len / block_size)] int32
+    context_len: int,  # cached positions before the queries
+    scale: float,
+) -> torch.Tensor:  # [Q, H, D]
+    block_size = key_cache.shape[1]
+    blocks = block_table_row[:-(-context_len // block_size)].long()
+    prefix_key, prefix_value = (cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+                                for cache in (key_cache, value_cache))  # [C, KVH, D]
+    out_prefix, lse_prefix = _attention_with_lse(query, prefix_key, prefix_value, scale, False)
+    out_self, lse_self = _attention_with_lse(query, key, value, scale, True)
+    # softmax over both key sets = the two partial softmaxes weighted by their mass
+    lse = torch.logaddexp(lse_prefix, lse_self)  # [Q, H]
+    out = (out_prefix.float() * (lse_prefix - lse).exp()[..., None]
+           + out_self.float() * (lse_self - lse).exp()[..., None])
+    return out.to(query.dtype)
+
+
+def _attention_with_lse(
+    query: torch.Tensor,  # [Q, H, D]
+    key: torch.Tensor,  # [S, KVH, D]
+    value: torch.Tensor,  # [S, KVH, D]
+    scale: float,
+    causal: bool,  # square: query i sees keys 0..i
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [Q, H, D], natural-log log-sum-exp [Q, H] float32
+    group = query.shape[1] // key.shape[1]
+    q = query.transpose(0, 1).unsqueeze(0)
+    k, v = (t.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0) for t in (key, value))
+    if query.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+        return out[0].transpose(0, 1), lse.reshape(query.shape[1], -1).transpose(0, 1)
+    # The CPU (tests): the same in float32 math.
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * scale
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    lse = scores.logsumexp(-1)  # [1, H, Q]
+    out = torch.einsum("bhqk,bhkd->bhqd", (scores - lse[..., None]).exp(), v.float())
+    return out[0].transpose(0, 1).to(query.dtype), lse[0].transpose(0, 1)
+
+
+@functools.cache
+def cudnn_prefix_attention_works(device: torch.device, dtype: torch.dtype, num_heads: int,
+                                 num_kv_heads: int, head_dim: int) -> bool:
+    """Whether dense_attention_over_prefix runs here and equals a float32 reference: 48 queries
+    over 80 cached positions in 16-slot blocks, tried once outside any CUDA graph capture."""
+    if not cudnn_attention_works(device, dtype, num_heads, num_kv_heads, head_dim):
+        return False
+    gen = torch.Generator(device=device).manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    context_len, num_queries, group = 80, 48, num_heads // num_kv_heads
+    key_cache, value_cache = randn(9, 16, num_kv_heads, head_dim), randn(9, 16, num_kv_heads,
+                                                                          head_dim)
+    table = torch.tensor([7, 2, 5, 0, 8], dtype=torch.int32, device=device)
+    query, key, value = (randn(num_queries, heads, head_dim)
+                         for heads in (num_heads, num_kv_heads, num_kv_heads))
+    try:
+        out = dense_attention_over_prefix(query, key, value, key_cache, value_cache, table,
+                                          context_len, head_dim**-0.5)
+    except (RuntimeError, AttributeError, TypeError):  # the private op missing or refusing
+        return False
+    prefix_k, prefix_v = (c[table.long()].flatten(0, 1)[:context_len] for c in (key_cache,
+                                                                                value_cache))
+    keys = torch.cat([prefix_k, key]).float().repeat_interleave(group, 1)  # [S, H, D]
+    values = torch.cat([prefix_v, value]).float().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * head_dim**-0.5
+    total = context_len + num_queries
+    future = torch.ones(num_queries, total, dtype=torch.bool, device=device).triu(
+        context_len + 1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+    ref = torch.einsum("hqk,khd->qhd", probs, values)
+    return bool((out.float() - ref).abs().max() < 0.05)
+

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.attention.dense import dense_causal_attention
+from sluice.attention.dense import dense_prefill_attention
 from sluice.attention.metadata import AttentionMetadata
 
 
@@ -25,6 +25,8 @@ class TorchRefBackend:
     def supports_dense_prefill(self, device: torch.device, dtype: torch.dtype,
                                num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return self.dense_prefill
+
+    supports_dense_prefix = supports_dense_prefill
 
     def forward(
         self,
@@ -51,7 +53,8 @@ class TorchRefBackend:
             value_cache[slots[stored]] = value[stored].to(value_cache.dtype)
 
         if metadata.dense_prefill and self.dense_prefill:
-            return dense_causal_attention(query, key, value, scale)
+            return dense_prefill_attention(query, key, value, kv_cache[0], kv_cache[1], metadata,
+                                           scale)
         query_start_loc = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
         for i, seq_len in enumerate(seq_lens):

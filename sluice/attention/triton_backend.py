@@ -21,7 +21,11 @@ from typing import Literal
 import torch
 import triton
 
-from sluice.attention.dense import cudnn_attention_works, dense_causal_attention
+from sluice.attention.dense import (
+    cudnn_attention_works,
+    cudnn_prefix_attention_works,
+    dense_prefill_attention,
+)
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.triton import TileConfig, split_kv_attention, store_kv, unified_attention
 from sluice.attention.triton.unified import MAX_INT32
@@ -126,9 +130,10 @@ class TritonBackend:
             return self._forward_without_cache(output, query, key, value, metadata, scale)
         if not kv_stored:
             store_kv(key, value, kv_cache, metadata.slot_mapping)
-        if metadata.dense_prefill:
-            return dense_causal_attention(query, key, value, scale)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
+        if metadata.dense_prefill:
+            return dense_prefill_attention(query, key, value, key_cache, value_cache, metadata,
+                                           scale)
         num_splits = self._num_splits(metadata, key.shape[1], query.device)
         if num_splits > 0:
             tiles = self.config.split_tiles
@@ -142,6 +147,13 @@ class TritonBackend:
         """Whether `forward` should be given steps marked `dense_prefill` (the runner marks
         them only then): on CUDA where cuDNN attention runs for the model's dtype and shapes."""
         return self.config.dense_prefill == "auto" and cudnn_attention_works(
+            device, dtype, num_heads, num_kv_heads, head_dim)
+
+    def supports_dense_prefix(self, device: torch.device, dtype: torch.dtype,
+                              num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether steps of one prompt chunk over a cached prefix may be marked
+        `dense_prefill` too (eager steps: sluice.attention.dense.dense_attention_over_prefix)."""
+        return self.config.dense_prefill == "auto" and cudnn_prefix_attention_works(
             device, dtype, num_heads, num_kv_heads, head_dim)
 
     def _unified(

@@ -64,6 +64,9 @@ _MAX_PREFILL_GRAPH_TOKENS = _PREFILL_GRAPH_TOKENS[-1]
 # dense won at every fill (16 against 16-23 us).
 DENSE_MIN_FILL = 0.8
 DENSE_ALWAYS_UP_TO = 512
+# A lone prompt chunk over a cached prefix runs dense attention, eagerly, from this many tokens:
+# gathering the prefix's K/V out of the paged cache is then small next to the attention.
+DENSE_OVER_PREFIX_MIN_TOKENS = 2048
 
 # (input_ids [T], positions [T], metadata) of one captured size
 GraphInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
@@ -112,18 +115,28 @@ class GraphRunner:
             return None
         return self.verify_graphs.padded_size(len(states))
 
+    @staticmethod
+    def dense_over_prefix_pays(num_tokens: int) -> bool:
+        """Whether a lone prompt chunk of `num_tokens` over a cached prefix runs dense attention
+        (eagerly) rather than the paged prompt graph (see DENSE_OVER_PREFIX_MIN_TOKENS)."""
+        return num_tokens >= DENSE_OVER_PREFIX_MIN_TOKENS
+
     def pad_for_graph(self, num_reqs: int, num_tokens: int, num_layout_tokens: int,
                       verify_size: int | None, has_pending: bool, max_seq_len: int,
-                      fresh: bool = False) -> tuple[tuple[DecodeGraphs, int] | None, int]:
+                      fresh: bool = False,
+                      eager: bool = False) -> tuple[tuple[DecodeGraphs, int] | None, int]:
         """The graph that runs a step of `num_reqs` requests and `num_tokens` tokens
         (`num_layout_tokens` as laid out in the buffers) and the step's padded token count;
         the padding requests and tokens written to the host buffers. has_pending: an input token
         of the step is still in flight (a lone such request replays no prefill graph).
         max_seq_len: the step's longest context (a decode step's picks its graph set). fresh:
-        the step is one prompt over no cached context (it may replay a dense-prefill graph)."""
+        the step is one prompt over no cached context (it may replay a dense-prefill graph).
+        eager: the step runs without a graph (a dense prompt chunk over a cached prefix)."""
         buffers = self.inputs
         graph = None
         padded_reqs, padded_tokens = num_reqs, num_layout_tokens
+        if eager:
+            return graph, padded_tokens
         if verify_size is not None:
             q = self.query_len
             graph = (self.verify_graphs, verify_size)

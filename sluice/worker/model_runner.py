@@ -184,7 +184,8 @@ class ModelRunner:
                                             hf.head_dim, self.dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches)
         self.num_blocks = num_blocks
-        self.input_builder.dense_prefill = self._supports_dense_prefill()
+        self.input_builder.dense_prefill = self._backend_supports("supports_dense_prefill")
+        self.input_builder.dense_prefix = self._backend_supports("supports_dense_prefix")
         if self.spec is not None:
             self.spec.initialize_kv_cache(num_blocks)
         if self.device.type == "cuda":
@@ -195,10 +196,11 @@ class ModelRunner:
                 self.layer_events = GraphLayerEvents(list(self.kv_caches), self.device)
             self.graph_runner.capture(self.model, self.layer_events)
 
-    def _supports_dense_prefill(self) -> bool:
-        """Whether steps that are one fresh prompt may run dense attention (the backend's
-        optional `supports_dense_prefill`, asked for this rank's heads)."""
-        supports = getattr(self.attn_backend, "supports_dense_prefill", None)
+    def _backend_supports(self, question: str) -> bool:
+        """The attention backend's answer to an optional `supports_dense_prefill` /
+        `supports_dense_prefix` (steps of one prompt that may run dense attention), asked for
+        this rank's heads; False where it has no such method."""
+        supports = getattr(self.attn_backend, question, None)
         layers = list(attention_layers(self.model).values())
         if supports is None or not layers:
             return False

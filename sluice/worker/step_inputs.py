@@ -48,6 +48,9 @@ class StepInputs:
     block_tables: torch.Tensor  # [B, most blocks of any request], on the device
     graph: tuple[DecodeGraphs, int] | None  # the CUDA graph to replay (graph set, size), if any
     ordered: bool  # a decode batch: buf_decode_order holds its longest-first order
+    # One request's prompt (chunk) whose attention may run dense (AttentionMetadata.
+    # dense_prefill): over no cached context, or over a prefix (then eagerly).
+    dense_prefill: bool = False
 
 
 class InputBuilder:
@@ -91,8 +94,10 @@ class InputBuilder:
             if device.type == "cuda" else None)
         self._inputs_copied: torch.cuda.Event | None = None
         # A step that is one prompt over no cached context is marked for dense attention
-        # (AttentionMetadata.dense_prefill): set by the runner where its backend supports it.
+        # (AttentionMetadata.dense_prefill), and one long chunk over a cached prefix
+        # (dense_prefix): set by the runner where its backend supports them.
         self.dense_prefill = False
+        self.dense_prefix = False
 
     def prepare(self, so: SchedulerOutput, requests: dict[str, CachedRequestState],
                 graphs: GraphRunner) -> StepInputs:
@@ -172,10 +177,13 @@ class InputBuilder:
         compact = self.buf_block_tables.np[:num_reqs * width].reshape(num_reqs, width)
         compact[:] = table[rows, :width]
 
+        lone = num_reqs == 1 and not pending and not drafts
+        fresh = self.dense_prefill and lone and num_computed[0] == 0
+        over_prefix = (self.dense_prefix and lone and num_computed[0] > 0
+                       and graphs.dense_over_prefix_pays(num_tokens))
         graph, padded_tokens = graphs.pad_for_graph(
             num_reqs, num_tokens, num_layout_tokens, verify_size, bool(pending),
-            int(self.buf_seq_lens.np[:num_reqs].max()),
-            fresh=self.dense_prefill and num_reqs == 1 and num_computed[0] == 0)
+            int(self.buf_seq_lens.np[:num_reqs].max()), fresh=fresh, eager=over_prefix)
         # Pending tokens: per step in flight, (destinations, sources) side by side.
         pending_spans = []
         start = 0
@@ -206,7 +214,8 @@ class InputBuilder:
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
         return StepInputs(req_ids, states, num_tokens, num_computed, num_scheduled,
-                          query_start_loc, num_drafts, drafts, block_tables, graph, ordered)
+                          query_start_loc, num_drafts, drafts, block_tables, graph, ordered,
+                          dense_prefill=fresh or over_prefix)
 
     def upload(self, block_table_entries: int, num_tokens: int) -> None:
         """This step's inputs to the device without blocking: query_start_loc through the
@@ -231,8 +240,7 @@ class InputBuilder:
             max_seq_len=int((step.num_computed + step.num_scheduled).max()),
             block_tables=step.block_tables,
             decode_order=self.buf_decode_order.device[:num_reqs] if step.ordered else None)
-        metadata.dense_prefill = (self.dense_prefill and num_reqs == 1
-                                  and step.num_computed[0] == 0)
+        metadata.dense_prefill = step.dense_prefill
         return (self.buf_input_ids.device[:step.num_tokens],
                 self.buf_positions.device[:step.num_tokens], metadata)
 

@@ -372,6 +372,23 @@ def dense_step(prompt_len: int, num_padding_tokens: int, num_heads: int, num_kv_
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2)])
+def test_dense_prefill_over_a_prefix_equals_paged_attention(device, num_heads, num_kv_heads):
+    """A prompt chunk over a cached prefix (ending mid-block) marked dense_prefill: the prefix
+    gathered from the cache and the chunk's own keys, merged by log-sum-exp, equal the
+    reference's paged attention."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    step = make_step([(77, 30)], num_heads, num_kv_heads, 16, dtype=dtype, device=device)
+    step.metadata.dense_prefill = True
+    if device == "cuda":
+        from sluice.attention.dense import cudnn_prefix_attention_works
+
+        assert cudnn_prefix_attention_works(torch.device("cuda"), dtype, num_heads,
+                                            num_kv_heads, 16)
+    assert_matches_reference(step, TritonBackend())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2)])
 def test_dense_prefill_equals_paged_attention_on_the_prompt_rows(device, num_heads,
                                                                  num_kv_heads):
     """A step marked dense_prefill: the prompt's rows equal the reference's paged attention,
@@ -395,6 +412,7 @@ def test_dense_prefill_is_offered_only_where_cudnn_attention_runs():
     reference backend offers them only when a test turns them on; a bad mode is refused."""
     cpu = torch.device("cpu")
     assert not TritonBackend().supports_dense_prefill(cpu, torch.bfloat16, 16, 8, 128)
+    assert not TritonBackend().supports_dense_prefix(cpu, torch.bfloat16, 16, 8, 128)
     assert not TorchRefBackend().supports_dense_prefill(cpu, torch.float32, 16, 8, 128)
     if torch.cuda.is_available():
         cuda = torch.device("cuda")
@@ -415,6 +433,7 @@ def test_dense_prefill_runs_cudnn_at_qwen3_shapes_within_bf16_tolerance(prompt_l
     cuda = torch.device("cuda")
     backend = TritonBackend()
     assert backend.supports_dense_prefill(cuda, torch.bfloat16, 16, 8, 128)
+    assert backend.supports_dense_prefix(cuda, torch.bfloat16, 16, 8, 128)
     step = dense_step(prompt_len, num_padding_tokens, 16, 8, torch.bfloat16, "cuda",
                       head_dim=128)
     scale = 128**-0.5
@@ -430,3 +449,16 @@ def test_dense_prefill_runs_cudnn_at_qwen3_shapes_within_bf16_tolerance(prompt_l
     out.zero_()
     graph.replay()
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("seq_len,query_len", [(3000, 2048), (9000, 4000)])
+def test_dense_prefill_over_a_prefix_at_qwen3_shapes_within_bf16_tolerance(seq_len, query_len):
+    """A long prompt's later chunk at Qwen3-0.6B's attention shapes, bf16: cuDNN over the
+    gathered prefix and over the chunk, merged, equals the reference's paged attention as
+    closely as the Triton kernel does."""
+    step = make_step([(seq_len, query_len)], 16, 8, 16, head_dim=128, dtype=torch.bfloat16,
+                     device="cuda")
+    step.metadata.dense_prefill = True
+    assert_matches_reference(step, TritonBackend(), scale=128**-0.5)
+

@@ -147,7 +147,7 @@ def test_fresh_prompts_replay_the_dense_prefill_graphs(qwen3_dir: str,
     sizes are captured a second time with it; a lone prompt over no cached context replays them
     when it fills enough of its padded size (else, and over a cached prefix, the paged prompt
     graphs), eager steps of one fresh prompt run it too, and greedy ids stay the paged ones."""
-    from sluice.attention import torch_ref
+    from sluice.attention import dense, torch_ref
 
     common = dict(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256,
                   max_num_seqs=4)
@@ -162,8 +162,8 @@ def test_fresh_prompts_replay_the_dense_prefill_graphs(qwen3_dir: str,
         dense_calls.append(args[0].shape[0])
         return dense_attention(*args)
 
-    dense_attention = torch_ref.dense_causal_attention
-    monkeypatch.setattr(torch_ref, "dense_causal_attention", counted)
+    dense_attention = dense.dense_causal_attention
+    monkeypatch.setattr(dense, "dense_causal_attention", counted)
     monkeypatch.setattr(torch_ref.TorchRefBackend, "dense_prefill", True)
     eager = LLM(**common)
     assert [greedy_ids(eager, [p])[0] for p in (full, sparse)] == reference
@@ -185,3 +185,40 @@ def test_fresh_prompts_replay_the_dense_prefill_graphs(qwen3_dir: str,
     assert graphs.dense_prefill_graphs.num_replays == 1 and graphs.prefill_graphs.num_replays == 1
     assert greedy_ids(llm, [full]) == reference[:1]  # 56 tokens cached: 4 over a prefix
     assert graphs.dense_prefill_graphs.num_replays == 1 and graphs.prefill_graphs.num_replays == 2
+
+
+def test_long_prompt_chunks_over_a_prefix_run_dense_attention_eagerly(
+        qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone prompt in chunks: the first (no cached context) replays a dense-prefill graph,
+    later chunks of DENSE_OVER_PREFIX_MIN_TOKENS or more run eagerly with dense attention over
+    the prefix gathered from the cache, a shorter last chunk replays the paged prompt graph;
+    greedy ids stay the paged ones."""
+    from sluice.attention import dense, torch_ref
+
+    common = dict(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256,
+                  max_num_seqs=4, max_num_batched_tokens=64)
+    prompt = {"prompt_token_ids": [(13 * i) % 400 + 3 for i in range(200)]}  # 64+64+64+8
+    reference = greedy_ids(LLM(**common), [prompt])
+
+    over_prefix = []
+
+    def counted(*args: object) -> torch.Tensor:
+        over_prefix.append((args[0].shape[0], args[6]))  # (queries, context_len)
+        return attention_over_prefix(*args)
+
+    attention_over_prefix = dense.dense_attention_over_prefix
+    monkeypatch.setattr(dense, "dense_attention_over_prefix", counted)
+    monkeypatch.setattr(torch_ref.TorchRefBackend, "dense_prefill", True)
+    monkeypatch.setattr(graph_runner, "DENSE_OVER_PREFIX_MIN_TOKENS", 32)
+    monkeypatch.setattr(graph_runner, "DecodeGraphs", EmulatedGraphs)
+    llm = LLM(**common)
+    runner = llm.llm_engine.engine_core.executor.model_runner
+    builder, graphs = runner.input_builder, runner.graph_runner
+    builder.graph_block_tables = torch.zeros_like(builder.buf_block_tables.cpu.view(4, -1))
+    graphs.capture(runner.model)
+    assert greedy_ids(llm, [prompt]) == reference
+    num_layers = len(graph_runner.attention_layers(runner.model))
+    assert over_prefix == [(64, 64)] * num_layers + [(64, 128)] * num_layers
+    assert graphs.dense_prefill_graphs.num_replays == 1  # the first chunk
+    assert graphs.prefill_graphs.num_replays == 1  # the last 8 tokens over 192
+
