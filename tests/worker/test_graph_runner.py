@@ -30,6 +30,19 @@ class EmulatedGraphs(DecodeGraphs):
         return self.forward(*self.inputs[size])
 
 
+def llm_with_emulated_graphs(kwargs: dict, monkeypatch: pytest.MonkeyPatch
+                             ) -> tuple[LLM, graph_runner.GraphRunner]:
+    """An LLM whose runner has captured emulated graphs of every set (and its graph runner)."""
+    monkeypatch.setattr(graph_runner, "DecodeGraphs", EmulatedGraphs)
+    llm = LLM(**kwargs)
+    runner = llm.llm_engine.engine_core.executor.model_runner
+    builder, graphs = runner.input_builder, runner.graph_runner
+    builder.graph_block_tables = torch.zeros_like(
+        builder.buf_block_tables.cpu.view(kwargs["max_num_seqs"], -1))
+    graphs.capture(runner.model)
+    return llm, graphs
+
+
 def greedy_ids(llm: LLM, prompts: list[dict]) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -50,13 +63,7 @@ def test_emulated_graph_replays_give_eager_greedy_ids(qwen3_dir: str, kwargs: di
     prompts.append({"prompt_token_ids": [7, 8, 9, 10] * 10})  # n-gram drafts get accepted
     reference = greedy_ids(LLM(**common), prompts)
 
-    monkeypatch.setattr(graph_runner, "DecodeGraphs", EmulatedGraphs)
-    llm = LLM(**common)
-    runner = llm.llm_engine.engine_core.executor.model_runner
-    builder, graphs = runner.input_builder, runner.graph_runner
-    builder.graph_block_tables = torch.zeros_like(
-        builder.buf_block_tables.cpu.view(common["max_num_seqs"], -1))
-    graphs.capture(runner.model)
+    llm, graphs = llm_with_emulated_graphs(common, monkeypatch)
     assert greedy_ids(llm, prompts) == reference
     # A lone prompt, then again over its cached prefix: the prefill graphs.
     for prompt, expected in zip(prompts[:2], reference[:2]):
@@ -170,12 +177,7 @@ def test_fresh_prompts_replay_the_dense_prefill_graphs(qwen3_dir: str,
     assert dense_calls and dense_calls[0] == 60  # eager: the prompt's rows, no padding
 
     monkeypatch.setattr(graph_runner, "DENSE_ALWAYS_UP_TO", 0)  # the fill rule alone decides
-    monkeypatch.setattr(graph_runner, "DecodeGraphs", EmulatedGraphs)
-    llm = LLM(**common)
-    runner = llm.llm_engine.engine_core.executor.model_runner
-    builder, graphs = runner.input_builder, runner.graph_runner
-    builder.graph_block_tables = torch.zeros_like(builder.buf_block_tables.cpu.view(4, -1))
-    graphs.capture(runner.model)
+    llm, graphs = llm_with_emulated_graphs(common, monkeypatch)
     assert graphs.dense_prefill_graphs.sizes == graphs.prefill_graphs.sizes
     dense_calls.clear()
     assert greedy_ids(llm, [full]) == reference[:1]
@@ -210,14 +212,10 @@ def test_long_prompt_chunks_over_a_prefix_run_dense_attention_eagerly(
     monkeypatch.setattr(dense, "dense_attention_over_prefix", counted)
     monkeypatch.setattr(torch_ref.TorchRefBackend, "dense_prefill", True)
     monkeypatch.setattr(graph_runner, "DENSE_OVER_PREFIX_MIN_TOKENS", 32)
-    monkeypatch.setattr(graph_runner, "DecodeGraphs", EmulatedGraphs)
-    llm = LLM(**common)
-    runner = llm.llm_engine.engine_core.executor.model_runner
-    builder, graphs = runner.input_builder, runner.graph_runner
-    builder.graph_block_tables = torch.zeros_like(builder.buf_block_tables.cpu.view(4, -1))
-    graphs.capture(runner.model)
+    llm, graphs = llm_with_emulated_graphs(common, monkeypatch)
     assert greedy_ids(llm, [prompt]) == reference
-    num_layers = len(graph_runner.attention_layers(runner.model))
+    model = llm.llm_engine.engine_core.executor.model_runner.model
+    num_layers = len(graph_runner.attention_layers(model))
     assert over_prefix == [(64, 64)] * num_layers + [(64, 128)] * num_layers
     assert graphs.dense_prefill_graphs.num_replays == 1  # the first chunk
     assert graphs.prefill_graphs.num_replays == 1  # the last 8 tokens over 192
