@@ -82,11 +82,16 @@ def cudnn_attention_works(device: torch.device, dtype: torch.dtype, num_heads: i
         out = dense_causal_attention(q, k, v, head_dim**-0.5)
     except (RuntimeError, TypeError):  # no cuDNN kernel for these shapes; TypeError: torch < 2.5
         return False
-    group = num_heads // num_kv_heads
-    ref = scaled_dot_product_attention(
-        q.float().transpose(0, 1), k.float().repeat_interleave(group, 1).transpose(0, 1),
-        v.float().repeat_interleave(group, 1).transpose(0, 1), is_causal=True,
-        scale=head_dim**-0.5).transpose(0, 1)
+    return _close_to_reference(out, q, k, v, head_dim**-0.5)
+
+
+def _close_to_reference(out: torch.Tensor, query: torch.Tensor, keys: torch.Tensor,
+                        values: torch.Tensor, scale: float) -> bool:
+    """out [Q, H, D] against the reference backend's float32 attention of the queries as the
+    last Q positions of keys / values [S, KVH, D], within bfloat16's reach."""
+    from sluice.attention.torch_ref import _causal_attention  # torch_ref imports this module
+
+    ref = _causal_attention(query.float(), keys, values, scale)
     return bool((out.float() - ref).abs().max() < 0.05)
 
 
@@ -149,7 +154,7 @@ def cudnn_prefix_attention_works(device: torch.device, dtype: torch.dtype, num_h
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
 
-    context_len, num_queries, group = 80, 48, num_heads // num_kv_heads
+    context_len, num_queries = 80, 48
     key_cache, value_cache = randn(9, 16, num_kv_heads, head_dim), randn(9, 16, num_kv_heads,
                                                                           head_dim)
     table = torch.tensor([7, 2, 5, 0, 8], dtype=torch.int32, device=device)
@@ -162,13 +167,6 @@ def cudnn_prefix_attention_works(device: torch.device, dtype: torch.dtype, num_h
         return False
     prefix_k, prefix_v = (c[table.long()].flatten(0, 1)[:context_len] for c in (key_cache,
                                                                                 value_cache))
-    keys = torch.cat([prefix_k, key]).float().repeat_interleave(group, 1)  # [S, H, D]
-    values = torch.cat([prefix_v, value]).float().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * head_dim**-0.5
-    total = context_len + num_queries
-    future = torch.ones(num_queries, total, dtype=torch.bool, device=device).triu(
-        context_len + 1)
-    probs = scores.masked_fill(future, float("-inf")).softmax(-1)
-    ref = torch.einsum("hqk,khd->qhd", probs, values)
-    return bool((out.float() - ref).abs().max() < 0.05)
+    return _close_to_reference(out, query, torch.cat([prefix_k, key]),
+                               torch.cat([prefix_v, value]), head_dim**-0.5)
 
