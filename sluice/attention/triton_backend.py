@@ -47,7 +47,10 @@ SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 # 192 keys (`kernels-short-contexts-h200.json`) 64-key tiles took 26.9 us against 30.0 for 64
 # requests, 19.0 against 20.3 for 32 and 15.7 against 15.9 for 16 (one program per request and
 # KV head: smaller tiles let more programs share an SM); one request was faster with 128-key
-# tiles (11.2 us), and so were the workload's ragged batches of longer contexts.
+# tiles (11.2 us), and so were the workload's ragged batches of longer contexts. Only decode
+# batches (one query a request) take them: the decode rows of a mixed or verification step keep
+# DECODE_TILES, whose variants the warm-up compiles (a step of 64 short prompts once compiled
+# the short tiles' mixed variant mid-run, stalling it 0.67 s on an H200).
 SHORT_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 SHORT_DECODE_MIN_REQS = 16
 # Few programs: split so the GPU fills (about 4 programs per SM), keeping at least
@@ -169,7 +172,8 @@ class TritonBackend:
         """Decode tiles while every request's queries fit one decode tile (decodes, short
         speculative runs); else prefill tiles, and with several requests two launches: requests
         that fit a decode tile in decode tiles, the others in prefill tiles."""
-        decode_tiles = self._decode_tiles(metadata.num_reqs, metadata.max_seq_len)
+        decode_tiles = self._decode_tiles(metadata.num_reqs, metadata.max_seq_len,
+                                          metadata.max_query_len)
         group_pad = triton.next_power_of_2(query.shape[1] // key.shape[-2])
         decode_query_len = max(decode_tiles.block_m, group_pad) // group_pad
         args = (output, query, key, value, metadata, scale)
@@ -183,8 +187,9 @@ class TritonBackend:
             *args, self.config.prefill_tiles, paged=paged, query_lens=prefill_lens
         )
 
-    def _decode_tiles(self, num_reqs: int, max_seq_len: int) -> TileConfig:
-        if max_seq_len < SHORT_DECODE_CONTEXT and num_reqs >= SHORT_DECODE_MIN_REQS:
+    def _decode_tiles(self, num_reqs: int, max_seq_len: int, max_query_len: int) -> TileConfig:
+        if (max_query_len == 1 and max_seq_len < SHORT_DECODE_CONTEXT
+                and num_reqs >= SHORT_DECODE_MIN_REQS):
             return self.config.short_decode_tiles
         return self.config.decode_tiles
 
@@ -204,7 +209,7 @@ class TritonBackend:
         `max_seq_len` keeps its plan for every batch it replays (sluice.worker.graph_runner
         captures a second decode set for short contexts where the plans differ)."""
         num_splits = self._split_count(num_reqs, num_kv_heads, max_seq_len, device)
-        return num_splits, self._decode_tiles(num_reqs, max_seq_len)
+        return num_splits, self._decode_tiles(num_reqs, max_seq_len, 1)
 
     def _split_count(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
                      device: torch.device) -> int:

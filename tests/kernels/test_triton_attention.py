@@ -293,15 +293,33 @@ def test_decode_plan_gives_short_contexts_their_own_tiles():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("max_query_len", [1, 3])
-def test_short_context_decode_tiles_match_reference(device, max_query_len):
-    # 16 requests of short contexts in decode tiles, the short-context ones (64 keys): decodes
-    # reading 1 to 2 tiles each, and verification-like steps of 1 to 3 queries.
-    from sluice.attention.triton_backend import SHORT_DECODE_MIN_REQS
+@pytest.mark.parametrize("max_query_len", [1, 3, 40])
+def test_short_context_decode_tiles_match_reference(device, max_query_len, monkeypatch):
+    # 16 requests of short contexts: a decode batch (reading 1 to 2 tiles each) takes the
+    # short-context tiles (64 keys); a verification-like step of 1 to 3 queries, and a mixed
+    # step with prompt chunks of up to 40, keep DECODE_TILES for their decode rows (the
+    # variants the warm-up compiles).
+    from sluice.attention import triton_backend
+    from sluice.attention.triton_backend import (
+        DECODE_TILES,
+        PREFILL_TILES,
+        SHORT_DECODE_MIN_REQS,
+        SHORT_DECODE_TILES,
+    )
 
+    launched = []
+
+    def recording(*args, **kwargs):
+        launched.append(args[6])  # the tiles
+        return unified(*args, **kwargs)
+
+    unified = triton_backend.unified_attention
+    monkeypatch.setattr(triton_backend, "unified_attention", recording)
     requests = [(3 + 9 * i, 1 + i % max_query_len) for i in range(SHORT_DECODE_MIN_REQS)]
     step = make_step(requests, 4, 2, 16, device=device)
     assert_matches_reference(step, TritonBackend(TritonBackendConfig(split_kv="never")))
+    expected = {1: [SHORT_DECODE_TILES], 3: [DECODE_TILES], 40: [DECODE_TILES, PREFILL_TILES]}
+    assert launched == expected[max_query_len]
 
 
 def test_backend_is_registered_and_validates_its_config():
