@@ -67,6 +67,14 @@ DENSE_ALWAYS_UP_TO = 512
 # A lone prompt chunk over a cached prefix runs dense attention, eagerly, from this many tokens:
 # gathering the prefix's K/V out of the paged cache is then small next to the attention.
 DENSE_OVER_PREFIX_MIN_TOKENS = 2048
+# cuDNN builds an execution plan for each new shape of its attention: 44 to 85 ms on an H200
+# (`benchmarks/cudnn-plan-h200.json`), as long as the step itself. So dense attention runs only
+# on shapes planned before the first request: the dense-prefill graphs' sizes (fresh prompts
+# run dense only there), and over a cached prefix only a chunk of the whole token budget over
+# whole budgets (a long prompt's middle chunks), whose plans warm_up builds. The gathered and
+# head-repeated prefix K/V of such a step stay under this many bytes (the activation reserve
+# of sluice.worker.kv_cache holds them).
+DENSE_PREFIX_MAX_BYTES = 1 << 30
 
 # (input_ids [T], positions [T], metadata) of one captured size
 GraphInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
@@ -93,6 +101,9 @@ class GraphRunner:
         self.mixed_graphs: DecodeGraphs | None = None
         self.mixed_graph_reqs = 0
         self.verify_graphs: DecodeGraphs | None = None  # decodes with 1 + k tokens each
+        # Contexts over which a chunk of max_num_batched_tokens runs dense attention: those
+        # warm_up planned (see DENSE_PREFIX_MAX_BYTES).
+        self.dense_prefix_contexts: frozenset[int] = frozenset()
         self._layer_hooks: LayerKVHooks | None = None
 
     def clear(self) -> None:
@@ -115,11 +126,12 @@ class GraphRunner:
             return None
         return self.verify_graphs.padded_size(len(states))
 
-    @staticmethod
-    def dense_over_prefix_pays(num_tokens: int) -> bool:
-        """Whether a lone prompt chunk of `num_tokens` over a cached prefix runs dense attention
-        (eagerly) rather than the paged prompt graph (see DENSE_OVER_PREFIX_MIN_TOKENS)."""
-        return num_tokens >= DENSE_OVER_PREFIX_MIN_TOKENS
+    def dense_over_prefix_pays(self, num_tokens: int, context_len: int) -> bool:
+        """Whether a lone prompt chunk of `num_tokens` over `context_len` cached tokens runs
+        dense attention (eagerly) rather than the paged prompt graph: a shape warm_up planned
+        (see DENSE_PREFIX_MAX_BYTES)."""
+        return (num_tokens == self.scheduler_config.max_num_batched_tokens
+                and context_len in self.dense_prefix_contexts)
 
     def pad_for_graph(self, num_reqs: int, num_tokens: int, num_layout_tokens: int,
                       verify_size: int | None, has_pending: bool, max_seq_len: int,
@@ -211,10 +223,32 @@ class GraphRunner:
             rows, hidden.shape[1])
         for num_rows in range(1, rows + 1):
             model.compute_logits(states[:num_rows], upcast=False)
+        if self.inputs.dense_prefix:
+            self._plan_dense_prefix(model)
         torch.cuda.synchronize()
 
+    def _plan_dense_prefix(self, model: nn.Module) -> None:
+        """Run the eager step of a token budget's chunk over each prefix of whole budgets that
+        may take dense attention (DENSE_PREFIX_MAX_BYTES), so cuDNN plans its shapes now."""
+        chunk = self.scheduler_config.max_num_batched_tokens
+        layers = list(attention_layers(model).values())
+        if chunk < DENSE_OVER_PREFIX_MIN_TOKENS or not layers:
+            return
+        layer = layers[0]
+        element_size = layer.kv_cache.element_size()
+        # Gathered (K/V heads) and repeated (query heads) keys and values, per context token.
+        context_bytes = 2 * (layer.num_kv_heads + layer.num_heads) * layer.head_dim * element_size
+        contexts = []
+        context = chunk
+        while (context + chunk <= self.scheduler_config.max_model_len
+               and context * context_bytes <= DENSE_PREFIX_MAX_BYTES):
+            self._warm_up_step(model, [context + chunk], [chunk], dense=True)
+            contexts.append(context)
+            context += chunk
+        self.dense_prefix_contexts = frozenset(contexts)
+
     def _warm_up_step(self, model: nn.Module, seq_lens: list[int],
-                      query_lens: list[int]) -> torch.Tensor:
+                      query_lens: list[int], dense: bool = False) -> torch.Tensor:
         b = self.inputs
         num_reqs, num_tokens = len(seq_lens), sum(query_lens)
         b.buf_input_ids.np[:num_tokens] = 0
@@ -233,6 +267,7 @@ class GraphRunner:
         block_tables = b.buf_block_tables.to_device(num_reqs * width).view(num_reqs, width)
         metadata = b.metadata(num_reqs, num_tokens, max_query_len=max(query_lens),
                               max_seq_len=max(seq_lens), block_tables=block_tables)
+        metadata.dense_prefill = dense
         return model(b.buf_input_ids.device[:num_tokens], b.buf_positions.device[:num_tokens],
                      metadata)
 

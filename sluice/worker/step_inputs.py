@@ -180,10 +180,13 @@ class InputBuilder:
         lone = num_reqs == 1 and not pending and not drafts
         fresh = self.dense_prefill and lone and num_computed[0] == 0
         over_prefix = (self.dense_prefix and lone and num_computed[0] > 0
-                       and graphs.dense_over_prefix_pays(num_tokens))
+                       and graphs.dense_over_prefix_pays(num_tokens, int(num_computed[0])))
         graph, padded_tokens = graphs.pad_for_graph(
             num_reqs, num_tokens, num_layout_tokens, verify_size, bool(pending),
             int(self.buf_seq_lens.np[:num_reqs].max()), fresh=fresh, eager=over_prefix)
+        # A fresh prompt runs dense only in the dense-prefill graphs, whose shapes are planned
+        # (see graph_runner.DENSE_PREFIX_MAX_BYTES); eagerly it takes the paged kernel.
+        fresh = fresh and graph is not None and graph[0] is graphs.dense_prefill_graphs
         # Pending tokens: per step in flight, (destinations, sources) side by side.
         pending_spans = []
         start = 0

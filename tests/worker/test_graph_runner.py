@@ -153,7 +153,8 @@ def test_fresh_prompts_replay_the_dense_prefill_graphs(qwen3_dir: str,
     """Where the backend offers dense attention for a step that is one fresh prompt, those
     sizes are captured a second time with it; a lone prompt over no cached context replays them
     when it fills enough of its padded size (else, and over a cached prefix, the paged prompt
-    graphs), eager steps of one fresh prompt run it too, and greedy ids stay the paged ones."""
+    graphs); eager steps of one fresh prompt take the paged kernel (cuDNN would plan each new
+    length); greedy ids stay the paged ones."""
     from sluice.attention import dense, torch_ref
 
     common = dict(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256,
@@ -174,7 +175,7 @@ def test_fresh_prompts_replay_the_dense_prefill_graphs(qwen3_dir: str,
     monkeypatch.setattr(torch_ref.TorchRefBackend, "dense_prefill", True)
     eager = LLM(**common)
     assert [greedy_ids(eager, [p])[0] for p in (full, sparse)] == reference
-    assert dense_calls and dense_calls[0] == 60  # eager: the prompt's rows, no padding
+    assert not dense_calls
 
     monkeypatch.setattr(graph_runner, "DENSE_ALWAYS_UP_TO", 0)  # the fill rule alone decides
     llm, graphs = llm_with_emulated_graphs(common, monkeypatch)
@@ -192,15 +193,18 @@ def test_fresh_prompts_replay_the_dense_prefill_graphs(qwen3_dir: str,
 def test_long_prompt_chunks_over_a_prefix_run_dense_attention_eagerly(
         qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A lone prompt in chunks: the first (no cached context) replays a dense-prefill graph,
-    later chunks of DENSE_OVER_PREFIX_MIN_TOKENS or more run eagerly with dense attention over
-    the prefix gathered from the cache, a shorter last chunk replays the paged prompt graph;
-    greedy ids stay the paged ones."""
+    later chunks of the whole token budget (of DENSE_OVER_PREFIX_MIN_TOKENS or more) over whole
+    budgets, whose shapes the warm-up planned, run eagerly with dense attention over the prefix
+    gathered from the cache; a shorter last chunk, and a chunk over a prefix-cache hit of
+    another length, replay the paged prompt graph; greedy ids stay the paged ones."""
     from sluice.attention import dense, torch_ref
 
     common = dict(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256,
                   max_num_seqs=4, max_num_batched_tokens=64)
     prompt = {"prompt_token_ids": [(13 * i) % 400 + 3 for i in range(200)]}  # 64+64+64+8
-    reference = greedy_ids(LLM(**common), [prompt])
+    # Its first 9 blocks cached, then 64 + 64 over 72 and 136 tokens.
+    hit = {"prompt_token_ids": prompt["prompt_token_ids"][:75] + [5] * 125}
+    reference = greedy_ids(LLM(**common), [prompt, hit])
 
     over_prefix = []
 
@@ -213,10 +217,27 @@ def test_long_prompt_chunks_over_a_prefix_run_dense_attention_eagerly(
     monkeypatch.setattr(torch_ref.TorchRefBackend, "dense_prefill", True)
     monkeypatch.setattr(graph_runner, "DENSE_OVER_PREFIX_MIN_TOKENS", 32)
     llm, graphs = llm_with_emulated_graphs(common, monkeypatch)
-    assert greedy_ids(llm, [prompt]) == reference
     model = llm.llm_engine.engine_core.executor.model_runner.model
     num_layers = len(graph_runner.attention_layers(model))
+    assert graphs.dense_prefix_contexts == frozenset()  # nothing planned: never dense
+    # The gathered and repeated prefix K/V of at most 128 context tokens fit the cap.
+    layer = next(iter(graph_runner.attention_layers(model).values()))
+    context_bytes = 2 * (layer.num_heads + layer.num_kv_heads) * layer.head_dim * 4
+    with monkeypatch.context() as patch:
+        patch.setattr(graph_runner, "DENSE_PREFIX_MAX_BYTES", 128 * context_bytes + 1)
+        graphs._plan_dense_prefix(model)
+    assert graphs.dense_prefix_contexts == {64, 128}
+    over_prefix.clear()
+    graphs._plan_dense_prefix(model)  # the CUDA warm-up's part (a chunk of 64 over 64 to 192)
+    assert graphs.dense_prefix_contexts == {64, 128, 192}
+    assert over_prefix == [(64, c) for c in (64, 128, 192) for _ in range(num_layers)]
+    over_prefix.clear()
+    assert greedy_ids(llm, [prompt]) == reference[:1]
     assert over_prefix == [(64, 64)] * num_layers + [(64, 128)] * num_layers
     assert graphs.dense_prefill_graphs.num_replays == 1  # the first chunk
     assert graphs.prefill_graphs.num_replays == 1  # the last 8 tokens over 192
+    over_prefix.clear()
+    assert greedy_ids(llm, [hit]) == reference[1:]
+    assert not over_prefix
+    assert graphs.prefill_graphs.num_replays == 3
 
