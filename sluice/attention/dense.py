@@ -11,11 +11,15 @@ tests) PyTorch picks its kernel.
 Rows past the prompt (a CUDA graph's padding) attend causally to the prompt and to each other:
 their outputs are finite and unused, and no prompt row sees them.
 
-A long prompt's later chunks (one request's queries over a cached prefix, eager steps) run it in
-two parts merged by their log-sum-exps: the queries over the prefix, gathered from the paged
+A long prompt's middle chunks (one request's queries over a cached prefix, eager steps) run it
+in two parts merged by their log-sum-exps: the queries over the prefix, gathered from the paged
 cache, with no mask, and over themselves, causally (`dense_attention_over_prefix`). cuDNN gives
 the log-sum-exp only through its private ATen op, so that path is offered where a start-up trial
 of it equals the paged reference (`cudnn_prefix_attention_works`).
+
+cuDNN builds an execution plan for every new shape (44 to 85 ms on an H200,
+`scripts/cudnn_plan_cost.py`), so the runner marks only steps of shapes planned before the
+first request (sluice.worker.graph_runner, DENSE_PREFIX_MAX_BYTES).
 """
 
 from __future__ import annotations
