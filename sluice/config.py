@@ -17,6 +17,8 @@ class ModelConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     attention_backend: str = "auto"  # "auto": triton on a GPU, torch_ref on the CPU
     enforce_eager: bool = False  # no CUDA graphs, no torch.compile
+    # Dense (cuDNN) attention for lone prompts where the attention backend offers it.
+    dense_prefill: bool = True
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    dense_prefill: bool = True
     # None: on when running on a GPU. With speculative decoding, steps with drafts (and every
     # step of a model proposer) still run synchronously.
     async_scheduling: bool | None = None
@@ -129,6 +130,7 @@ class EngineArgs:
             device=self.device,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            dense_prefill=self.dense_prefill,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

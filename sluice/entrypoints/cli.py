@@ -54,6 +54,8 @@ _ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
     ("gpu-memory-utilization", float, "fraction of GPU memory to use"),
     ("device", str, "auto | cpu | cuda"),
     ("enforce-eager", bool, "no CUDA graphs and no torch.compile (GPU)"),
+    ("dense-prefill", bool, "cuDNN's dense attention for a lone prompt and a long prompt's "
+                            "middle chunks where it runs (GPU, 16-bit; default: on)"),
     ("async-scheduling", bool, "schedule the next step while the GPU runs this one "
                                "(default: on with a GPU)"),
     ("speculative-config", speculative_config_arg,

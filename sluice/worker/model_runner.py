@@ -199,10 +199,10 @@ class ModelRunner:
     def _backend_supports(self, question: str) -> bool:
         """The attention backend's answer to an optional `supports_dense_prefill` /
         `supports_dense_prefix` (steps of one prompt that may run dense attention), asked for
-        this rank's heads; False where it has no such method."""
+        this rank's heads; False where it has no such method or `--no-dense-prefill`."""
         supports = getattr(self.attn_backend, question, None)
         layers = list(attention_layers(self.model).values())
-        if supports is None or not layers:
+        if supports is None or not layers or not self.model_config.dense_prefill:
             return False
         layer = layers[0]
         return supports(self.device, self.dtype, layer.num_heads, layer.num_kv_heads,

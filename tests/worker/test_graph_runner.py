@@ -6,12 +6,14 @@ attention), so a wrong padding row, layout or graph size changes tokens or fails
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.entrypoints.cli import add_engine_args, engine_args_from
 from sluice.worker import graph_runner
 from sluice.worker.cuda_graphs import DecodeGraphs
 
@@ -176,6 +178,14 @@ def test_fresh_prompts_replay_the_dense_prefill_graphs(qwen3_dir: str,
     eager = LLM(**common)
     assert [greedy_ids(eager, [p])[0] for p in (full, sparse)] == reference
     assert not dense_calls
+
+    # `--no-dense-prefill` (EngineArgs.dense_prefill, parsed by the CLI) turns it off.
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args_from(parser.parse_args(["--model", qwen3_dir, "--no-dense-prefill"]))
+    assert args.dense_prefill is False
+    _, off = llm_with_emulated_graphs({**common, "dense_prefill": False}, monkeypatch)
+    assert off.dense_prefill_graphs is None and not off.inputs.dense_prefix
 
     monkeypatch.setattr(graph_runner, "DENSE_ALWAYS_UP_TO", 0)  # the fill rule alone decides
     llm, graphs = llm_with_emulated_graphs(common, monkeypatch)
