@@ -64,8 +64,9 @@ _MAX_PREFILL_GRAPH_TOKENS = _PREFILL_GRAPH_TOKENS[-1]
 # dense won at every fill (16 against 16-23 us).
 DENSE_MIN_FILL = 0.8
 DENSE_ALWAYS_UP_TO = 512
-# A lone prompt chunk over a cached prefix runs dense attention, eagerly, from this many tokens:
-# gathering the prefix's K/V out of the paged cache is then small next to the attention.
+# A lone prompt chunk over a cached prefix may run dense attention, eagerly, from this many
+# tokens (an estimate): gathering the prefix's K/V out of the paged cache is then small next to
+# the attention. Token budgets below it never do.
 DENSE_OVER_PREFIX_MIN_TOKENS = 2048
 # cuDNN builds an execution plan for each new shape of its attention: 44 to 85 ms on an H200
 # (`benchmarks/cudnn-plan-h200.json`), as long as the step itself. So dense attention runs only
