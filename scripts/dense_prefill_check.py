@@ -22,32 +22,24 @@ import sys
 import torch
 
 from sluice import LLM, SamplingParams
-from sluice.attention.triton_backend import TritonBackend
 from sluice.bench.workloads import benchmark_model_dir, cache_root, random_prompts
 
 
 def run(model: str, dtype: str, prompts: list[list[int]], dense: bool) -> list[dict]:
-    original = TritonBackend.supports_dense_prefill, TritonBackend.supports_dense_prefix
-    if not dense:
-        TritonBackend.supports_dense_prefill = lambda *args: False  # type: ignore[method-assign]
-        TritonBackend.supports_dense_prefix = lambda *args: False  # type: ignore[method-assign]
-    try:
-        llm = LLM(model=model, dtype=dtype, max_model_len=max(len(p) for p in prompts) + 64,
-                  gpu_memory_utilization=0.4, enable_prefix_caching=False)
-        runner = llm.llm_engine.engine_core.executor.model_runner
-        dense_graphs = runner.graph_runner.dense_prefill_graphs is not None
-        params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, ignore_eos=True)
-        results = []
-        for prompt in prompts:  # one at a time: each step is one fresh prompt
-            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-            logprobs = [entry[token].logprob for entry, token in
-                        zip(out.prompt_logprobs[1:], prompt[1:])]
-            results.append({"logprobs": logprobs, "tokens": out.outputs[0].token_ids,
-                            "dense_graphs": dense_graphs})
-        llm.shutdown()
-        return results
-    finally:
-        TritonBackend.supports_dense_prefill, TritonBackend.supports_dense_prefix = original
+    llm = LLM(model=model, dtype=dtype, max_model_len=max(len(p) for p in prompts) + 64,
+              gpu_memory_utilization=0.4, enable_prefix_caching=False, dense_prefill=dense)
+    runner = llm.llm_engine.engine_core.executor.model_runner
+    dense_graphs = runner.graph_runner.dense_prefill_graphs is not None
+    params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, ignore_eos=True)
+    results = []
+    for prompt in prompts:  # one at a time: each step is one fresh prompt
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        logprobs = [entry[token].logprob for entry, token in
+                    zip(out.prompt_logprobs[1:], prompt[1:])]
+        results.append({"logprobs": logprobs, "tokens": out.outputs[0].token_ids,
+                        "dense_graphs": dense_graphs})
+    llm.shutdown()
+    return results
 
 
 def main(argv: list[str]) -> None:

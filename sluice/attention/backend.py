@@ -34,7 +34,8 @@ class AttentionBackend(Protocol):
     #
     # Optional: `supports_dense_prefill(device, dtype, num_heads, num_kv_heads, head_dim) ->
     # bool`: whether the runner should mark steps that are one fresh prompt
-    # (`AttentionMetadata.dense_prefill`), which `forward` then runs as dense causal attention.
+    # (`AttentionMetadata.dense_prefill`), which `forward` then runs as dense causal attention;
+    # and `supports_dense_prefix(...)`, the same for one prompt chunk over a cached prefix.
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

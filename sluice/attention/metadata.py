@@ -41,9 +41,10 @@ class AttentionMetadata:
     # the requests longest context first. A kernel that runs one program per request may start
     # them in this order, so the longest ones do not make the tail of the launch.
     decode_order: torch.Tensor | None = None
-    # The step is one prompt over no cached context: its queries are rows [0,
-    # query_start_loc[1]) and attend causally among themselves, any rows after them are padding.
-    # A backend may then run dense causal attention over all rows (sluice.attention.dense).
+    # The step is one prompt (chunk), its queries rows [0, query_start_loc[1]): over no cached
+    # context they attend causally among themselves and any rows after them are padding; over a
+    # cached prefix (eager, no padding) they also attend to it. A backend may then run dense
+    # attention (sluice.attention.dense).
     dense_prefill: bool = False
     # Set only for eager steps with connector work (never inside a CUDA graph).
     kv_hooks: LayerKVHooks | None = None

@@ -68,16 +68,17 @@ SHORT_DECODE_CONTEXT = 2 * MIN_KEYS_PER_SPLIT
 class TritonBackendConfig:
     split_kv: SplitKVMode = "auto"  # "always": every decode batch (tests); "never": unified only
     decode_tiles: TileConfig = DECODE_TILES
-    # Decode tiles while the launch's longest context is under SHORT_DECODE_CONTEXT and it has
-    # at least SHORT_DECODE_MIN_REQS requests.
+    # Decode tiles of a decode batch (one query a request) whose longest context is under
+    # SHORT_DECODE_CONTEXT and which has at least SHORT_DECODE_MIN_REQS requests.
     short_decode_tiles: TileConfig = SHORT_DECODE_TILES
     prefill_tiles: TileConfig = PREFILL_TILES
     split_tiles: TileConfig = SPLIT_TILES
     num_splits: int | None = None  # fixed split count (tests, benchmarks); None = by the rule
     # Mixed batches: decodes and prefills in separate launches with their own tiles.
     split_mixed_batches: bool = True
-    # A step that is one fresh prompt (AttentionMetadata.dense_prefill): "auto" runs it as
-    # dense causal attention (cuDNN) where that works for the model's dtype and shapes.
+    # A step that is one prompt (chunk) (AttentionMetadata.dense_prefill): "auto" runs it as
+    # dense attention (cuDNN) where that works for the model's dtype and shapes. The engine's
+    # switch is `--no-dense-prefill` (ModelConfig.dense_prefill).
     dense_prefill: DensePrefillMode = "auto"
 
     def __post_init__(self) -> None:
