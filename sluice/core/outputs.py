@@ -35,7 +35,9 @@ from sluice.sampling_params import SamplingParams
 #    heads (prefill and decode of different TP sizes).
 # 10: speculative decoding's drafting policy: SchedulerOutput.propose_drafts, the policy's step
 #    counters in SpecDecodingStats and SchedulerStats; n-gram drafts come from the scheduler.
-SCHEMA_VERSION = 10
+# 11: n-gram drafts proposed on the device (SchedulerOutput.scheduled_device_drafts,
+#    ModelRunnerOutput.num_device_drafts).
+SCHEMA_VERSION = 11
 
 # A connector's per-step plan (its own msgspec struct type).
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")
@@ -86,6 +88,11 @@ class SchedulerOutput(msgspec.Struct, Generic[ConnectorMetadataT]):
     # only writes its KV (the drafting policy turned drafting off). N-gram drafts are the
     # scheduler's own.
     propose_drafts: bool = False
+    # req_id -> draft slots k' of a request whose drafts the workers propose on the device,
+    # after the last token (n-gram with async scheduling: sluice/spec_decode/device_ngram.py);
+    # they are the last k' of its num_scheduled_tokens. 0: a request that decodes one token
+    # while draft slots of it are in flight (the device knows where its tokens end).
+    scheduled_device_drafts: dict[str, int] = msgspec.field(default_factory=dict)
     # The KV connector's plan for this step (loads, saves), None without a connector.
     kv_connector_metadata: ConnectorMetadataT | None = None
     # Structured outputs: the grammar masks of the step's constrained requests that sample
@@ -144,6 +151,8 @@ class ModelRunnerOutput(msgspec.Struct):
     # Speculative decoding with a model proposer: drafts proposed to follow each request's
     # tokens (aligned with req_ids; [] for none); None when it did not propose.
     spec_token_ids: list[list[int]] | None = None
+    # req_id -> drafts the device proposed and verified this step (scheduled_device_drafts)
+    num_device_drafts: dict[str, int] = msgspec.field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
 
 

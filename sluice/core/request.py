@@ -95,6 +95,9 @@ class Request:
         # Draft tokens proposed to follow all_token_ids (speculative decoding): scheduled with
         # the next step for verification, never part of all_token_ids until accepted.
         self.spec_token_ids: list[int] = []
+        # Draft slots of the steps in flight (their drafts are counted in num_computed_tokens
+        # as if accepted, and rolled back when the step's tokens come back).
+        self.num_draft_slots_in_flight = 0
         # all_token_ids as an int64 array with room to grow (n-gram drafts read it every step;
         # converting the list each time costs more than the search)
         self._token_array: np.ndarray | None = None

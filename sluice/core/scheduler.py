@@ -84,6 +84,7 @@ class _StepPlan:
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    device_drafts: dict[str, int] = field(default_factory=dict)  # req_id -> draft slots
     num_partial_prefills: int = 0
 
     def add(self, request: Request, num_new: int, is_partial: bool) -> None:
@@ -126,6 +127,10 @@ class Scheduler:
         self.drafting: DraftingPolicy | None = None
         # n-gram drafts are proposed here, from the tokens known; a model's on the workers.
         self.ngram: NgramProposer | None = None
+        # With async scheduling, n-gram drafts are proposed on the workers' device instead,
+        # after the tokens still in flight (sluice/spec_decode/device_ngram.py): steps that
+        # draft overlap like any other.
+        self.device_ngram = False
         self._drafting_now = False  # the policy's decision for the step being scheduled
         if spec is not None:
             self.spec_decoding_stats = SpecDecodingStats(
@@ -133,6 +138,7 @@ class Scheduler:
             self.drafting = DraftingPolicy(spec)
             if spec.method == "ngram":
                 self.ngram = NgramProposer(spec)
+                self.device_ngram = config.async_scheduling
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -184,7 +190,8 @@ class Scheduler:
         """Whether the drafting policy wants n-gram drafts in the next step for requests whose
         last token is still in flight (async scheduling): drafts continue from that token, so
         the engine core takes the step in flight first."""
-        return (self.ngram is not None and self.drafting.wants_drafts(len(self.running))
+        return (self.ngram is not None and not self.device_ngram
+                and self.drafting.wants_drafts(len(self.running))
                 and any(request.num_output_placeholders for request in self.running))
 
     def runs_synchronously(self, output: SchedulerOutput) -> bool:
@@ -220,6 +227,8 @@ class Scheduler:
         # Then waiting requests in arrival order, unless this step had to preempt.
         if not plan.preempted:
             self._schedule_waiting(plan)
+        if any(plan.device_drafts.values()):
+            self._keep_device_drafts_verifiable(plan)
 
         output = SchedulerOutput(
             scheduled_new_reqs=plan.new_reqs,
@@ -229,6 +238,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=plan.preempted,
             scheduled_spec_decode_tokens=plan.spec_tokens,
+            scheduled_device_drafts=plan.device_drafts,
             propose_drafts=self._drafting_now and self.ngram is None,
         )
         self.finished_req_ids = set()
@@ -245,10 +255,11 @@ class Scheduler:
         for req_id, num_new in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_new
-            num_spec = len(plan.spec_tokens.get(req_id, ()))
-            if (request.num_computed_tokens
-                    == request.num_tokens + request.num_output_placeholders + num_spec):
+            num_spec = len(plan.spec_tokens.get(req_id, ())) or plan.device_drafts.get(req_id, 0)
+            if request.num_computed_tokens == (request.num_tokens + request.num_output_placeholders
+                                               + request.num_draft_slots_in_flight + num_spec):
                 request.num_output_placeholders += 1
+                request.num_draft_slots_in_flight += num_spec
                 if any_constrained and request.sampling_params.structured_outputs is not None:
                     constrained.append(req_id)
         if constrained:
@@ -286,7 +297,10 @@ class Scheduler:
             if (self.kv_transfers is None  # else not while its load's step is out
                     or not self.kv_transfers.in_step_load(request.request_id)):
                 if self._drafting_now and self.ngram is not None:
-                    self._propose_ngram(request)
+                    if self.device_ngram:
+                        self._device_draft_slots(request)
+                    else:
+                        self._propose_ngram(request)
                 num_new = self._num_tokens_to_schedule(request, plan.token_budget)
             if num_new == 0:
                 req_index += 1
@@ -306,11 +320,18 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            if request.spec_token_ids:
-                # The drafts that fit are the tail of the scheduled tokens.
-                num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
-                if num_spec > 0:
-                    plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            # The drafts that fit are the tail of the scheduled tokens.
+            num_spec = num_new - (request.num_tokens + request.num_output_placeholders
+                                  + request.num_draft_slots_in_flight
+                                  - request.num_computed_tokens)
+            if self.device_ngram:
+                # A request with draft slots in flight is on the device's count of its tokens
+                # until they come back, drafting or not: its row is fixed there.
+                if request.spec_token_ids or request.num_draft_slots_in_flight:
+                    plan.device_drafts[request.request_id] = max(num_spec, 0)
+                request.spec_token_ids = []
+            elif request.spec_token_ids and num_spec > 0:
+                plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             plan.cached_reqs.append(CachedRequestData(
                 req_id=request.request_id,
                 resumed_from_preemption=False,
@@ -452,13 +473,22 @@ class Scheduler:
                 continue  # aborted while the step ran, or recomputing after a failed load
             request.num_output_placeholders -= min(len(sampled), 1)  # one sampling position
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if drafts:
+            num_slots = (len(drafts) if drafts
+                         else scheduler_output.scheduled_device_drafts.get(req_id, 0))
+            if num_slots and sampled:
                 # Verified: the target's token at every accepted draft, plus one. The KV of the
                 # rejected drafts is garbage: forget it (it is overwritten later).
                 num_accepted = len(sampled) - 1
-                request.num_computed_tokens -= len(drafts) - num_accepted
-                self.spec_decoding_stats.observe(len(drafts), num_accepted)
+                request.num_draft_slots_in_flight -= num_slots
+                num_drafts = (len(drafts) if drafts
+                              else runner_output.num_device_drafts.get(req_id, 0))
+                if num_drafts:
+                    self.spec_decoding_stats.observe(num_drafts, num_accepted)
                 self.drafting.observe(req_id, num_accepted)
+                if request.status == RequestStatus.PREEMPTED:
+                    num_slots = 0  # preempted in flight: its KV is gone, nothing to roll back
+                else:
+                    request.num_computed_tokens -= num_slots - num_accepted
             constrained = (any_constrained
                            and request.sampling_params.structured_outputs is not None)
             if constrained and sampled and not self._advance_grammar(request, sampled, outputs):
@@ -472,7 +502,7 @@ class Scheduler:
             if (constrained and new_token_ids and not request.is_finished()
                     and self.structured_output.is_terminated(req_id)):
                 request.status = RequestStatus.FINISHED_STOPPED  # the grammar ended (no EOS)
-            if drafts and new_token_ids:
+            if num_slots and new_token_ids:
                 # The accepted drafts are tokens now: their full blocks can be shared.
                 self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             request.spec_token_ids = []
@@ -567,7 +597,8 @@ class Scheduler:
     # ---- internals -----------------------------------------------------------------------
 
     def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
-        placeholders = request.num_output_placeholders
+        # Tokens in flight, counting every draft slot as accepted.
+        placeholders = request.num_output_placeholders + request.num_draft_slots_in_flight
         if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
                              or request.num_tokens + placeholders >= self.config.max_model_len
                              or request.sampling_params.structured_outputs is not None):
@@ -614,6 +645,32 @@ class Scheduler:
         if not drafts:
             self.drafting.observe(request.request_id, 0)  # a drafting step that gains nothing
         request.spec_token_ids = self._trim_drafts(request, drafts)
+
+    def _device_draft_slots(self, request: Request) -> None:
+        """Draft slots for a request about to decode, proposed on the device after its last
+        token (known or in flight): k, fewer near max_tokens and max_model_len counting every
+        draft in flight as accepted; none while it still prefills. The slots stand in
+        spec_token_ids until _schedule_running moves them to the plan."""
+        in_flight = request.num_output_placeholders + request.num_draft_slots_in_flight
+        if (request.num_computed_tokens != request.num_tokens + in_flight - 1
+                or not (request.num_output_tokens or request.num_output_placeholders)
+                or not self.drafting.tracks(request.request_id)):
+            return
+        room = min(request.max_tokens - request.num_output_tokens - in_flight - 1,
+                   self.config.max_model_len - request.num_tokens - in_flight)
+        request.spec_token_ids = [-1] * max(0, min(self.num_spec_tokens, room))
+
+    def _keep_device_drafts_verifiable(self, plan: _StepPlan) -> None:
+        """A step with device drafts verifies every row it samples with the rejection sampler,
+        which applies no penalties, min_tokens or logprobs: if a request of the step needs one
+        of those, the step drafts nothing (each request decodes its one token)."""
+        if all(can_speculate(self.requests[req_id].sampling_params)
+               for req_id in plan.num_scheduled_tokens):
+            return
+        for req_id, num_slots in plan.device_drafts.items():
+            plan.num_scheduled_tokens[req_id] -= num_slots
+            plan.token_budget += num_slots
+            plan.device_drafts[req_id] = 0
 
     def _after_new_tokens(self, request: Request, new_token_ids: list[int],
                           proposed: list[int] | None, start_probe: bool) -> None:

@@ -115,14 +115,20 @@ class GraphRunner:
     # ---- per step ------------------------------------------------------------------------
 
     def verify_size(self, states: list[CachedRequestState], num_computed: np.ndarray,
-                    num_scheduled: np.ndarray, num_drafts: np.ndarray) -> int | None:
+                    num_scheduled: np.ndarray, num_drafts: np.ndarray,
+                    device_rows: np.ndarray | None = None) -> int | None:
         """The verification graph to replay: every request a decode with drafts to verify
-        (each padded to 1 + k tokens, still within max_model_len), and a size captured."""
+        (each padded to 1 + k tokens, still within max_model_len), and a size captured.
+        device_rows: rows fixed on the device (device n-gram drafts), decodes by construction;
+        num_computed counts their drafts in flight as accepted."""
         if self.verify_graphs is None or not num_drafts.any():
             return None
         q = self.query_len
         known = np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
-        if ((num_computed + 1 != known).any() or (num_scheduled != 1 + num_drafts).any()
+        is_decode = num_computed + 1 == known
+        if device_rows is not None:
+            is_decode |= device_rows
+        if ((~is_decode).any() or (num_scheduled != 1 + num_drafts).any()
                 or (num_computed + q > self.scheduler_config.max_model_len).any()):
             return None
         return self.verify_graphs.padded_size(len(states))

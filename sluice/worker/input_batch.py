@@ -33,6 +33,9 @@ class CachedRequestState:
     # scheduling), and the token's row in that step's samples.
     pending_step: object | None = None
     pending_index: int = -1
+    # Device n-gram drafts (sluice/spec_decode/device_ngram.py): the launched step whose
+    # tokens for this request are all the device history lacks; None: not known to be current.
+    history_step: object | None = None
     # Sampling launches that included this request (counted at launch, so a token still in
     # flight counts): with a seed, it keys the request's draws (sampling_inputs.build_row_seeds).
     num_sampled: int = 0

@@ -18,13 +18,16 @@ until `shutdown` drops every device tensor.
 With speculative decoding (see sluice/worker/spec_decode.py) a request's drafts ride at the end
 of its scheduled tokens; a step with drafts, and every step of a model proposer, then runs
 synchronously: verify, append, propose. An n-gram step without drafts samples like any step
-(the scheduler proposes n-gram drafts), so it can overlap the next.
+(the scheduler proposes n-gram drafts), so it can overlap the next. With async scheduling,
+n-gram drafts are proposed on the device instead (sluice/spec_decode/device_ngram.py) and a step
+that verifies them overlaps the next like any other.
 """
 
 from __future__ import annotations
 
 import gc
 
+import numpy as np
 import torch
 
 from sluice.attention import get_attention_backend
@@ -234,7 +237,9 @@ class ModelRunner:
                 s.pending_step is not None and _needs_token_history(s.sampling_params)
                 for s in (self.requests[r] for r in scheduler_output.num_scheduled_tokens)):
             previous.result()  # penalties and min_tokens count tokens on the host
-        step = self.input_builder.prepare(scheduler_output, self.requests, self.graph_runner)
+        device_ngram = self.spec.device_ngram if self.spec is not None else None
+        step = self.input_builder.prepare(scheduler_output, self.requests, self.graph_runner,
+                                          device_ngram)
         if step.graph is not None:
             graphs, size = step.graph
             # A connector's per-layer work around the replay, through the events the graphs
@@ -255,9 +260,12 @@ class ModelRunner:
         handle = StepHandle(output, previous)
         self._last_step = handle
         self._compute_prompt_logprobs(step, hidden, output)
-        # A request samples once its chunk reaches the end of its tokens (known or in flight).
+        # A request samples once its chunk reaches the end of its tokens (known or in flight);
+        # a device row always does.
+        device_rows = step.device_rows
         sample_rows = [i for i, s in enumerate(states)
-                       if seq_lens[i] == len(s.token_ids) + (s.pending_step is not None)]
+                       if (device_rows is not None and device_rows[i])
+                       or seq_lens[i] == len(s.token_ids) + (s.pending_step is not None)]
         if connector is not None:
             failed = self._end_connector_step(scheduler_output, output, step)
             if failed:
@@ -265,6 +273,13 @@ class ModelRunner:
                 # scheduler recomputes from the first bad block (or fails the request). (Loads
                 # never serve requests that want prompt logprobs: those skip every cache.)
                 sample_rows = [i for i in sample_rows if i not in failed]
+        if device_rows is not None:
+            for i in np.flatnonzero(device_rows):
+                states[i].history_step = handle  # its history now lacks this step's tokens
+        if sample_rows and any(scheduler_output.scheduled_device_drafts.values()):
+            self._launch_parity ^= 1
+            self.spec.verify_on_device(step, hidden, sample_rows, handle, self._launch_parity)
+            return handle
         if self.spec is not None and (self.spec.model_proposer is not None or step.drafts):
             if previous is not None:
                 previous.result()  # verification appends this step's tokens after those

@@ -12,7 +12,10 @@ logprobs are per token): those decode one token at a time. N-gram drafts are pro
 scheduler (sluice/core/scheduler.py), from the tokens it knows.
 
 Steps that verify drafts, and every step of a model proposer, run synchronously: the next
-step's drafts depend on this step's tokens.
+step's drafts depend on this step's tokens. Except with async scheduling and n-gram drafts:
+those are proposed on the device by the next step's input fix-up
+(sluice/spec_decode/device_ngram.py), after the tokens this step emits, and `verify_on_device`
+verifies them without the host waiting for anything.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 
 from sluice.spec_decode.config import SpeculativeConfig
+from sluice.spec_decode.device_ngram import DeviceNgram
 from sluice.spec_decode.model_proposer import DraftModelProposer, EagleProposer, ModelProposer
 from sluice.spec_decode.policy import can_speculate
 from sluice.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
@@ -32,6 +36,7 @@ from sluice.worker.sampling_inputs import build_sampling_metadata
 if TYPE_CHECKING:
     from sluice.core.outputs import ModelRunnerOutput
     from sluice.worker.model_runner import ModelRunner
+    from sluice.worker.step_handle import StepHandle
     from sluice.worker.step_inputs import StepInputs
 
 
@@ -46,6 +51,20 @@ class SpecDecoder:
         # one copy that never blocks the host.
         max_rows = runner.scheduler_config.max_num_seqs
         self.staged = StagedBuffer((max_rows * (2 * self.k + 2),), torch.int64, runner.device)
+        self.device_ngram: DeviceNgram | None = None
+        if config.method == "ngram" and runner.scheduler_config.async_scheduling:
+            self.device_ngram = DeviceNgram(
+                self.k, config.prompt_lookup_min, config.prompt_lookup_max,
+                runner.scheduler_config.max_model_len, max_rows, runner.block_size,
+                runner.device)
+            # Per sampling launch parity (the host writes one launch's while the device may
+            # not have copied the last one's yet): verification's inputs, and the emitted
+            # tokens and draft counts read back.
+            pin = runner.device.type == "cuda"
+            self._verify_staged = [StagedBuffer((max_rows * (self.k + 3),), torch.int64,
+                                                runner.device) for _ in range(2)]
+            self._verified_host = [torch.zeros(max_rows * (self.k + 2), dtype=torch.int64,
+                                               pin_memory=pin) for _ in range(2)]
         self.model_proposer: ModelProposer | None = None
         if config.method != "ngram":
             cls = DraftModelProposer if config.method == "draft_model" else EagleProposer
@@ -100,6 +119,42 @@ class SpecDecoder:
                 PLACEHOLDER_TOKEN_ID in emitted[r]) else emitted[r]
             step.states[i].token_ids.extend(tokens)
             output.sampled_token_ids[i] = tokens
+
+    def verify_on_device(self, step: StepInputs, hidden: torch.Tensor, rows: list[int],
+                         handle: StepHandle, parity: int) -> None:
+        """Rejection-sample the device drafts of `rows` (every row the step samples; rows
+        without draft slots sample their one token), without waiting: the emitted tokens stay
+        on the device for the next step's fix-up and come back to the host with `handle`."""
+        runner = self.runner
+        slots = step.draft_slots[rows]
+        max_slots = int(slots.max())
+        last = (step.query_start_loc[:-1] + step.num_scheduled - 1)[rows]
+        offsets = np.minimum(np.arange(max_slots + 1)[None, :], slots[:, None])
+        positions = (last - slots)[:, None] + offsets
+        num_rows = len(rows)
+        num_positions = num_rows * (max_slots + 1)
+        buffer = self._verify_staged[parity]
+        host = buffer.np
+        host[:num_positions] = positions.reshape(-1)
+        host[num_positions:num_positions + num_rows] = slots
+        host[num_positions + num_rows:num_positions + 2 * num_rows] = rows
+        staged = buffer.to_device(num_positions + 2 * num_rows)
+        logits = runner.model.compute_logits(hidden[staged[:num_positions]]).view(
+            num_rows, max_slots + 1, -1)
+        draft_ids, num_drafts = step.device_drafts
+        if num_rows == len(step.states):
+            draft_ids, num_drafts = draft_ids[:num_rows], num_drafts[:num_rows]
+        else:
+            index = staged[num_positions + num_rows:]
+            draft_ids, num_drafts = draft_ids[index], num_drafts[index]
+        states = [step.states[i] for i in rows]
+        metadata = build_sampling_metadata(states, runner.sampling_staging,
+                                           runner.hf_config.vocab_size)
+        result = self.rejection_sampler(draft_ids[:, :max_slots], num_drafts, None, logits,
+                                        metadata)
+        handle.set_verified(rows, states, result.output_token_ids, result.num_accepted,
+                            staged[num_positions:num_positions + num_rows], num_drafts,
+                            self._verified_host[parity])
 
     def propose(self, step: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
                 draft: bool) -> None:

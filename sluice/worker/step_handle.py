@@ -4,6 +4,10 @@ With async scheduling the engine schedules and launches step N+1 before it asks 
 result, so the host work of both overlaps the GPU. Until then a sampled token lives only on the
 device; the next step reads it from there (see InputBuilder.prepare). Results are taken
 in launch order: a handle first settles the one before it, so tokens are appended in order.
+
+A step that verified device drafts (sluice/spec_decode/device_ngram.py) emitted 1 to k + 1 tokens
+per row; `previous_tokens` hands them, or a plain step's one token per row, to the next step's
+fix-up on the device.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import torch
 
 from sluice.core.outputs import ModelRunnerOutput, PositionLogprobs
 from sluice.sample.sampler import SamplerOutput
+from sluice.spec_decode.device_ngram import PreviousTokens
+from sluice.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
 from sluice.worker.input_batch import CachedRequestState
 
 
@@ -26,6 +32,11 @@ class StepHandle:
         self._sampler_output: SamplerOutput | None = None
         self._event: torch.cuda.Event | None = None
         self._done = False
+        # A verification of device drafts: per sampled row, the emitted tokens and the drafts
+        # verified (host copies filled asynchronously), and what the next step's fix-up reads.
+        self.verified: PreviousTokens | None = None
+        self._emitted_host: torch.Tensor | None = None  # [S, k + 1], -1 past a row's tokens
+        self._num_drafts_host: torch.Tensor | None = None  # [S]
 
     def set_samples(self, sample_rows: list[int], sample_states: list[CachedRequestState],
                     sampler_output: SamplerOutput, sampled_host: torch.Tensor) -> None:
@@ -41,6 +52,34 @@ class StepHandle:
             self._event.record()
         for j, state in enumerate(sample_states):
             state.pending_step, state.pending_index = self, j
+
+    def set_verified(self, sample_rows: list[int], sample_states: list[CachedRequestState],
+                     emitted: torch.Tensor, num_accepted: torch.Tensor, slots: torch.Tensor,
+                     num_drafts: torch.Tensor, host: torch.Tensor) -> None:
+        """The rows' tokens from the rejection sampler: emitted [S, K + 1] (-1 past each row's
+        num_accepted + 1), num_accepted [S], the draft slots the host counted as accepted
+        [S], the drafts verified [S]; `host`: a pinned buffer of >= S * (K + 2) entries."""
+        self.sample_rows = sample_rows
+        self.sample_states = sample_states
+        num, width = emitted.shape
+        self.verified = PreviousTokens(emitted, num_accepted + 1, num_accepted - slots)
+        self._emitted_host = host[:num * width].view(num, width)
+        self._emitted_host.copy_(emitted, non_blocking=True)
+        self._num_drafts_host = host[num * width:num * (width + 1)]
+        self._num_drafts_host.copy_(num_drafts, non_blocking=True)
+        if emitted.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        for j, state in enumerate(sample_states):
+            state.pending_step, state.pending_index = self, j
+
+    def previous_tokens(self) -> PreviousTokens:
+        """What this step emitted per sampled row, for the next step's device fix-up."""
+        if self.verified is not None:
+            return self.verified
+        num = self.sampled.shape[0]
+        counts = torch.ones(num, dtype=torch.int64, device=self.sampled.device)
+        return PreviousTokens(self.sampled.view(num, 1), counts, counts - 1)
 
     def is_ready(self) -> bool:
         """Whether result() would return without waiting for the device."""
@@ -59,6 +98,9 @@ class StepHandle:
             return self.output
         if self._event is not None:
             self._event.synchronize()
+        if self.verified is not None:
+            self._take_verified()
+            return self.output
         sampled = self._sampled_host.tolist()
         sampler_output = self._sampler_output
         if sampler_output.logprobs is not None:
@@ -76,6 +118,20 @@ class StepHandle:
                     position_logprobs(ids[j], lps[j], ranks[j], num_logprobs)]
         self._sampler_output = None
         return self.output
+
+
+    def _take_verified(self) -> None:
+        emitted = self._emitted_host.tolist()
+        num_drafts = self._num_drafts_host.tolist()
+        for j, (row, state) in enumerate(zip(self.sample_rows, self.sample_states)):
+            tokens = emitted[j]
+            if PLACEHOLDER_TOKEN_ID in tokens:
+                tokens = tokens[:tokens.index(PLACEHOLDER_TOKEN_ID)]
+            state.token_ids.extend(tokens)
+            if state.pending_step is self:
+                state.pending_step, state.pending_index = None, -1
+            self.output.sampled_token_ids[row] = tokens
+            self.output.num_device_drafts[state.req_id] = num_drafts[j]
 
 
 def position_logprobs(ids: list[int], lps: list[float], rank: int,

@@ -9,8 +9,10 @@ two copies (see upload), and, on a GPU, the full-width block table that CUDA gra
 Per step (`prepare`): positions, slots and input ids are computed with numpy into the pinned
 buffers; the GraphRunner says whether a CUDA graph replays the step (and pads its requests and
 tokens to the graph's size); the buffers are uploaded; tokens a step still in flight sampled
-(async scheduling) are patched into the input ids on the device. The next step's host writes wait
-for this step's copies to leave the buffers (one event), never for the device to finish the step.
+(async scheduling) are patched into the input ids on the device. Rows whose drafts the device
+proposes, or that follow a step that verified such drafts, are fixed on the device instead
+(sluice/spec_decode/device_ngram.py). The next step's host writes wait for this step's copies to
+leave the buffers (one event), never for the device to finish the step.
 Buffers are written and read by the runner's thread only, one step at a time.
 """
 
@@ -25,6 +27,7 @@ import torch
 
 from sluice.attention import AttentionMetadata
 from sluice.core.outputs import SchedulerOutput
+from sluice.spec_decode.device_ngram import META_COLUMNS, DeviceNgram, StepBuffers
 from sluice.worker.cuda_graphs import DecodeGraphs
 from sluice.worker.input_batch import BlockTables, CachedRequestState, StagedArena
 from sluice.worker.step_handle import StepHandle
@@ -51,6 +54,11 @@ class StepInputs:
     # One request's prompt (chunk) whose attention may run dense (AttentionMetadata.
     # dense_prefill): over no cached context, or over a prefix (then eagerly).
     dense_prefill: bool = False
+    # Device n-gram rows (fixed on the device): [B] bool, their draft slots [B], and the
+    # drafts the fix-up proposed ([B, k] ids, [B] counts, on the device); None without any.
+    device_rows: np.ndarray | None = None
+    draft_slots: np.ndarray | None = None
+    device_drafts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class InputBuilder:
@@ -100,8 +108,9 @@ class InputBuilder:
         self.dense_prefix = False
 
     def prepare(self, so: SchedulerOutput, requests: dict[str, CachedRequestState],
-                graphs: GraphRunner) -> StepInputs:
-        """This step's inputs, on the device (or queued to it) when this returns."""
+                graphs: GraphRunner, device_ngram: DeviceNgram | None = None) -> StepInputs:
+        """This step's inputs, on the device (or queued to it) when this returns.
+        device_ngram: the runner's, with n-gram drafts proposed on the device."""
         req_ids = [r.req_id for r in so.scheduled_new_reqs]
         req_ids += [r.req_id for r in so.scheduled_cached_reqs]
         states = [requests[r] for r in req_ids]
@@ -115,12 +124,26 @@ class InputBuilder:
         drafts = [spec_tokens.get(r, []) for r in req_ids] if spec_tokens else []
         num_drafts = (np.fromiter(map(len, drafts), np.int64, num_reqs) if drafts
                       else np.zeros(num_reqs, dtype=np.int64))
+        device_rows = None
+        if device_ngram is not None:
+            # A row the device fixes: its drafts come from the device, or its last tokens are
+            # those of a step in flight that verified drafts (how many is on the device only).
+            slots = so.scheduled_device_drafts
+            device_rows = np.fromiter(
+                (r in slots or (s.pending_step is not None and s.pending_step.verified
+                                is not None) for r, s in zip(req_ids, states)), bool, num_reqs)
+            if device_rows.any():
+                num_drafts = np.fromiter((slots.get(r, 0) for r in req_ids), np.int64,
+                                         num_reqs)
+            else:
+                device_rows = None
         # Tokens each request occupies in the flattened step: its scheduled ones, or 1 + k for
         # every request of a verification step that replays a CUDA graph.
         layout = num_scheduled
         # Only a step with drafts can replay a verification graph (drafting off: never asked).
-        verify_size = (graphs.verify_size(states, num_computed, num_scheduled, num_drafts)
-                       if drafts else None)
+        verify_size = (graphs.verify_size(states, num_computed, num_scheduled, num_drafts,
+                                          device_rows)
+                       if drafts or num_drafts.any() else None)
         if verify_size is not None:
             layout = np.full(num_reqs, graphs.query_len, dtype=np.int64)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -135,7 +158,10 @@ class InputBuilder:
         chunks = []
         for i, (s, c, n) in enumerate(zip(states, num_computed.tolist(),
                                           num_scheduled.tolist())):
-            if c + n <= len(s.token_ids):
+            if device_rows is not None and device_rows[i]:
+                assert n == 1 + num_drafts[i], (s.req_id, n, num_drafts[i])
+                chunks.append([0] * n)  # written by the fix-up
+            elif c + n <= len(s.token_ids):
                 chunks.append(s.token_ids[c:c + n])
             elif drafts and drafts[i]:
                 chunks.append(s.token_ids[c:] + drafts[i])
@@ -177,12 +203,13 @@ class InputBuilder:
         compact = self.buf_block_tables.np[:num_reqs * width].reshape(num_reqs, width)
         compact[:] = table[rows, :width]
 
-        lone = num_reqs == 1 and not pending and not drafts
+        lone = num_reqs == 1 and not pending and not drafts and device_rows is None
         fresh = self.dense_prefill and lone and num_computed[0] == 0
         over_prefix = (self.dense_prefix and lone and num_computed[0] > 0
                        and graphs.dense_over_prefix_pays(num_tokens, int(num_computed[0])))
         graph, padded_tokens = graphs.pad_for_graph(
-            num_reqs, num_tokens, num_layout_tokens, verify_size, bool(pending),
+            num_reqs, num_tokens, num_layout_tokens, verify_size,
+            bool(pending) or device_rows is not None,
             int(self.buf_seq_lens.np[:num_reqs].max()), fresh=fresh, eager=over_prefix)
         # A fresh prompt runs dense only in the dense-prefill graphs, whose shapes are planned
         # (see graph_runner.DENSE_PREFIX_MAX_BYTES); eagerly it takes the paged kernel.
@@ -213,12 +240,55 @@ class InputBuilder:
                 continue
             index = self.buf_pending.device[start:start + 2 * count]
             self.buf_input_ids.device.index_copy_(0, index[:count], handle.sampled[index[count:]])
+        device_drafts = None
+        if device_rows is not None:
+            device_drafts = self._fix_up_device_rows(device_ngram, states, device_rows,
+                                                     num_drafts, query_start_loc, block_tables,
+                                                     padded_tokens)
         if self.device.type == "cuda":
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
         return StepInputs(req_ids, states, num_tokens, num_computed, num_scheduled,
                           query_start_loc, num_drafts, drafts, block_tables, graph, ordered,
-                          dense_prefill=fresh or over_prefix)
+                          dense_prefill=fresh or over_prefix, device_rows=device_rows,
+                          draft_slots=num_drafts if device_rows is not None else None,
+                          device_drafts=device_drafts)
+
+    def _fix_up_device_rows(self, device_ngram: DeviceNgram,
+                            states: list[CachedRequestState], device_rows: np.ndarray,
+                            slots: np.ndarray, query_start_loc: np.ndarray,
+                            block_tables: torch.Tensor,
+                            num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the device rows' fix-up: histories not known to be current uploaded first
+        (every token the host knows: all but those of the step in flight), then the kernel."""
+        meta = np.zeros((len(states), META_COLUMNS), dtype=np.int64)
+        upload_rows, upload_tokens = [], []
+        previous = None
+        for i, s in enumerate(states):
+            meta[i, :4] = (s.row, -1, query_start_loc[i], slots[i])
+            if not device_rows[i]:
+                continue
+            meta[i, 4] = 1
+            if s.pending_step is not None:
+                assert previous is None or s.pending_step is previous, s.req_id
+                previous = s.pending_step
+                meta[i, 1] = s.pending_index
+            else:
+                # Every token known here: the last one's position, against the scheduler's
+                # count (which may still take drafts of a step taken here as accepted).
+                meta[i, 5] = len(s.token_ids) - 1 - s.num_computed_tokens
+            if s.pending_step is None or s.history_step is not s.pending_step:
+                upload_rows.append(s.row)
+                upload_tokens.append(s.token_ids)
+        device_ngram.ensure_rows(int(meta[:, 0].max()) + 1)
+        device_ngram.upload(upload_rows, upload_tokens)
+        num_reqs = len(states)
+        buffers = StepBuffers(self.buf_input_ids.device[:num_tokens],
+                              self.buf_positions.device[:num_tokens],
+                              self.buf_slot_mapping.device[:num_tokens],
+                              self.buf_seq_lens.device[:num_reqs], block_tables)
+        return device_ngram.fix_up(
+            meta, previous.previous_tokens() if previous is not None else None, buffers)
 
     def upload(self, block_table_entries: int, num_tokens: int) -> None:
         """This step's inputs to the device without blocking: query_start_loc through the

@@ -244,8 +244,9 @@ def record_launches(llm: LLM) -> list[tuple[bool, bool]]:
     launches: list[tuple[bool, bool]] = []
 
     def recording(scheduler_output):  # noqa: ANN001, ANN202
-        launches.append((bool(scheduler_output.scheduled_spec_decode_tokens),
-                         core.in_flight is not None))
+        drafted = (bool(scheduler_output.scheduled_spec_decode_tokens)
+                   or any(scheduler_output.scheduled_device_drafts.values()))
+        launches.append((drafted, core.in_flight is not None))
         return execute_model(scheduler_output)
 
     core.executor.execute_model = recording
@@ -253,16 +254,22 @@ def record_launches(llm: LLM) -> list[tuple[bool, bool]]:
 
 
 # The step message to a worker process: drafts, and steps in flight, over the executor's wire.
-SWITCHING_SETTINGS = {**SETTINGS, "mp_executor": {"distributed_executor_backend": "mp"}}
+# Preemption with a few blocks more than SETTINGS': a step that drafts on the device holds the
+# blocks of its drafts in flight too, and with 24 blocks three requests never ran at once (so
+# drafting never switched off for the batch size).
+SWITCHING_SETTINGS = {**SETTINGS, "preemption": {"num_gpu_blocks_override": 30,
+                                                 "max_model_len": 80},
+                      "mp_executor": {"distributed_executor_backend": "mp"}}
 
 
 @pytest.mark.parametrize("setting", list(SWITCHING_SETTINGS))
 @pytest.mark.parametrize("policy", ["by_acceptance", "by_batch_size"])
 def test_greedy_output_is_unchanged_when_drafting_switches_under_async_scheduling(
         qwen3_dir: str, reference: list[list[int]], policy: str, setting: str) -> None:
-    """Steps without drafts overlap (async), steps with drafts run synchronously, and a step
-    with drafts never launches while another is in flight: the drafts continue from tokens
-    the host has."""
+    """N-gram drafts are proposed on the device after the tokens of the step in flight, so
+    steps with drafts overlap like steps without: the rows that follow a verification are fixed
+    on the device (how many drafts it accepted is known there only), whether the next step
+    drafts or not, in one process or in a worker process that takes results on its own."""
     ngram = {**NGRAM, **(BY_ACCEPTANCE if policy == "by_acceptance" else BY_BATCH_SIZE)}
     params = GREEDY if policy == "by_acceptance" else SHRINKING
     llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
@@ -279,8 +286,8 @@ def test_greedy_output_is_unchanged_when_drafting_switches_under_async_schedulin
            else stats.num_steps_off_batch_size)
     assert off > 0
     assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
-    assert not any(drafted and overlapped for drafted, overlapped in launches)
-    assert any(overlapped for _, overlapped in launches)  # steps without drafts overlapped
+    assert any(drafted and overlapped for drafted, overlapped in launches)
+    assert any(not drafted and overlapped for drafted, overlapped in launches)
     if setting == "preemption":
         assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
     assert_blocks_balance(llm)
@@ -332,26 +339,37 @@ def test_off_for_the_batch_size_an_engine_does_the_work_of_one_without_speculati
 
 
 def test_drafts_counted_are_the_drafts_verified(qwen3_dir: str) -> None:
-    """With the policy switching, the counters add up the drafts of the steps that ran, and
-    the policy's step counters the steps scheduled while a request could speculate."""
+    """With the policy switching, the counters add up the drafts the device proposed and
+    verified (never more than the slots the scheduler gave), and the policy's step counters
+    the steps scheduled while a request could speculate."""
     llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
               async_scheduling=True, speculative_config={**NGRAM, **BY_ACCEPTANCE})
     core = llm.llm_engine.engine_core
     execute_model = core.executor.execute_model
-    scheduled: list[dict[str, list[int]]] = []
+    update_from_output = core.scheduler.update_from_output
+    num_scheduled_steps = 0
+    verified: list[int] = []
 
     def recording(scheduler_output):  # noqa: ANN001, ANN202
-        if scheduler_output.total_num_scheduled_tokens:
-            scheduled.append(scheduler_output.scheduled_spec_decode_tokens)
+        nonlocal num_scheduled_steps
+        num_scheduled_steps += bool(scheduler_output.total_num_scheduled_tokens)
         return execute_model(scheduler_output)
 
+    def updating(scheduler_output, runner_output):  # noqa: ANN001, ANN202
+        slots = scheduler_output.scheduled_device_drafts
+        for req_id, num_drafts in runner_output.num_device_drafts.items():
+            assert num_drafts <= slots.get(req_id, 0)
+            verified.append(num_drafts)
+        return update_from_output(scheduler_output, runner_output)
+
     core.executor.execute_model = recording
+    core.scheduler.update_from_output = updating
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     stats = llm.get_spec_decoding_stats()
-    assert stats.num_drafts == sum(len(step) for step in scheduled) > 0
-    assert stats.num_draft_tokens == sum(len(d) for step in scheduled for d in step.values())
+    assert stats.num_drafts == sum(1 for n in verified if n) > 0
+    assert stats.num_draft_tokens == sum(verified)
     assert (stats.num_steps_drafting + stats.num_steps_off_acceptance
-            + stats.num_steps_off_batch_size) == len(scheduled)
+            + stats.num_steps_off_batch_size) == num_scheduled_steps
     llm.shutdown()
 
 

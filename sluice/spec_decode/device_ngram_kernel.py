@@ -1,0 +1,133 @@
+"""The device n-gram fix-up as one Triton kernel (sluice/spec_decode/device_ngram.py says what
+it computes; `fix_up_torch` there is its reference). A program per request row of the step:
+append what the step in flight emitted to the row's history, look up the longest recurring
+suffix n-gram (each n a scan of the history in blocks), write the row's inputs.
+
+Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the tests).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from sluice.spec_decode.device_ngram import PreviousTokens, StepBuffers
+
+_SCAN_BLOCK = 256
+
+
+@triton.jit
+def _fix_up_kernel(
+    meta_ptr,  # [B, 6] int64: history row, source row, start, draft slots, is device row,
+    # shift without a source row
+    prev_tokens_ptr,  # [P, S] int64
+    stride_prev,
+    prev_counts_ptr,  # [P] int64
+    prev_offsets_ptr,  # [P] int64
+    input_ids_ptr,  # [T] int64
+    positions_ptr,  # [T] int64
+    slot_mapping_ptr,  # [T] int64
+    seq_lens_ptr,  # [B] int32
+    block_tables_ptr,  # [B, width] int32
+    stride_block_tables,
+    history_ptr,  # [rows, W] int32
+    stride_history,
+    history_len_ptr,  # [rows] int64
+    draft_ids_ptr,  # [>= B, k] int64
+    stride_drafts,
+    num_drafts_ptr,  # [>= B] int64
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,  # >= K + 1
+    PREV_PAD: tl.constexpr,  # >= S
+    MIN_N: tl.constexpr,
+    MAX_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    hrow = tl.load(meta_ptr + row * 6)
+    src = tl.load(meta_ptr + row * 6 + 1)
+    start = tl.load(meta_ptr + row * 6 + 2)
+    slots = tl.load(meta_ptr + row * 6 + 3)
+    is_device = tl.load(meta_ptr + row * 6 + 4)
+    offset = tl.load(meta_ptr + row * 6 + 5)
+    q = tl.arange(0, K_PAD)
+    if is_device == 0:
+        tl.store(draft_ids_ptr + row * stride_drafts + q, tl.full((K_PAD,), -1, tl.int64),
+                 mask=q < K)
+        tl.store(num_drafts_ptr + row, 0)
+        return
+    history = history_ptr + hrow * stride_history
+    length = tl.load(history_len_ptr + hrow)
+    if src >= 0:
+        count = tl.load(prev_counts_ptr + src)
+        p = tl.arange(0, PREV_PAD)
+        emitted = tl.load(prev_tokens_ptr + src * stride_prev + p, mask=p < count, other=0)
+        tl.store(history + length + p, emitted.to(tl.int32), mask=p < count)
+        length += count
+        tl.store(history_len_ptr + hrow, length)
+        offset = tl.load(prev_offsets_ptr + src)
+    tl.debug_barrier()  # the appended tokens are visible to the whole program
+    last = tl.load(history + length - 1)
+
+    # The longest n whose suffix n-gram ends earlier (at e <= length - 2), earliest e.
+    none: tl.constexpr = 1 << 30  # past any history position
+    best = length * 0 + none
+    scan_end = tl.where(slots > 0, length - 1, 0)
+    for j in tl.static_range(0, MAX_N - MIN_N + 1):
+        n: tl.constexpr = MAX_N - j
+        first = length * 0 + none
+        for e0 in range(0, scan_end, BLOCK):
+            e = e0 + tl.arange(0, BLOCK).to(tl.int64)
+            match = (e <= length - 2) & (e >= n - 1)
+            for t in tl.static_range(0, n):
+                earlier = tl.load(history + e - t, mask=match, other=-1)
+                suffix = tl.load(history + length - 1 - t)
+                match = match & (earlier == suffix)
+            first = tl.minimum(first, tl.min(tl.where(match, e, none), axis=0))
+        best = tl.where(best == none, first, best)
+    num = tl.where(best == none, 0,
+                   tl.minimum(tl.minimum(length - best - 1, slots), K))
+
+    is_draft = q < num
+    drafts = tl.load(history + best + 1 + q, mask=is_draft, other=0).to(tl.int64)
+    tl.store(draft_ids_ptr + row * stride_drafts + q, tl.where(is_draft, drafts, -1),
+             mask=q < K)
+    tl.store(num_drafts_ptr + row, num)
+    # The row's tokens: its last one, then the drafts, 0 in slots without one.
+    in_row = q <= slots
+    after = tl.load(history + best + q, mask=(q >= 1) & (q <= num), other=0).to(tl.int64)
+    tokens = tl.where(q == 0, last.to(tl.int64), after)
+    tl.store(input_ids_ptr + start + q, tokens, mask=in_row)
+    positions = tl.load(positions_ptr + start + q, mask=in_row, other=0) + offset
+    tl.store(positions_ptr + start + q, positions, mask=in_row)
+    real = in_row & (q <= num)
+    block = tl.load(block_tables_ptr + row * stride_block_tables + positions // PAGE_SIZE,
+                    mask=real, other=0).to(tl.int64)
+    slot = tl.where(real, block * PAGE_SIZE + positions % PAGE_SIZE, -1)
+    tl.store(slot_mapping_ptr + start + q, slot, mask=in_row)
+    seq_len = tl.load(seq_lens_ptr + row)
+    tl.store(seq_lens_ptr + row, seq_len + offset.to(tl.int32))
+
+
+def launch_fix_up(meta: torch.Tensor, previous: PreviousTokens, buffers: StepBuffers,
+                  history: torch.Tensor, history_len: torch.Tensor, draft_ids: torch.Tensor,
+                  num_drafts: torch.Tensor, k: int, min_n: int, max_n: int,
+                  block_size: int) -> None:
+    num_reqs = meta.shape[0]
+    if num_reqs == 0:
+        return
+    tokens = previous.tokens
+    _fix_up_kernel[(num_reqs,)](
+        meta, tokens, tokens.stride(0), previous.counts, previous.offsets,
+        buffers.input_ids, buffers.positions, buffers.slot_mapping, buffers.seq_lens,
+        buffers.block_tables, buffers.block_tables.stride(0),
+        history, history.stride(0), history_len, draft_ids, draft_ids.stride(0), num_drafts,
+        K=k, K_PAD=triton.next_power_of_2(k + 1),
+        PREV_PAD=triton.next_power_of_2(tokens.shape[1]), MIN_N=min_n, MAX_N=max_n,
+        PAGE_SIZE=block_size, BLOCK=_SCAN_BLOCK,
+    )

@@ -1,0 +1,131 @@
+"""The device n-gram fix-up kernel against its torch reference, and the reference against the
+host proposer (sluice/spec_decode/device_ngram.py)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from sluice.spec_decode.device_ngram import (
+    PreviousTokens,
+    StepBuffers,
+    fix_up_torch,
+)
+from sluice.spec_decode.ngram_proposer import find_longest_ngram_match
+
+K, MIN_N, MAX_N, PAGE = 4, 2, 4, 4
+WIDTH = 96
+
+
+def _case(seed: int):
+    """A step of 6 request rows over 8 history rows: device rows with and without a step in
+    flight, rows with 0..k draft slots, and one row that is not a device row."""
+    rng = random.Random(seed)
+    num_rows, num_reqs = 8, 6
+    history = torch.zeros((num_rows, WIDTH), dtype=torch.int32)
+    history_len = torch.zeros(num_rows, dtype=torch.int64)
+    for r in range(num_rows):
+        # Short alphabets so that n-grams recur; some rows a repeated segment.
+        alphabet = rng.choice([3, 5, 50])
+        length = rng.randrange(1, 60)
+        tokens = [rng.randrange(alphabet) for _ in range(length)]
+        history[r, :length] = torch.tensor(tokens, dtype=torch.int32)
+        history_len[r] = length
+    prev_tokens = torch.full((num_reqs, K + 1), -1, dtype=torch.int64)
+    prev_counts = torch.ones(num_reqs, dtype=torch.int64)
+    prev_offsets = torch.zeros(num_reqs, dtype=torch.int64)
+    meta, layout, seq_lens = [], [], []
+    hrows = rng.sample(range(num_rows), num_reqs)
+    start = 0
+    for i in range(num_reqs):
+        slots = rng.randrange(0, K + 1)
+        src = rng.choice([-1, num_reqs - 1 - i])
+        is_device = int(i != 2)
+        if src >= 0:
+            count = rng.randrange(1, K + 2)
+            prev_tokens[src, :count] = torch.tensor([rng.randrange(5) for _ in range(count)])
+            prev_counts[src] = count
+            prev_offsets[src] = -rng.randrange(0, K + 1)
+        offset = 0 if src >= 0 else -rng.randrange(0, K + 1)
+        meta.append([hrows[i], src, start, slots, is_device, offset])
+        layout.append(slots + 1)
+        seq_lens.append(int(history_len[hrows[i]]) + 20)
+        start += slots + 1
+    num_tokens = start
+    block_tables = torch.randint(1, 50, (num_reqs, 40), dtype=torch.int32)
+    buffers = StepBuffers(
+        input_ids=torch.full((num_tokens,), 7, dtype=torch.int64),
+        positions=torch.arange(num_tokens, dtype=torch.int64) + 30,
+        slot_mapping=torch.full((num_tokens,), 99, dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables)
+    previous = PreviousTokens(prev_tokens, prev_counts, prev_offsets)
+    return torch.tensor(meta, dtype=torch.int64), previous, buffers, history, history_len
+
+
+def _run(fn, case):
+    meta, previous, buffers, history, history_len = case
+    buffers = StepBuffers(*(t.clone() for t in (buffers.input_ids, buffers.positions,
+                                                buffers.slot_mapping, buffers.seq_lens,
+                                                buffers.block_tables)))
+    history, history_len = history.clone(), history_len.clone()
+    draft_ids = torch.zeros((meta.shape[0], K), dtype=torch.int64)
+    num_drafts = torch.zeros(meta.shape[0], dtype=torch.int64)
+    fn(meta, previous, buffers, history, history_len, draft_ids, num_drafts, K, MIN_N, MAX_N,
+       PAGE)
+    return buffers, history, history_len, draft_ids, num_drafts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fix_up_kernel_matches_torch_reference(seed: int) -> None:
+    from sluice.spec_decode.device_ngram_kernel import launch_fix_up
+
+    case = _case(seed)
+    want = _run(fix_up_torch, case)
+    got = _run(launch_fix_up, case)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        assert torch.equal(getattr(want[0], name), getattr(got[0], name)), name
+    for name, w, g in zip(("history_len", "draft_ids", "num_drafts"), want[2:], got[2:]):
+        assert torch.equal(w, g), name
+    lengths = want[2]
+    for r in range(case[3].shape[0]):
+        n = int(lengths[r])
+        assert torch.equal(want[1][r, :n], got[1][r, :n]), f"history row {r}"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fix_up_reference_drafts_what_the_host_proposer_drafts(seed: int) -> None:
+    """Per device row: the history gets what the step in flight emitted, the drafts are the
+    host proposer's over that history, capped by the row's slots; inputs, positions, slots and
+    the context length follow."""
+    meta, previous, buffers, history, history_len = case = _case(seed)
+    out, new_history, new_len, draft_ids, num_drafts = _run(fix_up_torch, case)
+    for i, (hrow, src, start, slots, is_device, host_offset) in enumerate(meta.tolist()):
+        span = slice(start, start + slots + 1)
+        if not is_device:
+            assert int(num_drafts[i]) == 0
+            assert torch.equal(out.input_ids[span], buffers.input_ids[span])
+            assert torch.equal(out.positions[span], buffers.positions[span])
+            continue
+        tokens = history[hrow, :int(history_len[hrow])].tolist()
+        offset = host_offset
+        if src >= 0:
+            tokens += previous.tokens[src, :int(previous.counts[src])].tolist()
+            offset = int(previous.offsets[src])
+        assert new_history[hrow, :len(tokens)].tolist() == tokens
+        assert int(new_len[hrow]) == len(tokens)
+        match = find_longest_ngram_match(np.array(tokens), MIN_N, MAX_N)
+        drafts = [] if match is None or slots == 0 else tokens[match[1]:match[1] + min(K, slots)]
+        nd = len(drafts)
+        assert int(num_drafts[i]) == nd
+        assert draft_ids[i].tolist() == drafts + [-1] * (K - nd)
+        assert out.input_ids[span].tolist() == [tokens[-1]] + drafts + [0] * (slots - nd)
+        positions = (buffers.positions[span] + offset).tolist()
+        assert out.positions[span].tolist() == positions
+        slot_ids = [int(buffers.block_tables[i, p // PAGE]) * PAGE + p % PAGE if t <= nd else -1
+                    for t, p in enumerate(positions)]
+        assert out.slot_mapping[span].tolist() == slot_ids
+        assert int(out.seq_lens[i]) == int(buffers.seq_lens[i]) + offset
