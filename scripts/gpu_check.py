@@ -154,8 +154,8 @@ LAG_CYCLES = 2_000_000
 ALWAYS_DRAFT = {"disable_by_batch_size": None, "min_accepted_tokens_per_step": 0}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3, **ALWAYS_DRAFT}
-# The policy switching drafting on and off with the acceptance: async steps without drafts
-# between synchronous steps with drafts.
+# The policy switching drafting on and off with the acceptance (drafts proposed on the device,
+# every step overlapped).
 NGRAM_SWITCHING = {**NGRAM, "min_accepted_tokens_per_step": 1.0, "probe_interval": 1}
 
 
@@ -165,6 +165,9 @@ def spec_configs(model: str, eagle: str) -> dict[str, dict]:
         "spec_ngram_eager": {"speculative_config": NGRAM, "enforce_eager": True},
         "spec_ngram_chunks_of_32": {"speculative_config": NGRAM, "max_num_batched_tokens": 32},
         "spec_ngram_switching_async": {"speculative_config": NGRAM_SWITCHING},
+        # Async scheduling (the default on a GPU) proposes n-gram drafts on the device; this
+        # is the host's proposer.
+        "spec_ngram_sync": {"speculative_config": NGRAM, "async_scheduling": False},
         "spec_draft_model_self": {"speculative_config": {
             "method": "draft_model", "model": model, "num_speculative_tokens": 4,
             **ALWAYS_DRAFT}},
