@@ -1,7 +1,7 @@
 """The device n-gram fix-up as one Triton kernel (sluice/spec_decode/device_ngram.py says what
 it computes; `fix_up_torch` there is its reference). A program per request row of the step:
 append what the step in flight emitted to the row's history, look up the longest recurring
-suffix n-gram (each n a scan of the history in blocks), write the row's inputs.
+suffix n-gram (one scan of the history in blocks for every n), write the row's inputs.
 
 Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the tests).
 """
@@ -45,6 +45,7 @@ def _fix_up_kernel(
     PREV_PAD: tl.constexpr,  # >= S
     MIN_N: tl.constexpr,
     MAX_N: tl.constexpr,
+    N_PAD: tl.constexpr,  # >= MAX_N
     PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -74,22 +75,25 @@ def _fix_up_kernel(
     tl.debug_barrier()  # the appended tokens are visible to the whole program
     last = tl.load(history + length - 1)
 
-    # The longest n whose suffix n-gram ends earlier (at e <= length - 2), earliest e.
+    # The longest n whose suffix n-gram ends earlier (at e <= length - 2), earliest e: one
+    # scan, the match of n + 1 tokens extending that of n; firsts[n - 1] the earliest end.
     none: tl.constexpr = 1 << 30  # past any history position
-    best = length * 0 + none
+    sizes = tl.arange(0, N_PAD)  # n - 1
+    firsts = tl.full((N_PAD,), none, tl.int64)
     scan_end = tl.where(slots > 0, length - 1, 0)
-    for j in tl.static_range(0, MAX_N - MIN_N + 1):
-        n: tl.constexpr = MAX_N - j
-        first = length * 0 + none
-        for e0 in range(0, scan_end, BLOCK):
-            e = e0 + tl.arange(0, BLOCK).to(tl.int64)
-            match = (e <= length - 2) & (e >= n - 1)
-            for t in tl.static_range(0, n):
-                earlier = tl.load(history + e - t, mask=match, other=-1)
-                suffix = tl.load(history + length - 1 - t)
-                match = match & (earlier == suffix)
-            first = tl.minimum(first, tl.min(tl.where(match, e, none), axis=0))
-        best = tl.where(best == none, first, best)
+    for e0 in range(0, scan_end, BLOCK):
+        e = e0 + tl.arange(0, BLOCK).to(tl.int64)
+        match = e <= length - 2
+        for t in tl.static_range(0, MAX_N):
+            match = match & (e >= t)
+            earlier = tl.load(history + e - t, mask=match, other=-1)
+            suffix = tl.load(history + length - 1 - t, mask=length - 1 - t >= 0, other=-2)
+            match = match & (earlier == suffix)
+            first = tl.min(tl.where(match, e, none), axis=0)
+            firsts = tl.where(sizes == t, tl.minimum(firsts, first), firsts)
+    found = (firsts < none) & (sizes >= MIN_N - 1)
+    longest = tl.max(tl.where(found, sizes, -1), axis=0)
+    best = tl.where(longest >= 0, tl.sum(tl.where(sizes == longest, firsts, 0), axis=0), none)
     num = tl.where(best == none, 0,
                    tl.minimum(tl.minimum(length - best - 1, slots), K))
 
@@ -129,5 +133,6 @@ def launch_fix_up(meta: torch.Tensor, previous: PreviousTokens, buffers: StepBuf
         history, history.stride(0), history_len, draft_ids, draft_ids.stride(0), num_drafts,
         K=k, K_PAD=triton.next_power_of_2(k + 1),
         PREV_PAD=triton.next_power_of_2(tokens.shape[1]), MIN_N=min_n, MAX_N=max_n,
+        N_PAD=triton.next_power_of_2(max_n),
         PAGE_SIZE=block_size, BLOCK=_SCAN_BLOCK,
     )

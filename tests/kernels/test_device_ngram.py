@@ -66,7 +66,7 @@ def _case(seed: int):
     return torch.tensor(meta, dtype=torch.int64), previous, buffers, history, history_len
 
 
-def _run(fn, case):
+def _run(fn, case, min_n: int = MIN_N, max_n: int = MAX_N):
     meta, previous, buffers, history, history_len = case
     buffers = StepBuffers(*(t.clone() for t in (buffers.input_ids, buffers.positions,
                                                 buffers.slot_mapping, buffers.seq_lens,
@@ -74,18 +74,19 @@ def _run(fn, case):
     history, history_len = history.clone(), history_len.clone()
     draft_ids = torch.zeros((meta.shape[0], K), dtype=torch.int64)
     num_drafts = torch.zeros(meta.shape[0], dtype=torch.int64)
-    fn(meta, previous, buffers, history, history_len, draft_ids, num_drafts, K, MIN_N, MAX_N,
+    fn(meta, previous, buffers, history, history_len, draft_ids, num_drafts, K, min_n, max_n,
        PAGE)
     return buffers, history, history_len, draft_ids, num_drafts
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_fix_up_kernel_matches_torch_reference(seed: int) -> None:
+@pytest.mark.parametrize("ngram_sizes", [(MIN_N, MAX_N), (1, 3), (3, 3)])
+def test_fix_up_kernel_matches_torch_reference(seed: int, ngram_sizes: tuple[int, int]) -> None:
     from sluice.spec_decode.device_ngram_kernel import launch_fix_up
 
     case = _case(seed)
-    want = _run(fix_up_torch, case)
-    got = _run(launch_fix_up, case)
+    want = _run(fix_up_torch, case, *ngram_sizes)
+    got = _run(launch_fix_up, case, *ngram_sizes)
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
         assert torch.equal(getattr(want[0], name), getattr(got[0], name)), name
     for name, w, g in zip(("history_len", "draft_ids", "num_drafts"), want[2:], got[2:]):
