@@ -84,6 +84,22 @@ class DeviceNgram:
         self.num_drafts = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.use_triton = device.type == "cuda"
 
+    def warm_up(self) -> None:
+        """Run the fix-up once on scratch inputs (on a GPU: compile the kernel before the
+        first request), leaving the histories as they were."""
+        dev = self.device
+        k = self.k
+        tokens = torch.zeros((1, k + 1), dtype=torch.int64, device=dev)
+        counts = torch.ones(1, dtype=torch.int64, device=dev)
+        buffers = StepBuffers(torch.zeros(k + 1, dtype=torch.int64, device=dev),
+                              torch.zeros(k + 1, dtype=torch.int64, device=dev),
+                              torch.zeros(k + 1, dtype=torch.int64, device=dev),
+                              torch.zeros(1, dtype=torch.int32, device=dev),
+                              torch.zeros((1, 1), dtype=torch.int32, device=dev))
+        self.fix_up(np.array([[0, 0, 0, k, 1, 0]], dtype=np.int64),
+                    PreviousTokens(tokens, counts, counts - 1), buffers)
+        self.history_len.zero_()
+
     def ensure_rows(self, num_rows: int) -> None:
         """Room for block-table rows below `num_rows` (preempted requests keep their rows, so
         there may be more than max_num_seqs)."""

@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 _SCAN_BLOCK = 256
 
 
-@triton.jit
+# Strides that change from step to step (a plain step's one token per row or a verification's
+# k + 1; the block tables' width) would compile a variant each when 1 or a multiple of 16.
+@triton.jit(do_not_specialize=["stride_prev", "stride_block_tables"])
 def _fix_up_kernel(
     meta_ptr,  # [B, 6] int64: history row, source row, start, draft slots, is device row,
     # shift without a source row

@@ -78,6 +78,8 @@ class SpecDecoder:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if self.model_proposer is not None:
             self.model_proposer.initialize_kv_cache(num_blocks)
+        if self.device_ngram is not None:
+            self.device_ngram.warm_up()
 
     def verify(self, step: StepInputs, hidden: torch.Tensor, rows: list[int],
                output: ModelRunnerOutput) -> None:
