@@ -73,7 +73,9 @@ class DeviceNgram:
         self.history_len = torch.zeros(num_rows, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self._pin = pin
-        self._upload_host = torch.zeros(0, dtype=torch.int64, pin_memory=pin)
+        # Grown on demand; pinning memory can wait for the device, so start with room for
+        # 256 histories of 2,048 tokens (8 MiB) rather than pin mid-run.
+        self._upload_host = torch.zeros(2 * 256 * 2048, dtype=torch.int64, pin_memory=pin)
         self._upload_done: torch.cuda.Event | None = None
         self._meta_host = torch.zeros((num_rows, META_COLUMNS), dtype=torch.int64, pin_memory=pin)
         self._meta_done: torch.cuda.Event | None = None
