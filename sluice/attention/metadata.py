@@ -46,6 +46,11 @@ class AttentionMetadata:
     # cached prefix (eager, no padding) they also attend to it. A backend may then run dense
     # attention (sluice.attention.dense).
     dense_prefill: bool = False
+    # A verification graph's step (a few query tokens per request): a backend may split each
+    # token's context over programs as for a decode. Set only where the shapes are compiled
+    # before the first request (a graph's warm-up), never for an eager step of a few tokens,
+    # which would compile new kernel variants mid-run.
+    split_queries: bool = False
     # Set only for eager steps with connector work (never inside a CUDA graph).
     kv_hooks: LayerKVHooks | None = None
 

@@ -28,6 +28,7 @@ from sluice.attention.dense import (
 )
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.triton import TileConfig, split_kv_attention, store_kv, unified_attention
+from sluice.attention.triton.split_kv import MAX_QUERY_LEN as MAX_SPLIT_QUERY_LEN
 from sluice.attention.triton.unified import MAX_INT32
 
 SplitKVMode = Literal["auto", "always", "never"]
@@ -197,10 +198,17 @@ class TritonBackend:
     def _num_splits(
         self, metadata: AttentionMetadata, num_kv_heads: int, device: torch.device
     ) -> int:
-        """0 for the unified kernel, else the split count of the split-KV path."""
-        if metadata.max_query_len > 1:
+        """0 for the unified kernel, else the split count of the split-KV path: decodes, and
+        verifications of speculative drafts (a few query tokens a request, each token its own
+        programs there, where the unified kernel runs one program per request and KV head:
+        8 for a batch-1 verification of Qwen3-0.6B)."""
+        if metadata.max_query_len > 1 and (
+                metadata.max_query_len > MAX_SPLIT_QUERY_LEN
+                or not (metadata.split_queries or self.config.split_kv == "always")):
             return 0
-        return self._split_count(metadata.num_reqs, num_kv_heads, metadata.max_seq_len, device)
+        programs_per_head = (metadata.num_reqs if metadata.max_query_len == 1
+                             else metadata.num_actual_tokens)
+        return self._split_count(programs_per_head, num_kv_heads, metadata.max_seq_len, device)
 
     def decode_plan(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
                     device: torch.device) -> tuple[int, TileConfig]:

@@ -407,6 +407,7 @@ class GraphRunner:
             metadata = b.metadata(size, size * q, max_query_len=q,
                                   max_seq_len=self.scheduler_config.max_model_len,
                                   block_tables=b.graph_block_tables[:size])
+            metadata.split_queries = True
             return b.buf_input_ids.device[:size * q], b.buf_positions.device[:size * q], metadata
 
         self.verify_graphs.capture(model, self._hooked(make_inputs))

@@ -169,6 +169,27 @@ def test_split_kv_decode_matches_reference(device, num_splits, num_heads, num_kv
     assert_matches_reference(step, TritonBackend(config))
 
 
+# Verifications of speculative drafts (1 + k tokens a request, the last positions of its
+# context), one request decoding, a fresh 5-token prompt: at most MAX_QUERY_LEN tokens each.
+VERIFY = [(9, 3), (40, 5), (16, 1), (77, 5), (5, 5), (33, 8)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 2, 8])
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 2, 16), (8, 2, 32)])
+def test_split_kv_verification_matches_reference(device, num_splits, num_heads, num_kv_heads,
+                                                 block_size):
+    """Each token attends up to its own position (its context: seq_len less the request's
+    tokens after it), split like a decode."""
+    config = TritonBackendConfig(split_kv="always", num_splits=num_splits)
+    step = make_step(VERIFY, num_heads, num_kv_heads, block_size, device=device, seed=4)
+    assert_matches_reference(step, TritonBackend(config))
+    # With padding tokens after the requests (a verification graph's): they output zeros.
+    padded = make_step(VERIFY, num_heads, num_kv_heads, block_size, device=device, seed=4,
+                       num_padding_tokens=3)
+    assert_matches_reference(padded, TritonBackend(config))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2)])
 def test_decode_batch_in_a_given_order_matches_reference(device, num_heads, num_kv_heads):
@@ -255,7 +276,7 @@ def test_without_a_bound_cache_fresh_prefills_attend_within_themselves(device):
 
 def test_split_kv_refuses_batches_with_prefills():
     step = make_step(MIXED, 4, 2, 16)
-    with pytest.raises(ValueError, match="max_query_len 1"):
+    with pytest.raises(ValueError, match="max_query_len at most 8"):
         split_kv_attention(
             torch.empty_like(step.query), step.query, step.kv_cache[0], step.kv_cache[1],
             step.metadata, 0.25, num_splits=2, tiles=SPLIT_TILES,

@@ -2,11 +2,13 @@
 (token, KV head) would leave most SMs idle, so each request's context is cut into `num_splits`
 slices that run in parallel, and a second kernel merges their partial softmaxes.
 
-Only for batches where every request has at most one query token (the last position of its
-context, so no causal mask beyond seq_len). `num_splits` is a python int and every buffer's shape
-follows from python ints, so both launches can be captured in a CUDA graph. Each request's own
-tiles are spread evenly over the splits; splits past its end return at once, and the merge reads
-only the splits that hold keys.
+For batches where every request has at most MAX_QUERY_LEN query tokens, the last positions of
+its context: decodes, and the verification of speculative drafts (1 + k tokens a request). Each
+token attends to the keys up to its own position, so its context is seq_len less the request's
+tokens after it, and no other causal mask is needed. `num_splits` is a python int and every
+buffer's shape follows from python ints, so both launches can be captured in a CUDA graph. Each
+token's own tiles are spread evenly over the splits; splits past its end return at once, and the
+merge reads only the splits that hold keys.
 """
 
 from __future__ import annotations
@@ -26,6 +28,20 @@ from sluice.attention.triton.common import (
     group_padded,
 )
 from sluice.model.pdl import pdl_wait, use_pdl
+
+# Query tokens per request the split path serves (a verification's 1 + k for k up to 7).
+MAX_QUERY_LEN = 8
+
+
+@triton.jit
+def _token_context(seq_lens_ptr, query_start_loc_ptr, num_reqs, req, token):
+    """Keys `token` attends to: its request's seq_len less the request's tokens after it (0
+    for a padding token after the last request)."""
+    context = token * 0
+    if req < num_reqs:
+        next_start = tl.load(query_start_loc_ptr + req + 1)
+        context = tl.load(seq_lens_ptr + req) - (next_start - 1 - token)
+    return context
 
 
 @triton.jit(do_not_specialize=["num_reqs", "stride_block_table"])  # vary by step
@@ -64,9 +80,7 @@ def _split_kv_partial_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     req = find_token_owner(query_start_loc_ptr, num_reqs, token)
-    seq_len = 0
-    if req < num_reqs:
-        seq_len = tl.load(seq_lens_ptr + req)
+    seq_len = _token_context(seq_lens_ptr, query_start_loc_ptr, num_reqs, req, token)
     num_seq_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_seq_tiles, NUM_SPLITS)
     tile_begin = split * tiles_per_split
@@ -149,9 +163,7 @@ def _split_kv_reduce_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     req = find_token_owner(query_start_loc_ptr, num_reqs, token)
-    seq_len = 0
-    if req < num_reqs:
-        seq_len = tl.load(seq_lens_ptr + req)
+    seq_len = _token_context(seq_lens_ptr, query_start_loc_ptr, num_reqs, req, token)
     splits = tl.arange(0, NUM_SPLITS_PAD)
     split_mask = splits < _used_splits(seq_len, BLOCK_N, NUM_SPLITS)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -177,7 +189,7 @@ def _split_kv_reduce_kernel(
 
 def split_kv_attention(
     out: torch.Tensor,  # [T, H, D], written
-    query: torch.Tensor,  # [T, H, D], at most one token per request
+    query: torch.Tensor,  # [T, H, D], at most MAX_QUERY_LEN tokens per request
     key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
@@ -185,10 +197,10 @@ def split_kv_attention(
     num_splits: int,
     tiles: TileConfig,
 ) -> torch.Tensor:
-    if metadata.max_query_len > 1:
+    if metadata.max_query_len > MAX_QUERY_LEN:
         raise ValueError(
-            f"split-KV attention serves decode batches (max_query_len 1), "
-            f"got max_query_len {metadata.max_query_len}"
+            f"split-KV attention serves decodes and verifications (max_query_len at most "
+            f"{MAX_QUERY_LEN}), got max_query_len {metadata.max_query_len}"
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
