@@ -6,6 +6,8 @@ flight); max_tokens and stop tokens are never overrun; blocks balance."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from sluice import LLM, SamplingParams
@@ -440,6 +442,153 @@ def test_stop_string_inside_accepted_drafts_ends_the_output_as_without_speculati
         assert (got.text, list(got.token_ids), got.finish_reason, got.stop_reason) == (
             want.text, list(want.token_ids), "stop", stop)
         assert stop not in got.text
+    assert llm.get_spec_decoding_stats().num_accepted_tokens > 0
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
+# ---- n-gram drafts proposed on the device (async scheduling) ---------------------------------
+
+
+@pytest.mark.parametrize("setting", list(SWITCHING_SETTINGS))
+def test_device_drafts_leave_greedy_output_unchanged_and_overlap(
+        qwen3_dir: str, reference: list[list[int]], setting: str) -> None:
+    """Drafting always on under async scheduling: every step drafts on the device after the
+    tokens of the step in flight, steps with drafts launch while another is in flight, and the
+    greedy output is the output without speculation; blocks balance."""
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              async_scheduling=True, speculative_config=NGRAM, **SWITCHING_SETTINGS[setting])
+    launches = record_launches(llm)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == reference
+    stats = llm.get_spec_decoding_stats()
+    assert stats.num_accepted_tokens > 0
+    assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
+    assert sum(1 for drafted, overlapped in launches if drafted and overlapped) > 5
+    if setting == "preemption":
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 11])
+def test_device_drafts_never_exceed_max_tokens(qwen3_dir: str, reference: list[list[int]],
+                                               max_tokens: int) -> None:
+    """Draft slots are counted as accepted while in flight: a request near max_tokens gets
+    fewer, and its output stops exactly at max_tokens."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    tokens, llm = generate(qwen3_dir, params, async_scheduling=True, speculative_config=NGRAM)
+    assert tokens == [t[:max_tokens] for t in reference]
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
+def test_stop_token_inside_device_drafts_ends_the_output(qwen3_dir: str,
+                                                         reference: list[list[int]]) -> None:
+    """A stop token among a verification's accepted drafts ends the output there, though the
+    next step (scheduled before it came back) computed past it."""
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              async_scheduling=True, speculative_config=NGRAM)
+    for prompt, ref in zip(PROMPTS, reference):
+        stop_id = ref[9]
+        expected = ref[:ref.index(stop_id) + 1]
+        params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_id])
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == expected
+    assert llm.get_spec_decoding_stats().num_accepted_tokens > 0
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
+def test_device_drafts_beside_a_request_that_cannot_speculate(
+        qwen3_dir: str, reference: list[list[int]]) -> None:
+    """A request with a penalty in the batch: steps with it draft nothing (the rejection
+    sampler applies no penalties), the rows that follow a verification still take their
+    tokens from the device, and every output equals its run without speculation."""
+    penalised = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3,
+                               ignore_eos=True)
+    ref_penalised, base = generate(qwen3_dir, penalised, prompts=[PROMPTS[2]])
+    base.shutdown()
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              async_scheduling=True, speculative_config=NGRAM)
+    engine = llm.llm_engine
+    core = engine.engine_core
+    execute_model = core.executor.execute_model
+    drafted_with_penalised: list[bool] = []
+
+    def recording(so):  # noqa: ANN001, ANN202
+        if "p" in so.num_scheduled_tokens:
+            drafted_with_penalised.append(any(so.scheduled_device_drafts.values()))
+        return execute_model(so)
+
+    core.executor.execute_model = recording
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"g{i}", {"prompt_token_ids": prompt}, GREEDY)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(6):  # the greedy ones draft for a few steps first
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+    engine.add_request("p", {"prompt_token_ids": PROMPTS[2]}, penalised)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+    assert [tokens[f"g{i}"] for i in range(len(PROMPTS))] == reference
+    assert tokens["p"] == ref_penalised[0]
+    assert drafted_with_penalised and not any(drafted_with_penalised)
+    assert llm.get_spec_decoding_stats().num_accepted_tokens > 0
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
+def test_device_drafts_under_churn_with_aborts_and_preemption(
+        qwen3_dir: str, reference: list[list[int]]) -> None:
+    """Requests come and go (greedy, seeded sampling, a penalty, n > 1), some are aborted
+    while their verification is in flight, the cache is small enough to preempt: the cache's
+    integrity holds after every step, every block comes back, and the greedy requests that ran
+    to the end equal their reference."""
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              async_scheduling=True, speculative_config=NGRAM, num_gpu_blocks_override=40,
+              max_model_len=80, max_num_batched_tokens=32, max_num_seqs=5)
+    engine = llm.llm_engine
+    rng = random.Random(0)
+    live: set[str] = set()
+    greedy_ids: dict[str, int] = {}
+    finished: dict[str, list[int]] = {}
+    for i in range(50):
+        if rng.random() < 0.5:
+            which = rng.randrange(len(PROMPTS))
+            kind = rng.choice(["greedy", "greedy", "seeded", "penalty", "n2"])
+            params = {
+                "greedy": GREEDY,
+                "seeded": SamplingParams(max_tokens=12, temperature=0.9, seed=i,
+                                         ignore_eos=True),
+                "penalty": SamplingParams(max_tokens=10, temperature=0.0,
+                                          presence_penalty=0.5, ignore_eos=True),
+                "n2": SamplingParams(n=2, max_tokens=8, temperature=0.7, ignore_eos=True),
+            }[kind]
+            req_id = engine.add_request(f"r{i}", {"prompt_token_ids": PROMPTS[which]}, params)
+            live.add(req_id)
+            if kind == "greedy":
+                greedy_ids[req_id] = which
+        if live and rng.random() < 0.12:
+            victim = rng.choice(sorted(live))
+            engine.abort_request(victim)
+            live.discard(victim)
+            greedy_ids.pop(victim, None)
+        for out in engine.step():
+            if out.finished:
+                live.discard(out.request_id)
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        engine.kv_cache_manager.check_integrity()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        engine.kv_cache_manager.check_integrity()
+    completed = [r for r in greedy_ids if r in finished]
+    assert len(completed) >= 3
+    assert all(finished[r] == reference[greedy_ids[r]] for r in completed)
+    assert engine.scheduler.num_preemptions_total > 0
     assert llm.get_spec_decoding_stats().num_accepted_tokens > 0
     assert_blocks_balance(llm)
     llm.shutdown()
