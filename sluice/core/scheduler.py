@@ -15,9 +15,12 @@ lookahead slots for the KV of their next drafts. The drafts are not the request'
 tokens already known enter the prefix cache, and after verification `num_computed_tokens` rolls
 back over the rejected drafts, whose KV is then overwritten. Whether a step drafts at all is the
 drafting policy's call (sluice/spec_decode/policy.py). Drafts continue from a request's last
-token, so a request whose last token is still in flight (async scheduling) gets none: when the
-policy wants drafts, the engine core takes the step in flight first (as for grammars, below), and
-a step with drafts runs synchronously; a step without runs overlapped like any other.
+token. With async scheduling, n-gram drafts are proposed on the workers' device instead, after
+the tokens still in flight (sluice/spec_decode/device_ngram.py): the scheduler gives a decoding
+request k' draft slots (`scheduled_device_drafts`) and counts them as accepted until the step's
+tokens come back (`num_draft_slots_in_flight`; the blocks for them are allocated), so steps with
+drafts overlap like any other. Without async scheduling the scheduler proposes n-gram drafts from
+the tokens it has, and a step with drafts runs synchronously.
 
 KV connectors (sluice/core/kv_connector.py): a waiting request's prefix may be loadable from
 elsewhere. A synchronous load happens in the step that computes the request's next tokens (the

@@ -10,12 +10,11 @@ constrained request's next mask needs the token still in flight: when one has, t
 the in-flight result before scheduling (that step loses the overlap; requests stay at one token
 per step). Steps without constrained requests are untouched.
 
-Speculative decoding: a step with drafts runs synchronously (its result is taken before the next
-step is scheduled: how many drafts each request accepted decides where it goes on), and so does
-every step of a model proposer (draft model, EAGLE), whose KV pass reads the step's tokens on the
-host. An n-gram step without drafts (the drafting policy turned drafting off:
-sluice/spec_decode/policy.py) overlaps like any step; when the policy wants drafts again for
-requests whose last token is in flight, the step takes the in-flight result first.
+Speculative decoding: with n-gram drafts every step overlaps like any step: the workers propose
+the drafts on the device after the tokens still in flight (sluice/spec_decode/device_ngram.py).
+Every step of a model proposer (draft model, EAGLE) runs synchronously (its result is taken
+before the next step is scheduled), since its KV pass reads the step's tokens on the host; so do
+n-gram steps with drafts without async scheduling (the scheduler proposes those).
 """
 
 from __future__ import annotations

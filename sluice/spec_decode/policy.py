@@ -1,10 +1,12 @@
 """When to draft: the scheduler's drafting policy for speculative decoding.
 
-A step with drafts runs synchronously (how many drafts each request accepted decides where its
-next step starts, and its next drafts continue from its last token) and verifies 1 + k tokens
-per request; a step without drafts overlaps the host with the device (async scheduling) as in an
-engine without speculation. Drafting pays only when enough drafts are accepted, and less as the
-batch grows. Per step, `begin_step(batch_size)` says whether the scheduler drafts:
+A step with drafts verifies 1 + k tokens per request: with async scheduling and n-gram drafts
+(proposed on the device) it overlaps like any step, and costs more device time than a step
+without (on an H200 at batch 1, 1.10 ms against 0.86 for Qwen3-0.6B); otherwise it runs
+synchronously (how many drafts each request accepted decides where its next step starts, and its
+next drafts continue from its last token), about two overlapped steps. Drafting pays only when
+enough drafts are accepted, and less as the batch grows. Per step, `begin_step(batch_size)` says
+whether the scheduler drafts:
 
 - off while `disable_by_batch_size` or more requests run (vLLM's rule);
 - off while the expected number of draft tokens accepted per request and step is below
@@ -12,10 +14,13 @@ batch grows. Per step, `begin_step(batch_size)` says whether the scheduler draft
   request's exponential moving average of the draft tokens accepted in the steps that drafted
   for it (a step whose proposer found nothing counts 0). A request not yet measured counts as
   the average over every request so far. Once on, drafting stays on until the expectation falls
-  below half the threshold: each switch costs a step's overlap twice (the step in flight is
-  taken before drafting, and the step after a drafting one starts with the device idle), so a
-  policy that flips on and off around one threshold pays that for nothing (measured on an H100,
-  batch 1: 0.86x of no speculation while drafting 10% of the steps, each on for a step or two).
+  below half the threshold: with synchronous drafting steps each switch costs a step's overlap
+  twice (the step in flight is taken before drafting, and the step after a drafting one starts
+  with the device idle), so a policy that flips on and off around one threshold pays that for
+  nothing (measured on an H100, batch 1: 0.86x of no speculation while drafting 10% of the
+  steps, each on for a step or two). Device drafts switch for free, but a lower threshold lost
+  there too (H200, batch 1 on `repeat`: 0.99x at 0.9 against 1.15x at 1.25): the averages lag
+  the output's repeats by a step or more.
 
 While drafting is off for acceptance the averages are kept fresh by probes, one every
 `probe_interval` steps of a request:
