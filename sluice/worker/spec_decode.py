@@ -35,6 +35,8 @@ from sluice.worker.sampling_inputs import build_sampling_metadata
 
 if TYPE_CHECKING:
     from sluice.core.outputs import ModelRunnerOutput
+    from sluice.sample.metadata import SamplingMetadata
+    from sluice.worker.input_batch import CachedRequestState
     from sluice.worker.model_runner import ModelRunner
     from sluice.worker.step_handle import StepHandle
     from sluice.worker.step_inputs import StepInputs
@@ -87,14 +89,9 @@ class SpecDecoder:
         as the sampler would); append the emitted tokens to their states."""
         if not rows:
             return
-        runner = self.runner
         num_drafts = step.num_drafts[rows]
         max_drafts = int(num_drafts.max())
-        # Target logits at each draft's position and after the last one: row r's positions
-        # are last - d .. last; shorter rows repeat their last position (ignored).
-        last = (step.query_start_loc[:-1] + step.num_scheduled - 1)[rows]
-        offsets = np.minimum(np.arange(max_drafts + 1)[None, :], num_drafts[:, None])
-        positions = (last - num_drafts)[:, None] + offsets
+        positions = _logit_positions(step, rows, num_drafts)
         num_rows = len(rows)
         num_positions = num_rows * (max_drafts + 1)
         num_ids = num_rows * max_drafts
@@ -107,11 +104,8 @@ class SpecDecoder:
                 draft_ids[r, :num_drafts[r]] = step.drafts[i]
         host[num_positions + num_ids:num_positions + num_ids + num_rows] = num_drafts
         staged = self.staged.to_device(num_positions + num_ids + num_rows)
-        logits = runner.model.compute_logits(hidden[staged[:num_positions]]).view(
-            num_rows, max_drafts + 1, -1)
         states = [step.states[i] for i in rows]
-        metadata = build_sampling_metadata(states, runner.sampling_staging,
-                                           runner.hf_config.vocab_size)
+        logits, metadata = self._target_logits(hidden, staged[:num_positions], states)
         result = self.rejection_sampler(
             staged[num_positions:num_positions + num_ids].view(num_rows, max_drafts),
             staged[num_positions + num_ids:], None, logits, metadata)
@@ -127,12 +121,9 @@ class SpecDecoder:
         """Rejection-sample the device drafts of `rows` (every row the step samples; rows
         without draft slots sample their one token), without waiting: the emitted tokens stay
         on the device for the next step's fix-up and come back to the host with `handle`."""
-        runner = self.runner
         slots = step.draft_slots[rows]
         max_slots = int(slots.max())
-        last = (step.query_start_loc[:-1] + step.num_scheduled - 1)[rows]
-        offsets = np.minimum(np.arange(max_slots + 1)[None, :], slots[:, None])
-        positions = (last - slots)[:, None] + offsets
+        positions = _logit_positions(step, rows, slots)
         num_rows = len(rows)
         num_positions = num_rows * (max_slots + 1)
         buffer = self._verify_staged[parity]
@@ -141,22 +132,31 @@ class SpecDecoder:
         host[num_positions:num_positions + num_rows] = slots
         host[num_positions + num_rows:num_positions + 2 * num_rows] = rows
         staged = buffer.to_device(num_positions + 2 * num_rows)
-        logits = runner.model.compute_logits(hidden[staged[:num_positions]]).view(
-            num_rows, max_slots + 1, -1)
+        states = [step.states[i] for i in rows]
+        logits, metadata = self._target_logits(hidden, staged[:num_positions], states)
         draft_ids, num_drafts = step.device_drafts
         if num_rows == len(step.states):
             draft_ids, num_drafts = draft_ids[:num_rows], num_drafts[:num_rows]
         else:
             index = staged[num_positions + num_rows:]
             draft_ids, num_drafts = draft_ids[index], num_drafts[index]
-        states = [step.states[i] for i in rows]
-        metadata = build_sampling_metadata(states, runner.sampling_staging,
-                                           runner.hf_config.vocab_size)
         result = self.rejection_sampler(draft_ids[:, :max_slots], num_drafts, None, logits,
                                         metadata)
         handle.set_verified(rows, states, result.output_token_ids, result.num_accepted,
                             staged[num_positions:num_positions + num_rows], num_drafts,
                             self._verified_host[parity])
+
+    def _target_logits(self, hidden: torch.Tensor, positions: torch.Tensor,
+                       states: list[CachedRequestState]
+                       ) -> tuple[torch.Tensor, SamplingMetadata]:
+        """The target's logits at `positions` ([R * (d + 1)] on the device, row-major) as
+        [R, d + 1, V], and the rows' sampling metadata."""
+        runner = self.runner
+        logits = runner.model.compute_logits(hidden[positions])
+        logits = logits.view(len(states), -1, logits.shape[-1])
+        metadata = build_sampling_metadata(states, runner.sampling_staging,
+                                           runner.hf_config.vocab_size)
+        return logits, metadata
 
     def propose(self, step: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
                 draft: bool) -> None:
@@ -174,3 +174,12 @@ class SpecDecoder:
             step.query_start_loc, sampled, num_wanted, self.runner.block_tables.table[rows],
             hidden)
         output.spec_token_ids = drafts if draft else None
+
+
+def _logit_positions(step: StepInputs, rows: list[int], num_drafts: np.ndarray) -> np.ndarray:
+    """[R, d + 1] rows of the step's hidden states to verify `rows` at: each draft's position
+    and the one after the last (row r's are last - n .. last for its n drafts or draft slots;
+    shorter rows repeat their last position, ignored)."""
+    last = (step.query_start_loc[:-1] + step.num_scheduled - 1)[rows]
+    offsets = np.minimum(np.arange(int(num_drafts.max()) + 1)[None, :], num_drafts[:, None])
+    return (last - num_drafts)[:, None] + offsets
