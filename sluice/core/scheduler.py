@@ -659,9 +659,8 @@ class Scheduler:
                 or not (request.num_output_tokens or request.num_output_placeholders)
                 or not self.drafting.tracks(request.request_id)):
             return
-        room = min(request.max_tokens - request.num_output_tokens - in_flight - 1,
-                   self.config.max_model_len - request.num_tokens - in_flight)
-        request.spec_token_ids = [-1] * max(0, min(self.num_spec_tokens, room))
+        request.spec_token_ids = self._trim_drafts(request, [-1] * self.num_spec_tokens,
+                                                   in_flight)
 
     def _keep_device_drafts_verifiable(self, plan: _StepPlan) -> None:
         """A step with device drafts verifies every row it samples with the rejection sampler,
@@ -691,11 +690,13 @@ class Scheduler:
             # Not trimmed to max_tokens: a probe the request's end leaves unsettled is dropped.
             self.drafting.start_probe(req_id, self.ngram.propose(request.tokens_as_array()))
 
-    def _trim_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+    def _trim_drafts(self, request: Request, drafts: list[int],
+                     num_in_flight: int = 0) -> list[int]:
         """Drafts worth verifying: all accepted plus the bonus token must stay within
-        max_tokens, and their KV within max_model_len."""
-        room = min(request.max_tokens - request.num_output_tokens - 1,
-                   self.config.max_model_len - request.num_tokens)
+        max_tokens, and their KV within max_model_len, after `num_in_flight` tokens still in
+        flight (their draft slots counted as accepted)."""
+        room = min(request.max_tokens - request.num_output_tokens - num_in_flight - 1,
+                   self.config.max_model_len - request.num_tokens - num_in_flight)
         return drafts[:max(room, 0)]
 
     def _check_stop(self, request: Request, token_id: int) -> bool:

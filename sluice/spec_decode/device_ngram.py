@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sluice.spec_decode.ngram_proposer import find_longest_ngram_match
+
 # Columns of the per-row metadata of `fix_up` ([B, 6] int64).
 META_COLUMNS = 6
 
@@ -221,8 +223,6 @@ def fix_up_torch(meta: torch.Tensor, previous: PreviousTokens, buffers: StepBuff
 
 
 def _ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, num: int) -> list[int]:
-    from sluice.spec_decode.ngram_proposer import find_longest_ngram_match
-
     match = find_longest_ngram_match(tokens, min_n, max_n)
     if match is None:
         return []
