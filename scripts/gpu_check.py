@@ -2,9 +2,9 @@
 models, under every GPU optimisation (Triton attention, CUDA graphs, compiled ops, async
 scheduling) and with them switched off one at a time, with and without prefix caching and
 with small prefill chunks (64-token steps replay the CUDA graphs of mixed steps); and with
-speculative decoding (n-gram, a draft model, an EAGLE head; verification CUDA graphs and eager;
-n-gram with the drafting policy switching between async steps without drafts and synchronous
-steps with drafts);
+speculative decoding (n-gram, a draft model, an EAGLE head, each with drafts proposed on the
+device under async scheduling and on the host without it; verification CUDA graphs and eager;
+the drafting policy switching drafting on and off);
 with the model in a worker process; with the CPU KV tier and the global KV pool (in-process,
 Redis and Mooncake Store where their servers are installed: started on loopback), saved and then
 loaded; through a prefill, a decode and a router (PD over the Mooncake Transfer Engine, TCP,
@@ -168,11 +168,22 @@ def spec_configs(model: str, eagle: str) -> dict[str, dict]:
         # Async scheduling (the default on a GPU) proposes n-gram drafts on the device; this
         # is the host's proposer.
         "spec_ngram_sync": {"speculative_config": NGRAM, "async_scheduling": False},
+        # Model proposers: their device pass after every step (async scheduling, the
+        # default on a GPU), and the host's synchronous path.
         "spec_draft_model_self": {"speculative_config": {
             "method": "draft_model", "model": model, "num_speculative_tokens": 4,
             **ALWAYS_DRAFT}},
+        "spec_draft_model_self_chunks_of_32": {"speculative_config": {
+            "method": "draft_model", "model": model, "num_speculative_tokens": 4,
+            **ALWAYS_DRAFT}, "max_num_batched_tokens": 32},
         "spec_eagle": {"speculative_config": {
             "method": "eagle", "model": eagle, "num_speculative_tokens": 3, **ALWAYS_DRAFT}},
+        "spec_draft_model_self_sync": {"speculative_config": {
+            "method": "draft_model", "model": model, "num_speculative_tokens": 4,
+            **ALWAYS_DRAFT}, "async_scheduling": False},
+        "spec_eagle_sync": {"speculative_config": {
+            "method": "eagle", "model": eagle, "num_speculative_tokens": 3, **ALWAYS_DRAFT},
+            "async_scheduling": False},
     }
 
 

@@ -130,10 +130,10 @@ class Scheduler:
         self.drafting: DraftingPolicy | None = None
         # n-gram drafts are proposed here, from the tokens known; a model's on the workers.
         self.ngram: NgramProposer | None = None
-        # With async scheduling, n-gram drafts are proposed on the workers' device instead,
-        # after the tokens still in flight (sluice/spec_decode/device_ngram.py): steps that
-        # draft overlap like any other.
-        self.device_ngram = False
+        # With async scheduling, drafts are proposed on the workers' device instead, after the
+        # tokens still in flight (sluice/spec_decode/device_ngram.py; a model proposer's by its
+        # device pass after each step): steps that draft overlap like any other.
+        self.device_drafts = False
         self._drafting_now = False  # the policy's decision for the step being scheduled
         if spec is not None:
             self.spec_decoding_stats = SpecDecodingStats(
@@ -141,7 +141,7 @@ class Scheduler:
             self.drafting = DraftingPolicy(spec)
             if spec.method == "ngram":
                 self.ngram = NgramProposer(spec)
-                self.device_ngram = config.async_scheduling
+            self.device_drafts = config.async_scheduling
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -193,7 +193,7 @@ class Scheduler:
         """Whether the drafting policy wants n-gram drafts in the next step for requests whose
         last token is still in flight (async scheduling): drafts continue from that token, so
         the engine core takes the step in flight first."""
-        return (self.ngram is not None and not self.device_ngram
+        return (self.ngram is not None and not self.device_drafts
                 and self.drafting.wants_drafts(len(self.running))
                 and any(request.num_output_placeholders for request in self.running))
 
@@ -203,7 +203,7 @@ class Scheduler:
         step starts), and every step of a model proposer (its KV pass and drafts read the
         step's tokens on the host)."""
         return bool(output.scheduled_spec_decode_tokens) or (
-            self.drafting is not None and self.ngram is None)
+            self.drafting is not None and self.ngram is None and not self.device_drafts)
 
     def has_requests_to_schedule(self) -> bool:
         """Whether a step could compute anything: False while every unfinished request waits
@@ -242,7 +242,7 @@ class Scheduler:
             preempted_req_ids=plan.preempted,
             scheduled_spec_decode_tokens=plan.spec_tokens,
             scheduled_device_drafts=plan.device_drafts,
-            propose_drafts=self._drafting_now and self.ngram is None,
+            propose_drafts=self._proposes_drafts(),
         )
         self.finished_req_ids = set()
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
@@ -299,10 +299,10 @@ class Scheduler:
             num_new = 0
             if (self.kv_transfers is None  # else not while its load's step is out
                     or not self.kv_transfers.in_step_load(request.request_id)):
-                if self._drafting_now and self.ngram is not None:
-                    if self.device_ngram:
+                if self._drafting_now:
+                    if self.device_drafts:
                         self._device_draft_slots(request)
-                    else:
+                    elif self.ngram is not None:
                         self._propose_ngram(request)
                 num_new = self._num_tokens_to_schedule(request, plan.token_budget)
             if num_new == 0:
@@ -327,7 +327,7 @@ class Scheduler:
             num_spec = num_new - (request.num_tokens + request.num_output_placeholders
                                   + request.num_draft_slots_in_flight
                                   - request.num_computed_tokens)
-            if self.device_ngram:
+            if self.device_drafts:
                 # A request with draft slots in flight is on the device's count of its tokens
                 # until they come back, drafting or not: its row is fixed there.
                 if request.spec_token_ids or request.num_draft_slots_in_flight:
@@ -487,7 +487,10 @@ class Scheduler:
                               else runner_output.num_device_drafts.get(req_id, 0))
                 if num_drafts:
                     self.spec_decoding_stats.observe(num_drafts, num_accepted)
-                self.drafting.observe(req_id, num_accepted)
+                if num_drafts or self.ngram is not None:
+                    # (A model proposer's slots hold no drafts when the step before did not
+                    # propose: nothing to measure. An n-gram proposer that found none: 0.)
+                    self.drafting.observe(req_id, num_accepted)
                 if request.status == RequestStatus.PREEMPTED:
                     num_slots = 0  # preempted in flight: its KV is gone, nothing to roll back
                 else:
@@ -635,6 +638,14 @@ class Scheduler:
         elif decision is Drafting.OFF_ACCEPTANCE:
             stats.num_steps_off_acceptance += 1
         return decision is Drafting.ON
+
+    def _proposes_drafts(self) -> bool:
+        """Whether a model proposer drafts after the step being scheduled: when it drafts
+        (synchronous steps: for the next one), and with device drafts also when the policy's
+        next step is a probe (the drafts must be there by then)."""
+        if self.drafting is None or self.ngram is not None:
+            return False
+        return self._drafting_now or (self.device_drafts and self.drafting.probes_next_step())
 
     def _propose_ngram(self, request: Request) -> None:
         """N-gram drafts for a request about to decode from a known last token (none while a

@@ -24,6 +24,10 @@ history_step).
 
 `fix_up` is one Triton kernel on a GPU (a program per request row) and torch operations
 elsewhere (`fix_up_torch`, also the kernel's reference in the tests).
+
+With a model proposer (a draft model, an EAGLE head) the same fix-up takes the drafts that the
+proposer's device pass left after the step before (`model_draft_ids` / `model_num_drafts`, per
+history row: sluice/spec_decode/model_proposer.py) instead of a prompt lookup.
 """
 
 from __future__ import annotations
@@ -64,8 +68,10 @@ class StepBuffers:
 
 class DeviceNgram:
     def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int, max_model_len: int,
-                 num_rows: int, block_size: int, device: torch.device) -> None:
+                 num_rows: int, block_size: int, device: torch.device,
+                 from_model: bool = False) -> None:
         self.k = num_speculative_tokens
+        self.from_model = from_model
         self.min_n, self.max_n = min_n, max_n
         self.block_size = block_size
         self.device = device
@@ -86,7 +92,14 @@ class DeviceNgram:
         self.draft_ids = torch.full((num_rows, max(self.k, 1)), -1, dtype=torch.int64,
                                     device=device)
         self.num_drafts = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self._new_model_drafts(num_rows)
         self.use_triton = device.type == "cuda"
+
+    def _new_model_drafts(self, num_rows: int) -> None:
+        # A model proposer's drafts per history row (from_model): [rows, k] ids, [rows] counts.
+        self.model_draft_ids = torch.zeros((num_rows, max(self.k, 1)), dtype=torch.int64,
+                                           device=self.device)
+        self.model_num_drafts = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
 
     def warm_up(self) -> None:
         """Run the fix-up once on scratch inputs (on a GPU: compile the kernel before the
@@ -122,6 +135,10 @@ class DeviceNgram:
         self._meta_device = torch.zeros((new, META_COLUMNS), dtype=torch.int64, device=dev)
         self.draft_ids = torch.full((new, max(self.k, 1)), -1, dtype=torch.int64, device=dev)
         self.num_drafts = torch.zeros(new, dtype=torch.int64, device=dev)
+        model_ids, model_counts = self.model_draft_ids, self.model_num_drafts
+        self._new_model_drafts(new)
+        self.model_draft_ids[:old] = model_ids
+        self.model_num_drafts[:old] = model_counts
 
     @staticmethod
     def _wait(event: torch.cuda.Event | None) -> None:
@@ -181,16 +198,19 @@ class DeviceNgram:
             empty = self.num_drafts[:1]
             previous = PreviousTokens(empty[:, None], empty, empty)
         fn = fix_up_triton if self.use_triton else fix_up_torch
+        model_drafts = ((self.model_draft_ids, self.model_num_drafts) if self.from_model
+                        else None)
         fn(meta_dev, previous, buffers, self.history, self.history_len, draft_ids, num_drafts,
-           self.k, self.min_n, self.max_n, self.block_size)
+           self.k, self.min_n, self.max_n, self.block_size, model_drafts)
         return draft_ids, num_drafts
 
 
 def fix_up_torch(meta: torch.Tensor, previous: PreviousTokens, buffers: StepBuffers,
                  history: torch.Tensor, history_len: torch.Tensor, draft_ids: torch.Tensor,
-                 num_drafts: torch.Tensor, k: int, min_n: int, max_n: int,
-                 block_size: int) -> None:
-    """The fix-up in torch operations, row by row (CPU engines, and the kernel's reference)."""
+                 num_drafts: torch.Tensor, k: int, min_n: int, max_n: int, block_size: int,
+                 model_drafts: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The fix-up in torch operations, row by row (CPU engines, and the kernel's reference).
+    model_drafts: a model proposer's ([rows, k] ids, [rows] counts), taken as the drafts."""
     draft_ids.fill_(-1)
     num_drafts.zero_()
     for i, (hrow, src, start, slots, is_device, offset) in enumerate(meta.tolist()):
@@ -205,7 +225,10 @@ def fix_up_torch(meta: torch.Tensor, previous: PreviousTokens, buffers: StepBuff
             offset = int(previous.offsets[src])
         tokens = history[hrow, :length].to(torch.int64).numpy(force=True)
         drafts = []
-        if slots > 0:
+        if model_drafts is not None:
+            num = min(int(model_drafts[1][hrow]), slots, k)
+            drafts = model_drafts[0][hrow, :num].tolist()
+        elif slots > 0:
             drafts = _ngram_drafts(tokens, min_n, max_n, min(k, slots))
         nd = len(drafts)
         row_ids = [int(tokens[-1])] + drafts + [0] * (slots - nd)
@@ -231,10 +254,10 @@ def _ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, num: int) -> list[
 
 def fix_up_triton(meta: torch.Tensor, previous: PreviousTokens, buffers: StepBuffers,
                   history: torch.Tensor, history_len: torch.Tensor, draft_ids: torch.Tensor,
-                  num_drafts: torch.Tensor, k: int, min_n: int, max_n: int,
-                  block_size: int) -> None:
+                  num_drafts: torch.Tensor, k: int, min_n: int, max_n: int, block_size: int,
+                  model_drafts: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """The fix-up as one Triton launch, a program per request row."""
     from sluice.spec_decode.device_ngram_kernel import launch_fix_up
 
     launch_fix_up(meta, previous, buffers, history, history_len, draft_ids, num_drafts, k,
-                  min_n, max_n, block_size)
+                  min_n, max_n, block_size, model_drafts)

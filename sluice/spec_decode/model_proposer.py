@@ -16,11 +16,18 @@ the step, `n` scheduled and `T` its tokens after the step (accepted ones appende
   pass covers c .. len(T) - 2 when the request sampled, else c .. c + n - 1, and reads the
   target's hidden states of this step at those positions (the verified ones).
 A rejected draft's KV in the proposer's cache is overwritten the same way as the target's.
+
+With async scheduling the same runs on the device without the host waiting (`propose_on_device`):
+how many drafts a request accepted is known to the device only, so the pass covers every position
+the step could have verified (a fixed shape the host knows), stores KV only for the verified ones,
+and takes the first draft at the last verified one; the drafts stay on the device, per
+block-table row, for the next step's input fix-up (sluice/spec_decode/device_ngram.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +38,28 @@ from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import HFModelConfig, load_hf_config
 from sluice.model.loader import load_model
 from sluice.spec_decode.config import SpeculativeConfig
+
+
+@dataclass(slots=True)
+class DeviceStep:
+    """A launched step as the proposer's device pass reads it: host arrays per request row of
+    the step ([B]), device tensors left where the step put them."""
+
+    rows: np.ndarray  # block-table rows: where each row's drafts go
+    query_start_loc: np.ndarray  # [B + 1] each row's tokens in the step's layout
+    num_scheduled: np.ndarray  # tokens scheduled, draft slots included
+    num_slots: np.ndarray  # draft slots (the tail of the scheduled tokens; 0 unless sampled)
+    num_computed: np.ndarray  # the host's count before the step (the device's may be lower)
+    num_blocks: np.ndarray  # blocks in each row's block table
+    sample_index: np.ndarray  # row in `emitted`, -1 for a row that did not sample
+    next_tokens: np.ndarray  # EAGLE: the prompt token after a chunk that did not sample
+    num_wanted: np.ndarray  # drafts to propose (0: none; only rows that sampled)
+    input_ids: torch.Tensor  # [>= T] the step's input ids, as fixed on the device
+    positions: torch.Tensor  # [>= T]
+    block_tables: torch.Tensor  # [B, width] int32
+    hidden: torch.Tensor  # [>= T, H] the target's output hidden states
+    emitted: torch.Tensor  # [S, W] int64 per sampled row: its tokens, -1 past `counts`
+    counts: torch.Tensor  # [S] tokens each sampled row got (accepted drafts + 1)
 
 
 class ModelProposer(ABC):
@@ -55,6 +84,13 @@ class ModelProposer(ABC):
         self.kv_hf_config: HFModelConfig  # the shapes of the proposer's KV cache
         # {layer_name: [2, num_blocks, block_size, KVH, D]}, addressed by the target's block ids
         self.kv_caches: dict[str, torch.Tensor] = {}
+        # propose_on_device's index arrays: two pinned buffers used in turn, each with the
+        # event of its last copy (the host rewrites one only once that copy has left).
+        self._pin = device.type == "cuda"
+        self._staging = [torch.zeros(4096, dtype=torch.int64, pin_memory=self._pin)
+                         for _ in range(2)]
+        self._staging_done: list[torch.cuda.Event | None] = [None, None]
+        self._parity = 0
 
     def kv_bytes_per_block(self) -> int:
         config = self.kv_hf_config
@@ -137,6 +173,162 @@ class ModelProposer(ABC):
         for row, i in enumerate(drafting):
             drafts[i] = table[row][:num_wanted[i]]
         return drafts
+
+    @torch.inference_mode()
+    def propose_on_device(self, step: DeviceStep, draft_ids: torch.Tensor,
+                          num_drafts: torch.Tensor) -> None:
+        """The KV pass over a launched step and, for rows with `num_wanted`, their drafts,
+        queued on the device without waiting for it: draft_ids[row, :k] and num_drafts[row]
+        (num_wanted, else 0) per block-table row of the step.
+
+        Per row of n scheduled tokens with s draft slots, the pass covers what the step could
+        have verified: a draft model the row's tokens up to the last input before the slots,
+        then the s + 1 it could have emitted (n + 1 positions; n for a chunk that did not
+        sample); EAGLE the same shifted by one, with the target's hidden states (n). Only
+        positions up to the last verified one store KV (its count is on the device)."""
+        offset = self.token_offset
+        num_reqs = len(step.rows)
+        qsl = step.query_start_loc
+        n, s = step.num_scheduled, step.num_slots
+        sampled = step.sample_index >= 0
+        lengths = n + (sampled & (offset == 0))
+        # Tokens of each row's pass that are input ids of the step; the rest are emitted (or,
+        # for EAGLE's chunk that did not sample, the next prompt token).
+        known = np.where(sampled, n - s, n) - offset
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        total = int(cu[-1])
+        row_of = np.repeat(np.arange(num_reqs), lengths)
+        t = np.arange(total) - cu[row_of]
+        num_layout = int(qsl[-1])
+        num_emitted, width = step.emitted.shape
+        from_emitted = num_layout + step.sample_index[row_of] * width + t - known[row_of]
+        from_next = num_layout + num_emitted * width + row_of
+        source = np.where(t < known[row_of], qsl[row_of] + t + offset,
+                          np.where(sampled[row_of], from_emitted, from_next))
+        drafting = np.flatnonzero(step.num_wanted > 0)
+        # One staged copy: the gather index, each token's row and index in its row, the
+        # rows' pass starts, their first position in the step, their counts' index (sampled
+        # rows; else the appended 0), the base of their verified count, their block counts,
+        # their block-table rows, the next tokens, the drafting rows.
+        parts = [source, row_of, t, cu, qsl[:-1],
+                 np.where(sampled, step.sample_index, num_emitted),
+                 np.where(sampled, known, lengths), lengths, step.num_blocks, step.rows,
+                 step.next_tokens, drafting, step.num_wanted[drafting]]
+        staged = self._stage(parts)
+        (source_d, row_d, t_d, cu_d, first_d, count_index, base, lengths_d, num_blocks, rows,
+         next_tokens, drafting_d, wanted_d) = staged
+
+        pool = torch.cat([step.input_ids[:num_layout], step.emitted.reshape(-1), next_tokens])
+        input_ids = pool[source_d].clamp_(min=0)  # a rejected slot's -1: any token
+        start = step.positions[first_d]  # [B] the row's first position in the step
+        positions = start[row_d] + t_d
+        counts = torch.cat([step.counts, torch.zeros(1, dtype=step.counts.dtype,
+                                                     device=self.device)])
+        valid = base + counts[count_index]  # [B] positions of each row's pass to keep
+        store = t_d < valid[row_d]
+        slot_mapping = self._slots(step.block_tables, row_d, positions, num_blocks[row_d],
+                                   store)
+        seq_lens = (start + lengths_d).to(torch.int32)
+        max_len = int((step.num_computed + lengths).max(initial=1))
+        metadata = self._device_metadata(cu_d, seq_lens, step.block_tables, slot_mapping,
+                                         cu, lengths, max_len)
+        hidden = None
+        if offset:
+            hidden = step.hidden[first_d[row_d] + t_d]
+        out = self.forward(input_ids, positions, hidden, metadata)
+
+        num_drafts[rows] = 0
+        if not len(drafting):
+            return
+        last = cu_d[drafting_d] + valid[drafting_d] - 1
+        out = out[last]
+        tokens = self.compute_logits(out).argmax(dim=-1)
+        # Later steps: one token per drafting row, at the position after the last.
+        next_pos = start[drafting_d] + valid[drafting_d]
+        table = step.block_tables[drafting_d]
+        blocks = num_blocks[drafting_d]
+        one_each = torch.arange(len(drafting) + 1, dtype=torch.int32, device=self.device)
+        steps = [tokens]
+        k = int(step.num_wanted.max())
+        for m in range(1, k):
+            store = next_pos < self.max_model_len
+            pos = next_pos.clamp(max=self.max_model_len - 1)
+            slot_mapping = self._slots(table, None, pos, blocks, store)
+            max_len = int((step.num_computed + lengths).max()) + m
+            metadata = self._device_metadata(
+                one_each, (pos + 1).to(torch.int32), table, slot_mapping,
+                np.arange(len(drafting) + 1, dtype=np.int64), np.ones(len(drafting), np.int64),
+                max_len)
+            out = self.forward(tokens, pos, out if offset else None, metadata)
+            tokens = self.compute_logits(out).argmax(dim=-1)
+            steps.append(tokens)
+            next_pos = next_pos + 1
+        draft_rows = rows[drafting_d]
+        draft_ids[draft_rows, :k] = torch.stack(steps, dim=1)
+        num_drafts[draft_rows] = wanted_d
+
+    def _stage(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """The arrays in one copy to the device, through a pinned buffer, never blocking on
+        the device (each buffer is rewritten only after its last copy has left it)."""
+        sizes = [len(part) for part in parts]
+        needed = sum(sizes)
+        self._parity ^= 1
+        done = self._staging_done[self._parity]
+        if done is not None:
+            done.synchronize()
+        if self._staging[self._parity].numel() < needed:
+            self._staging[self._parity] = torch.zeros(
+                max(needed, 2 * self._staging[self._parity].numel()), dtype=torch.int64,
+                pin_memory=self._pin)
+        host = self._staging[self._parity]
+        np.concatenate(parts, out=host.numpy()[:needed], casting="unsafe")
+        staged = host[:needed].to(self.device, non_blocking=True)
+        if self._pin:
+            self._staging_done[self._parity] = torch.cuda.Event()
+            self._staging_done[self._parity].record()
+        elif self.device.type == "cpu":
+            staged = staged.clone()  # the next call rewrites this buffer
+        return list(torch.split(staged, sizes))
+
+    def _slots(self, block_tables: torch.Tensor, row_of: torch.Tensor | None,
+               positions: torch.Tensor, num_blocks: torch.Tensor,
+               store: torch.Tensor) -> torch.Tensor:
+        """Each position's KV slot through its row's block table (`block_tables` [R, width],
+        contiguous; `row_of` each position's row, None for one position per row); -1 (not
+        stored) where `store` is False or the row holds no block there."""
+        index = positions // self.block_size
+        store = store & (index < num_blocks)
+        width = block_tables.shape[1]
+        index = index.clamp(max=width - 1)
+        if row_of is None:
+            row_of = torch.arange(len(positions), device=positions.device)
+        blocks = block_tables.reshape(-1)[row_of * width + index]
+        slots = blocks.to(torch.int64) * self.block_size + positions % self.block_size
+        return torch.where(store, slots, -1)
+
+    def _device_metadata(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                         block_tables: torch.Tensor, slot_mapping: torch.Tensor,
+                         cu: np.ndarray, lengths: np.ndarray,
+                         max_seq_len: int) -> AttentionMetadata:
+        """Metadata whose lengths are on the device; the host's copies are upper bounds on a
+        GPU (only the reference backend reads them: on a CPU, where they are exact)."""
+        qsl_cpu = torch.from_numpy(cu.astype(np.int32))
+        if self.device.type == "cpu":
+            seq_cpu = seq_lens
+        else:
+            seq_cpu = torch.full((len(lengths),), max_seq_len, dtype=torch.int32)
+        return AttentionMetadata(
+            num_actual_tokens=int(cu[-1]),
+            max_query_len=int(lengths.max(initial=1)),
+            max_seq_len=max_seq_len,
+            query_start_loc=query_start_loc.to(torch.int32),
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_cpu,
+        )
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

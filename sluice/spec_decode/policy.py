@@ -152,6 +152,12 @@ class DraftingPolicy:
             return Drafting.ON  # a model proposer's probe
         return Drafting.OFF_ACCEPTANCE
 
+    def probes_next_step(self) -> bool:
+        """A model proposer's: whether the next step probes if drafting stays off for
+        acceptance (its drafts must be proposed after this one)."""
+        return (not self.probes_on_host and not self._on
+                and self._steps_since_drafting >= self.probe_interval)
+
     def wants_drafts(self, batch_size: int) -> bool:
         return self.decide(batch_size) is Drafting.ON
 

@@ -276,6 +276,17 @@ class ModelRunner:
         if device_rows is not None:
             for i in np.flatnonzero(device_rows):
                 states[i].history_step = handle  # its history now lacks this step's tokens
+        spec = self.spec
+        if device_ngram is not None and spec.model_proposer is not None:
+            # A model proposer's drafts on the device: verify (or sample), then its pass.
+            if sample_rows and any(scheduler_output.scheduled_device_drafts.values()):
+                self._launch_parity ^= 1
+                spec.verify_on_device(step, hidden, sample_rows, handle, self._launch_parity)
+            else:
+                self._sample(step, hidden, sample_rows, handle, scheduler_output.grammar_bitmask)
+            spec.propose_on_device(step, hidden, handle, sample_rows,
+                                   scheduler_output.propose_drafts)
+            return handle
         if sample_rows and any(scheduler_output.scheduled_device_drafts.values()):
             self._launch_parity ^= 1
             self.spec.verify_on_device(step, hidden, sample_rows, handle, self._launch_parity)

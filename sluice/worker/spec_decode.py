@@ -27,7 +27,12 @@ import torch
 
 from sluice.spec_decode.config import SpeculativeConfig
 from sluice.spec_decode.device_ngram import DeviceNgram
-from sluice.spec_decode.model_proposer import DraftModelProposer, EagleProposer, ModelProposer
+from sluice.spec_decode.model_proposer import (
+    DeviceStep,
+    DraftModelProposer,
+    EagleProposer,
+    ModelProposer,
+)
 from sluice.spec_decode.policy import can_speculate
 from sluice.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from sluice.worker.input_batch import StagedBuffer
@@ -54,11 +59,13 @@ class SpecDecoder:
         max_rows = runner.scheduler_config.max_num_seqs
         self.staged = StagedBuffer((max_rows * (2 * self.k + 2),), torch.int64, runner.device)
         self.device_ngram: DeviceNgram | None = None
-        if config.method == "ngram" and runner.scheduler_config.async_scheduling:
+        if runner.scheduler_config.async_scheduling:
+            # Drafts on the device: found by prompt lookup in the fix-up, or a model
+            # proposer's from its device pass after each step.
             self.device_ngram = DeviceNgram(
                 self.k, config.prompt_lookup_min, config.prompt_lookup_max,
                 runner.scheduler_config.max_model_len, max_rows, runner.block_size,
-                runner.device)
+                runner.device, from_model=config.method != "ngram")
             # Per sampling launch parity (the host writes one launch's while the device may
             # not have copied the last one's yet): verification's inputs, and the emitted
             # tokens and draft counts read back.
@@ -174,6 +181,51 @@ class SpecDecoder:
             step.query_start_loc, sampled, num_wanted, self.runner.block_tables.table[rows],
             hidden)
         output.spec_token_ids = drafts if draft else None
+
+
+    def propose_on_device(self, step: StepInputs, hidden: torch.Tensor, handle: StepHandle,
+                          sample_rows: list[int], draft: bool) -> None:
+        """The model proposer's device pass over the step just launched (its KV, and with
+        `draft` the next drafts of every row that sampled and can speculate), queued without
+        waiting: the next step's fix-up takes the drafts."""
+        states = step.states
+        num_reqs = len(states)
+        sample_index = np.full(num_reqs, -1, dtype=np.int64)
+        sample_index[sample_rows] = np.arange(len(sample_rows))
+        if sample_rows:
+            previous = handle.previous_tokens()
+            emitted, counts = previous.tokens, previous.counts
+        else:
+            emitted = torch.zeros((0, 1), dtype=torch.int64, device=self.runner.device)
+            counts = emitted[:, 0]
+        rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
+        slots = step.draft_slots if step.draft_slots is not None else np.zeros(
+            num_reqs, dtype=np.int64)
+        # EAGLE's pass over a chunk that samples nothing ends with the prompt token after it.
+        end = step.num_computed + step.num_scheduled
+        next_tokens = np.fromiter(
+            (s.token_ids[e] if i < 0 and e < len(s.token_ids) else 0
+             for s, e, i in zip(states, end.tolist(), sample_index.tolist())),
+            np.int64, num_reqs)
+        num_wanted = np.fromiter(
+            (self.k if draft and i >= 0 and can_speculate(s.sampling_params) else 0
+             for s, i in zip(states, sample_index.tolist())), np.int64, num_reqs)
+        builder = self.runner.input_builder
+        num_layout = int(step.query_start_loc[-1])
+        device_ngram = self.device_ngram
+        device_ngram.ensure_rows(int(rows.max()) + 1)
+        self.model_proposer.propose_on_device(
+            DeviceStep(
+                rows=rows, query_start_loc=step.query_start_loc,
+                num_scheduled=step.num_scheduled, num_slots=slots,
+                num_computed=step.num_computed,
+                num_blocks=self.runner.block_tables.num_blocks[rows].astype(np.int64),
+                sample_index=sample_index, next_tokens=next_tokens, num_wanted=num_wanted,
+                input_ids=builder.buf_input_ids.device[:num_layout],
+                positions=builder.buf_positions.device[:num_layout],
+                block_tables=step.block_tables, hidden=hidden, emitted=emitted,
+                counts=counts),
+            device_ngram.model_draft_ids, device_ngram.model_num_drafts)
 
 
 def _logit_positions(step: StepInputs, rows: list[int], num_drafts: np.ndarray) -> np.ndarray:

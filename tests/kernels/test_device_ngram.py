@@ -66,7 +66,7 @@ def _case(seed: int):
     return torch.tensor(meta, dtype=torch.int64), previous, buffers, history, history_len
 
 
-def _run(fn, case, min_n: int = MIN_N, max_n: int = MAX_N):
+def _run(fn, case, min_n: int = MIN_N, max_n: int = MAX_N, model_drafts=None):
     meta, previous, buffers, history, history_len = case
     buffers = StepBuffers(*(t.clone() for t in (buffers.input_ids, buffers.positions,
                                                 buffers.slot_mapping, buffers.seq_lens,
@@ -75,7 +75,7 @@ def _run(fn, case, min_n: int = MIN_N, max_n: int = MAX_N):
     draft_ids = torch.zeros((meta.shape[0], K), dtype=torch.int64)
     num_drafts = torch.zeros(meta.shape[0], dtype=torch.int64)
     fn(meta, previous, buffers, history, history_len, draft_ids, num_drafts, K, min_n, max_n,
-       PAGE)
+       PAGE, model_drafts)
     return buffers, history, history_len, draft_ids, num_drafts
 
 
@@ -130,3 +130,33 @@ def test_fix_up_reference_drafts_what_the_host_proposer_drafts(seed: int) -> Non
                     for t, p in enumerate(positions)]
         assert out.slot_mapping[span].tolist() == slot_ids
         assert int(out.seq_lens[i]) == int(buffers.seq_lens[i]) + offset
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fix_up_takes_a_model_proposers_drafts(seed: int) -> None:
+    """With a model proposer's drafts (per history row) the fix-up takes them instead of a
+    prompt lookup, as many as the row's slots and the count allow; kernel and reference
+    agree."""
+    from sluice.spec_decode.device_ngram_kernel import launch_fix_up
+
+    case = _case(seed)
+    meta = case[0]
+    num_rows = case[3].shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    model_ids = torch.randint(0, 1000, (num_rows, K), generator=generator)
+    model_counts = torch.randint(0, K + 1, (num_rows,), generator=generator)
+    want = _run(fix_up_torch, case, model_drafts=(model_ids, model_counts))
+    got = _run(launch_fix_up, case, model_drafts=(model_ids, model_counts))
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        assert torch.equal(getattr(want[0], name), getattr(got[0], name)), name
+    for name, w, g in zip(("history_len", "draft_ids", "num_drafts"), want[2:], got[2:]):
+        assert torch.equal(w, g), name
+    out, _, _, draft_ids, num_drafts = want
+    for i, (hrow, _src, start, slots, is_device, _offset) in enumerate(meta.tolist()):
+        num = min(int(model_counts[hrow]), slots, K) if is_device else 0
+        drafts = model_ids[hrow, :num].tolist()
+        assert int(num_drafts[i]) == num
+        assert draft_ids[i].tolist() == drafts + [-1] * (K - num)
+        if is_device:
+            assert out.input_ids[start + 1:start + slots + 1].tolist() == (
+                drafts + [0] * (slots - num))

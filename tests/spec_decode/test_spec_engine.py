@@ -1,8 +1,8 @@
 """Speculative decoding through the whole engine (CPU, float32, tiny models): greedy output is the
 output without speculation, token for token, for every proposer and with chunked prefill,
 preemption and the prefix cache, with drafting always on and with the drafting policy switching
-it on and off under async scheduling (no step with drafts ever launched while another is in
-flight); max_tokens and stop tokens are never overrun; blocks balance."""
+it on and off under async scheduling (drafts proposed on the device, steps with drafts overlapping
+others); max_tokens and stop tokens are never overrun; blocks balance."""
 
 from __future__ import annotations
 
@@ -114,11 +114,15 @@ def test_ngram_accepts_drafts_of_a_repeating_output(qwen3_dir: str,
     llm.shutdown()
 
 
-def test_self_speculation_accepts_every_draft(qwen3_dir: str,
-                                              reference: list[list[int]]) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_self_speculation_accepts_every_draft(qwen3_dir: str, reference: list[list[int]],
+                                              async_scheduling: bool) -> None:
+    """The model as its own draft: every draft is accepted, so the proposer's KV is the
+    target's at every position it drafts from (async: its device pass after every step)."""
     config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4,
               **ALWAYS_DRAFT}
-    tokens, llm = generate(qwen3_dir, speculative_config=config)
+    tokens, llm = generate(qwen3_dir, speculative_config=config,
+                           async_scheduling=async_scheduling)
     stats = llm.get_spec_decoding_stats()
     assert tokens == reference
     assert stats.num_draft_tokens > 0
@@ -128,13 +132,15 @@ def test_self_speculation_accepts_every_draft(qwen3_dir: str,
     llm.shutdown()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 11])
 def test_max_tokens_is_never_exceeded(qwen3_dir: str, reference: list[list[int]],
-                                      max_tokens: int) -> None:
+                                      max_tokens: int, async_scheduling: bool) -> None:
     config = {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 4,
               **ALWAYS_DRAFT}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    tokens, llm = generate(qwen3_dir, params, speculative_config=config)
+    tokens, llm = generate(qwen3_dir, params, speculative_config=config,
+                           async_scheduling=async_scheduling)
     assert tokens == [t[:max_tokens] for t in reference]
     assert_blocks_balance(llm)
     llm.shutdown()
@@ -376,11 +382,12 @@ def test_drafts_counted_are_the_drafts_verified(qwen3_dir: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
-def test_model_proposer_steps_run_synchronously_with_the_default_policy(
+def test_model_proposer_steps_overlap_with_the_default_policy(
         qwen3_dir: str, draft_dir: str, eagle_dir: str, reference: list[list[int]],
         method: str) -> None:
-    """A model proposer writes its KV from every step's tokens on the host: no step of it
-    overlaps another, drafting on or off (the default policy: off from 2 requests)."""
+    """With async scheduling a model proposer writes its KV and drafts on the device after
+    every step: its steps overlap like any other, drafting on or off (the default policy:
+    off from 2 requests), and the output is the output without speculation."""
     config = dict(spec_configs(qwen3_dir, draft_dir, eagle_dir)[method])
     for field in ALWAYS_DRAFT:
         del config[field]
@@ -393,7 +400,8 @@ def test_model_proposer_steps_run_synchronously_with_the_default_policy(
     stats = llm.get_spec_decoding_stats()
     assert stats.num_steps_off_batch_size > 0 and stats.num_steps_drafting > 0
     assert stats.num_draft_tokens > 0
-    assert not any(overlapped for _, overlapped in launches)
+    assert any(drafted and overlapped for drafted, overlapped in launches)
+    assert any(not drafted and overlapped for drafted, overlapped in launches)
     assert_blocks_balance(llm)
     llm.shutdown()
 
@@ -450,19 +458,38 @@ def test_stop_string_inside_accepted_drafts_ends_the_output_as_without_speculati
 # ---- n-gram drafts proposed on the device (async scheduling) ---------------------------------
 
 
+def device_proposers(qwen3_dir: str, eagle_dir: str) -> dict[str, dict]:
+    """Proposers whose drafts come from the device under async scheduling, drafting always
+    on: prompt lookup, the model as its own draft (every draft accepted), an EAGLE head."""
+    return {"ngram": NGRAM,
+            "draft_model_self": {"method": "draft_model", "model": qwen3_dir,
+                                 "num_speculative_tokens": 3, **ALWAYS_DRAFT},
+            "eagle": {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": 2,
+                      **ALWAYS_DRAFT}}
+
+
 @pytest.mark.parametrize("setting", list(SWITCHING_SETTINGS))
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model_self", "eagle"])
 def test_device_drafts_leave_greedy_output_unchanged_and_overlap(
-        qwen3_dir: str, reference: list[list[int]], setting: str) -> None:
+        qwen3_dir: str, eagle_dir: str, reference: list[list[int]], proposer: str,
+        setting: str) -> None:
     """Drafting always on under async scheduling: every step drafts on the device after the
-    tokens of the step in flight, steps with drafts launch while another is in flight, and the
-    greedy output is the output without speculation; blocks balance."""
+    tokens of the step in flight (a model proposer's device pass writes its KV and drafts after
+    every step), steps with drafts launch while another is in flight, and the greedy output is
+    the output without speculation; the model as its own draft gets every draft accepted
+    (its KV is right through chunks, preemption and a worker process); blocks balance."""
+    config = device_proposers(qwen3_dir, eagle_dir)[proposer]
     llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
-              async_scheduling=True, speculative_config=NGRAM, **SWITCHING_SETTINGS[setting])
+              async_scheduling=True, speculative_config=config, **SWITCHING_SETTINGS[setting])
     launches = record_launches(llm)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == reference
     stats = llm.get_spec_decoding_stats()
-    assert stats.num_accepted_tokens > 0
+    assert stats.num_draft_tokens > 0
+    if proposer != "eagle":  # a random head's drafts are rejected
+        assert stats.num_accepted_tokens > 0
+    if proposer == "draft_model_self":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
     assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
     assert sum(1 for drafted, overlapped in launches if drafted and overlapped) > 5
     if setting == "preemption":
@@ -540,14 +567,16 @@ def test_device_drafts_beside_a_request_that_cannot_speculate(
     llm.shutdown()
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model_self"])
 def test_device_drafts_under_churn_with_aborts_and_preemption(
-        qwen3_dir: str, reference: list[list[int]]) -> None:
+        qwen3_dir: str, eagle_dir: str, reference: list[list[int]], proposer: str) -> None:
     """Requests come and go (greedy, seeded sampling, a penalty, n > 1), some are aborted
     while their verification is in flight, the cache is small enough to preempt: the cache's
     integrity holds after every step, every block comes back, and the greedy requests that ran
     to the end equal their reference."""
+    config = device_proposers(qwen3_dir, eagle_dir)[proposer]
     llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
-              async_scheduling=True, speculative_config=NGRAM, num_gpu_blocks_override=40,
+              async_scheduling=True, speculative_config=config, num_gpu_blocks_override=40,
               max_model_len=80, max_num_batched_tokens=32, max_num_seqs=5)
     engine = llm.llm_engine
     rng = random.Random(0)
