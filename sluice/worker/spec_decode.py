@@ -62,10 +62,12 @@ class SpecDecoder:
         if runner.scheduler_config.async_scheduling:
             # Drafts on the device: found by prompt lookup in the fix-up, or a model
             # proposer's from its device pass after each step.
-            self.device_ngram = DeviceNgram(
-                self.k, config.prompt_lookup_min, config.prompt_lookup_max,
+            from_model = config.method != "ngram"
+            self.device_ngram = DeviceNgram(  # (n-gram sizes unused with a model's drafts)
+                self.k, 1 if from_model else config.prompt_lookup_min,
+                1 if from_model else config.prompt_lookup_max,
                 runner.scheduler_config.max_model_len, max_rows, runner.block_size,
-                runner.device, from_model=config.method != "ngram")
+                runner.device, from_model=from_model)
             # Per sampling launch parity (the host writes one launch's while the device may
             # not have copied the last one's yet): verification's inputs, and the emitted
             # tokens and draft counts read back.
