@@ -173,6 +173,9 @@ def spec_configs(model: str, eagle: str) -> dict[str, dict]:
         "spec_draft_model_self": {"speculative_config": {
             "method": "draft_model", "model": model, "num_speculative_tokens": 4,
             **ALWAYS_DRAFT}},
+        "spec_draft_model_self_eager": {"speculative_config": {
+            "method": "draft_model", "model": model, "num_speculative_tokens": 4,
+            **ALWAYS_DRAFT}, "enforce_eager": True},
         "spec_draft_model_self_chunks_of_32": {"speculative_config": {
             "method": "draft_model", "model": model, "num_speculative_tokens": 4,
             **ALWAYS_DRAFT}, "max_num_batched_tokens": 32},

@@ -91,6 +91,8 @@ class ModelProposer(ABC):
                          for _ in range(2)]
         self._staging_done: list[torch.cuda.Event | None] = [None, None]
         self._parity = 0
+        # Decode batches in a fixed shape (CUDA graphs on a GPU): see enable_decode_batches.
+        self._decode: _DecodeBatches | None = None
 
     def kv_bytes_per_block(self) -> int:
         config = self.kv_hf_config
@@ -186,6 +188,9 @@ class ModelProposer(ABC):
         then the s + 1 it could have emitted (n + 1 positions; n for a chunk that did not
         sample); EAGLE the same shifted by one, with the target's hidden states (n). Only
         positions up to the last verified one store KV (its count is on the device)."""
+        if self._decode is not None and self._decode.takes(step):
+            self._propose_decode_batch(step, draft_ids, num_drafts)
+            return
         offset = self.token_offset
         num_reqs = len(step.rows)
         qsl = step.query_start_loc
@@ -267,6 +272,41 @@ class ModelProposer(ABC):
         draft_rows = rows[drafting_d]
         draft_ids[draft_rows, :k] = torch.stack(steps, dim=1)
         num_drafts[draft_rows] = wanted_d
+
+    # ---- decode batches in a fixed shape --------------------------------------------------
+
+    def enable_decode_batches(self, max_size: int, max_blocks_per_req: int,
+                              capture: bool) -> None:
+        """Run the device pass of decode batches (every request one token plus its draft
+        slots, all sampled) of up to `max_size` requests in one fixed shape per padded size:
+        every request's pass is L = k + 2 positions (EAGLE: k + 1), as if it had k slots, and
+        drafts are computed for every row. With `capture`, each size (with and without
+        drafts) is a CUDA graph, so the pass costs the host a replay; else (CPU tests) the
+        same code runs eagerly."""
+        self._decode = _DecodeBatches(self, max_size, max_blocks_per_req)
+        if capture:
+            self._decode.capture()
+
+    def _propose_decode_batch(self, step: DeviceStep, draft_ids: torch.Tensor,
+                              num_drafts: torch.Tensor) -> None:
+        decode = self._decode
+        num_reqs = len(step.rows)
+        length = decode.length
+        qsl = step.query_start_loc
+        # EAGLE reads the target's hidden state at each of a row's positions (a row of
+        # fewer tokens repeats its last: those positions are past what it verified).
+        within = np.minimum(np.arange(length)[None, :], step.num_scheduled[:, None] - 1)
+        hidden_rows = (qsl[:-1, None] + within).reshape(-1)
+        staged = self._stage([qsl[:-1], step.num_blocks, step.rows, step.num_wanted,
+                              hidden_rows if self.token_offset else hidden_rows[:0]])
+        first, num_blocks, rows, wanted, hidden_rows_d = staged
+        draft = bool(step.num_wanted.any())
+        size = decode.padded_size(num_reqs)
+        decode.load(step, num_reqs, size, first, num_blocks, hidden_rows_d)
+        drafts = decode.run(size, draft)
+        if draft:
+            draft_ids[rows, :self.k] = drafts[:num_reqs]
+        num_drafts[rows] = wanted
 
     def _stage(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """The arrays in one copy to the device, through a pinned buffer, never blocking on
@@ -406,3 +446,143 @@ class EagleProposer(ModelProposer):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target_model.compute_logits(hidden)
+
+
+class _DecodeBatches:
+    """A model proposer's device pass over decode batches in a fixed shape per padded size
+    (ModelProposer.enable_decode_batches): persistent input buffers, filled per step on the
+    device, then the pass (a CUDA graph's replay where captured). Padding rows hold no
+    blocks, so they store nothing."""
+
+    def __init__(self, proposer: ModelProposer, max_size: int, max_blocks_per_req: int) -> None:
+        from sluice.worker.cuda_graphs import capture_sizes
+
+        self.proposer = proposer
+        self.sizes = capture_sizes(max_size)
+        k = proposer.k
+        self.k = k
+        self.known = 1 - proposer.token_offset  # input ids at the start of a row's pass
+        self.length = k + 1 + self.known  # L: the pass's positions per row
+        dev = proposer.device
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.first_token = torch.zeros(max_size, **i64)
+        self.first_pos = torch.zeros(max_size, **i64)
+        self.emitted = torch.full((max_size, k + 1), -1, **i64)
+        self.counts = torch.zeros(max_size, **i64)
+        self.num_blocks = torch.zeros(max_size, **i64)
+        self.block_tables = torch.zeros((max_size, max_blocks_per_req), dtype=torch.int32,
+                                        device=dev)
+        self.hidden: torch.Tensor | None = None
+        if proposer.token_offset:
+            hidden_size = proposer.target_hf_config.hidden_size
+            self.hidden = torch.zeros((max_size * self.length, hidden_size),
+                                      dtype=proposer.dtype, device=dev)
+        self.drafts = torch.zeros((max_size, max(k, 1)), **i64)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.num_runs = 0
+
+    def takes(self, step: DeviceStep) -> bool:
+        """Whether the step is a decode batch this runs: every row sampled, each one token
+        plus its draft slots, rows within the largest size, emitted rows within k + 1."""
+        num_reqs = len(step.rows)
+        return (num_reqs <= self.sizes[-1]
+                and bool((step.sample_index == np.arange(num_reqs)).all())
+                and bool((step.num_scheduled == 1 + step.num_slots).all())
+                and step.emitted.shape[1] <= self.k + 1
+                and step.block_tables.shape[1] <= self.block_tables.shape[1])
+
+    def padded_size(self, num_reqs: int) -> int:
+        return next(size for size in self.sizes if size >= num_reqs)
+
+    def load(self, step: DeviceStep, num_reqs: int, size: int, first: torch.Tensor,
+             num_blocks: torch.Tensor, hidden_rows: torch.Tensor) -> None:
+        """The step's rows into the persistent buffers (device copies only), padding rows
+        after them emptied."""
+        torch.index_select(step.positions, 0, first, out=self.first_pos[:num_reqs])
+        if self.known:
+            torch.index_select(step.input_ids, 0, first, out=self.first_token[:num_reqs])
+        width = step.emitted.shape[1]
+        self.emitted[:num_reqs, :width].copy_(step.emitted)
+        self.emitted[:num_reqs, width:].fill_(-1)
+        self.counts[:num_reqs].copy_(step.counts)
+        self.num_blocks[:num_reqs].copy_(num_blocks)
+        self.block_tables[:num_reqs, :step.block_tables.shape[1]].copy_(step.block_tables)
+        if size > num_reqs:
+            for buffer in (self.first_pos, self.counts, self.num_blocks):
+                buffer[num_reqs:size].zero_()
+        if self.hidden is not None:
+            torch.index_select(step.hidden, 0, hidden_rows,
+                               out=self.hidden[:num_reqs * self.length])
+
+    def run(self, size: int, draft: bool) -> torch.Tensor:
+        """The pass over the first `size` rows (and their drafts with `draft`): the drafts
+        buffer [size, k] after it."""
+        self.num_runs += 1
+        graph = self.graphs.get((size, draft))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._body(size, draft)
+        return self.drafts[:size]
+
+    def capture(self) -> None:
+        """A CUDA graph per size, with and without drafts (largest first, one memory pool,
+        separate from the target's: the target's hidden states are read before a replay)."""
+        pool = None
+        for size in reversed(self.sizes):
+            for draft in (True, False):
+                self._body(size, draft)  # warm up: compiles kernels
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._body(size, draft)
+                if pool is None:
+                    pool = graph.pool()
+                self.graphs[(size, draft)] = graph
+        torch.cuda.synchronize()
+
+    def _body(self, size: int, draft: bool) -> None:
+        proposer = self.proposer
+        dev = proposer.device
+        length, known = self.length, self.known
+        t = torch.arange(length, device=dev)
+        emitted = self.emitted[:size].gather(
+            1, (t - known).clamp(min=0).expand(size, length))
+        input_ids = torch.where(t < known, self.first_token[:size, None], emitted)
+        input_ids = input_ids.clamp(min=0).reshape(-1)
+        first_pos = self.first_pos[:size]
+        positions = (first_pos[:, None] + t).reshape(-1)
+        valid = known + self.counts[:size]  # a row's positions whose KV is kept
+        row_of = torch.arange(size, device=dev).repeat_interleave(length)
+        num_blocks = self.num_blocks[:size]
+        store = (t[None, :] < valid[:, None]).reshape(-1)
+        block_tables = self.block_tables[:size]
+        slot_mapping = proposer._slots(block_tables, row_of, positions, num_blocks[row_of],
+                                       store)
+        cu = np.arange(size + 1, dtype=np.int64) * length
+        max_len = proposer.max_model_len
+        metadata = proposer._device_metadata(
+            torch.arange(size + 1, device=dev) * length, (first_pos + length).to(torch.int32),
+            block_tables, slot_mapping, cu, np.full(size, length, dtype=np.int64), max_len)
+        hidden = self.hidden[:size * length] if self.hidden is not None else None
+        out = proposer.forward(input_ids, positions, hidden, metadata)
+        if not draft:
+            return
+        out = out[torch.arange(size, device=dev) * length + valid - 1]
+        tokens = proposer.compute_logits(out).argmax(dim=-1)
+        next_pos = first_pos + valid
+        one_each = torch.arange(size + 1, device=dev)
+        steps = [tokens]
+        for _ in range(1, self.k):
+            store = next_pos < max_len
+            pos = next_pos.clamp(max=max_len - 1)
+            slot_mapping = proposer._slots(block_tables, None, pos, num_blocks, store)
+            metadata = proposer._device_metadata(
+                one_each, (pos + 1).to(torch.int32), block_tables, slot_mapping,
+                np.arange(size + 1, dtype=np.int64), np.ones(size, dtype=np.int64), max_len)
+            out = proposer.forward(tokens, pos, out if proposer.token_offset else None,
+                                   metadata)
+            tokens = proposer.compute_logits(out).argmax(dim=-1)
+            steps.append(tokens)
+            next_pos = next_pos + 1
+        self.drafts[:size, :self.k] = torch.stack(steps, dim=1)

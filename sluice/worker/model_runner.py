@@ -189,12 +189,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.input_builder.dense_prefill = self._backend_supports("supports_dense_prefill")
         self.input_builder.dense_prefix = self._backend_supports("supports_dense_prefix")
+        graphs = (self.device.type == "cuda" and not self.model_config.enforce_eager
+                  and getattr(self.attn_backend, "supports_cuda_graphs", False))
         if self.spec is not None:
-            self.spec.initialize_kv_cache(num_blocks)
+            self.spec.initialize_kv_cache(num_blocks, capture_graphs=graphs)
         if self.device.type == "cuda":
             self.graph_runner.warm_up(self.model, self.sampler)
-        if (self.device.type == "cuda" and not self.model_config.enforce_eager
-                and getattr(self.attn_backend, "supports_cuda_graphs", False)):
+        if graphs:
             if with_connector:
                 self.layer_events = GraphLayerEvents(list(self.kv_caches), self.device)
             self.graph_runner.capture(self.model, self.layer_events)

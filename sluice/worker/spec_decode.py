@@ -86,11 +86,18 @@ class SpecDecoder:
     def kv_bytes_per_block(self) -> int:
         return self.model_proposer.kv_bytes_per_block() if self.model_proposer else 0
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = False) -> None:
+        """capture_graphs: the device pass of a model proposer's decode batches as CUDA
+        graphs (with async scheduling)."""
         if self.model_proposer is not None:
             self.model_proposer.initialize_kv_cache(num_blocks)
         if self.device_ngram is not None:
             self.device_ngram.warm_up()
+            if self.model_proposer is not None:
+                config = self.runner.scheduler_config
+                self.model_proposer.enable_decode_batches(
+                    config.max_num_seqs, -(-config.max_model_len // self.runner.block_size),
+                    capture=capture_graphs)
 
     def verify(self, step: StepInputs, hidden: torch.Tensor, rows: list[int],
                output: ModelRunnerOutput) -> None:
