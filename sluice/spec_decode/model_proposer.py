@@ -91,8 +91,8 @@ class ModelProposer(ABC):
                          for _ in range(2)]
         self._staging_done: list[torch.cuda.Event | None] = [None, None]
         self._parity = 0
-        # Decode batches in a fixed shape (CUDA graphs on a GPU): see enable_decode_batches.
-        self._decode: _DecodeBatches | None = None
+        # Decode batches in a fixed shape (CUDA graphs on a GPU): see DecodeBatches.
+        self.decode_batches: DecodeBatches | None = None
 
     def kv_bytes_per_block(self) -> int:
         config = self.kv_hf_config
@@ -188,9 +188,6 @@ class ModelProposer(ABC):
         then the s + 1 it could have emitted (n + 1 positions; n for a chunk that did not
         sample); EAGLE the same shifted by one, with the target's hidden states (n). Only
         positions up to the last verified one store KV (its count is on the device)."""
-        if self._decode is not None and self._decode.takes(step):
-            self._propose_decode_batch(step, draft_ids, num_drafts)
-            return
         offset = self.token_offset
         num_reqs = len(step.rows)
         qsl = step.query_start_loc
@@ -272,41 +269,6 @@ class ModelProposer(ABC):
         draft_rows = rows[drafting_d]
         draft_ids[draft_rows, :k] = torch.stack(steps, dim=1)
         num_drafts[draft_rows] = wanted_d
-
-    # ---- decode batches in a fixed shape --------------------------------------------------
-
-    def enable_decode_batches(self, max_size: int, max_blocks_per_req: int,
-                              capture: bool) -> None:
-        """Run the device pass of decode batches (every request one token plus its draft
-        slots, all sampled) of up to `max_size` requests in one fixed shape per padded size:
-        every request's pass is L = k + 2 positions (EAGLE: k + 1), as if it had k slots, and
-        drafts are computed for every row. With `capture`, each size (with and without
-        drafts) is a CUDA graph, so the pass costs the host a replay; else (CPU tests) the
-        same code runs eagerly."""
-        self._decode = _DecodeBatches(self, max_size, max_blocks_per_req)
-        if capture:
-            self._decode.capture()
-
-    def _propose_decode_batch(self, step: DeviceStep, draft_ids: torch.Tensor,
-                              num_drafts: torch.Tensor) -> None:
-        decode = self._decode
-        num_reqs = len(step.rows)
-        length = decode.length
-        qsl = step.query_start_loc
-        # EAGLE reads the target's hidden state at each of a row's positions (a row of
-        # fewer tokens repeats its last: those positions are past what it verified).
-        within = np.minimum(np.arange(length)[None, :], step.num_scheduled[:, None] - 1)
-        hidden_rows = (qsl[:-1, None] + within).reshape(-1)
-        staged = self._stage([qsl[:-1], step.num_blocks, step.rows, step.num_wanted,
-                              hidden_rows if self.token_offset else hidden_rows[:0]])
-        first, num_blocks, rows, wanted, hidden_rows_d = staged
-        draft = bool(step.num_wanted.any())
-        size = decode.padded_size(num_reqs)
-        decode.load(step, num_reqs, size, first, num_blocks, hidden_rows_d)
-        drafts = decode.run(size, draft)
-        if draft:
-            draft_ids[rows, :self.k] = drafts[:num_reqs]
-        num_drafts[rows] = wanted
 
     def _stage(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """The arrays in one copy to the device, through a pinned buffer, never blocking on
@@ -448,115 +410,148 @@ class EagleProposer(ModelProposer):
         return self.target_model.compute_logits(hidden)
 
 
-class _DecodeBatches:
-    """A model proposer's device pass over decode batches in a fixed shape per padded size
-    (ModelProposer.enable_decode_batches): persistent input buffers, filled per step on the
-    device, then the pass (a CUDA graph's replay where captured). Padding rows hold no
-    blocks, so they store nothing."""
+@dataclass(slots=True)
+class StepSources:
+    """The runner's persistent step buffers on the device, which a decode batch's pass reads
+    in place (so that a CUDA graph of it needs no copies of them): the step's input ids and
+    positions (as fixed up on the device), its query_start_loc (int32), and the full-width
+    block table its CUDA graphs read (None without graphs)."""
 
-    def __init__(self, proposer: ModelProposer, max_size: int, max_blocks_per_req: int) -> None:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    graph_block_tables: torch.Tensor | None
+
+
+class DecodeBatches:
+    """A model proposer's device pass over decode batches (every request one token plus its
+    draft slots, every request sampled) in one fixed shape per padded size: each request's
+    pass is L = k + 2 positions (EAGLE: k + 1), as if it had k slots, and drafts are
+    computed for every row. On a GPU each size, with and without drafts, is a CUDA graph
+    reading the runner's step buffers in place (`StepSources`), so a step costs the host a
+    few copies and a replay; elsewhere (CPU tests) the same code runs eagerly. Padding rows
+    hold no blocks, so they store nothing."""
+
+    def __init__(self, proposer: ModelProposer, max_size: int, sources: StepSources,
+                 capture: bool) -> None:
         from sluice.worker.cuda_graphs import capture_sizes
 
         self.proposer = proposer
-        self.sizes = capture_sizes(max_size)
+        self.sources = sources
+        self.sizes = capture_sizes(max_size) if capture else [max_size]
+        self.max_size = max_size
         k = proposer.k
         self.k = k
         self.known = 1 - proposer.token_offset  # input ids at the start of a row's pass
         self.length = k + 1 + self.known  # L: the pass's positions per row
         dev = proposer.device
         i64 = dict(dtype=torch.int64, device=dev)
-        self.first_token = torch.zeros(max_size, **i64)
-        self.first_pos = torch.zeros(max_size, **i64)
+        # Per row: its block-table row, drafts wanted, blocks held (each [max_size], in one
+        # buffer so that one copy brings them), from pinned host buffers used in turn.
+        self.meta = torch.zeros(3 * max_size, **i64)
+        self.rows, self.wanted, self.num_blocks = self.meta.view(3, max_size)
+        pin = dev.type == "cuda"
+        self._meta_host = ([torch.zeros(3 * max_size, dtype=torch.int64, pin_memory=True)
+                            for _ in range(2)] if pin else [self.meta])
+        self._meta_done: list[torch.cuda.Event | None] = [None, None]
+        self._parity = 0
         self.emitted = torch.full((max_size, k + 1), -1, **i64)
         self.counts = torch.zeros(max_size, **i64)
-        self.num_blocks = torch.zeros(max_size, **i64)
-        self.block_tables = torch.zeros((max_size, max_blocks_per_req), dtype=torch.int32,
-                                        device=dev)
-        self.hidden: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None  # EAGLE: the target's hidden states
         if proposer.token_offset:
-            hidden_size = proposer.target_hf_config.hidden_size
-            self.hidden = torch.zeros((max_size * self.length, hidden_size),
+            self.hidden = torch.zeros((max_size * (k + 1), proposer.target_hf_config.hidden_size),
                                       dtype=proposer.dtype, device=dev)
         self.drafts = torch.zeros((max_size, max(k, 1)), **i64)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.num_runs = 0
+        if capture:
+            self._capture()
 
-    def takes(self, step: DeviceStep) -> bool:
-        """Whether the step is a decode batch this runs: every row sampled, each one token
-        plus its draft slots, rows within the largest size, emitted rows within k + 1."""
-        num_reqs = len(step.rows)
-        return (num_reqs <= self.sizes[-1]
-                and bool((step.sample_index == np.arange(num_reqs)).all())
-                and bool((step.num_scheduled == 1 + step.num_slots).all())
-                and step.emitted.shape[1] <= self.k + 1
-                and step.block_tables.shape[1] <= self.block_tables.shape[1])
-
-    def padded_size(self, num_reqs: int) -> int:
-        return next(size for size in self.sizes if size >= num_reqs)
-
-    def load(self, step: DeviceStep, num_reqs: int, size: int, first: torch.Tensor,
-             num_blocks: torch.Tensor, hidden_rows: torch.Tensor) -> None:
-        """The step's rows into the persistent buffers (device copies only), padding rows
-        after them emptied."""
-        torch.index_select(step.positions, 0, first, out=self.first_pos[:num_reqs])
-        if self.known:
-            torch.index_select(step.input_ids, 0, first, out=self.first_token[:num_reqs])
-        width = step.emitted.shape[1]
-        self.emitted[:num_reqs, :width].copy_(step.emitted)
-        self.emitted[:num_reqs, width:].fill_(-1)
-        self.counts[:num_reqs].copy_(step.counts)
-        self.num_blocks[:num_reqs].copy_(num_blocks)
-        self.block_tables[:num_reqs, :step.block_tables.shape[1]].copy_(step.block_tables)
-        if size > num_reqs:
-            for buffer in (self.first_pos, self.counts, self.num_blocks):
-                buffer[num_reqs:size].zero_()
-        if self.hidden is not None:
-            torch.index_select(step.hidden, 0, hidden_rows,
-                               out=self.hidden[:num_reqs * self.length])
-
-    def run(self, size: int, draft: bool) -> torch.Tensor:
-        """The pass over the first `size` rows (and their drafts with `draft`): the drafts
-        buffer [size, k] after it."""
-        self.num_runs += 1
-        graph = self.graphs.get((size, draft))
-        if graph is not None:
-            graph.replay()
+    def propose(self, rows: np.ndarray, num_wanted: np.ndarray, num_blocks: np.ndarray,
+                emitted: torch.Tensor, counts: torch.Tensor | None, hidden: torch.Tensor,
+                block_tables: torch.Tensor, graph_step: bool, draft_ids: torch.Tensor,
+                num_drafts: torch.Tensor) -> None:
+        """The pass over a decode batch of len(rows) requests: `emitted` [B, W] each row's
+        tokens of the step (-1 past `counts`, None: one each), `hidden` the target's hidden
+        states of the step, `block_tables` its [B, width] table; `graph_step`: the target
+        step replayed a CUDA graph (the full-width table is filled). Writes draft_ids[row]
+        and num_drafts[row] (wanted, else 0) per block-table row."""
+        num_reqs = len(rows)
+        use_graph = graph_step and bool(self.graphs)
+        size = next(s for s in self.sizes if s >= num_reqs) if use_graph else num_reqs
+        draft = bool(num_wanted.any())
+        self._load_meta(rows, num_wanted, num_blocks, size)
+        self.emitted[:num_reqs, :emitted.shape[1]].copy_(emitted)
+        if counts is None:
+            self.counts[:num_reqs].fill_(1)
         else:
-            self._body(size, draft)
-        return self.drafts[:size]
+            self.counts[:num_reqs].copy_(counts)
+        if self.hidden is not None:
+            num_hidden = min(hidden.shape[0], self.hidden.shape[0])
+            self.hidden[:num_hidden].copy_(hidden[:num_hidden])
+        self.num_runs += 1
+        if use_graph:
+            self.graphs[(size, draft)].replay()
+        else:
+            self._body(size, draft, block_tables)
+        if draft:
+            draft_ids.index_copy_(0, self.rows[:num_reqs], self.drafts[:num_reqs])
+        num_drafts.index_copy_(0, self.rows[:num_reqs], self.wanted[:num_reqs])
 
-    def capture(self) -> None:
+    def _load_meta(self, rows: np.ndarray, num_wanted: np.ndarray, num_blocks: np.ndarray,
+                   size: int) -> None:
+        num_reqs, cap = len(rows), self.max_size
+        self._parity ^= 1
+        done = self._meta_done[self._parity % len(self._meta_host)]
+        if done is not None:
+            done.synchronize()
+        host = self._meta_host[self._parity % len(self._meta_host)]
+        view = host.numpy()
+        view[:num_reqs] = rows
+        view[cap:cap + num_reqs] = num_wanted
+        view[2 * cap:2 * cap + num_reqs] = num_blocks
+        view[2 * cap + num_reqs:2 * cap + size] = 0  # padding rows hold no blocks
+        if host is not self.meta:
+            self.meta[:2 * cap + size].copy_(host[:2 * cap + size], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._meta_done[self._parity] = event
+
+    def _capture(self) -> None:
         """A CUDA graph per size, with and without drafts (largest first, one memory pool,
         separate from the target's: the target's hidden states are read before a replay)."""
+        tables = self.sources.graph_block_tables
         pool = None
         for size in reversed(self.sizes):
             for draft in (True, False):
-                self._body(size, draft)  # warm up: compiles kernels
+                self._body(size, draft, tables[:size])  # warm up: compiles kernels
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._body(size, draft)
+                    self._body(size, draft, tables[:size])
                 if pool is None:
                     pool = graph.pool()
                 self.graphs[(size, draft)] = graph
         torch.cuda.synchronize()
 
-    def _body(self, size: int, draft: bool) -> None:
+    def _body(self, size: int, draft: bool, block_tables: torch.Tensor) -> None:
+        """The pass over the first `size` rows; with `draft` their drafts, in self.drafts."""
         proposer = self.proposer
+        src = self.sources
         dev = proposer.device
         length, known = self.length, self.known
         t = torch.arange(length, device=dev)
-        emitted = self.emitted[:size].gather(
-            1, (t - known).clamp(min=0).expand(size, length))
-        input_ids = torch.where(t < known, self.first_token[:size, None], emitted)
+        # Where each row's tokens start in the step (a padding row's entry may be anything).
+        first = src.query_start_loc[:size].to(torch.int64).clamp(0, len(src.positions) - 1)
+        emitted = self.emitted[:size].gather(1, (t - known).clamp(min=0).expand(size, length))
+        input_ids = torch.where(t < known, src.input_ids[first][:, None], emitted)
         input_ids = input_ids.clamp(min=0).reshape(-1)
-        first_pos = self.first_pos[:size]
+        first_pos = src.positions[first]
         positions = (first_pos[:, None] + t).reshape(-1)
         valid = known + self.counts[:size]  # a row's positions whose KV is kept
         row_of = torch.arange(size, device=dev).repeat_interleave(length)
         num_blocks = self.num_blocks[:size]
         store = (t[None, :] < valid[:, None]).reshape(-1)
-        block_tables = self.block_tables[:size]
         slot_mapping = proposer._slots(block_tables, row_of, positions, num_blocks[row_of],
                                        store)
         cu = np.arange(size + 1, dtype=np.int64) * length
@@ -564,7 +559,11 @@ class _DecodeBatches:
         metadata = proposer._device_metadata(
             torch.arange(size + 1, device=dev) * length, (first_pos + length).to(torch.int32),
             block_tables, slot_mapping, cu, np.full(size, length, dtype=np.int64), max_len)
-        hidden = self.hidden[:size * length] if self.hidden is not None else None
+        hidden = None
+        if self.hidden is not None:  # EAGLE: a row's positions read the step's rows after
+            # its first (past its own tokens, rows not kept)
+            index = (first[:, None] + t).clamp(max=self.hidden.shape[0] - 1).reshape(-1)
+            hidden = self.hidden[index]
         out = proposer.forward(input_ids, positions, hidden, metadata)
         if not draft:
             return

@@ -28,10 +28,12 @@ import torch
 from sluice.spec_decode.config import SpeculativeConfig
 from sluice.spec_decode.device_ngram import DeviceNgram
 from sluice.spec_decode.model_proposer import (
+    DecodeBatches,
     DeviceStep,
     DraftModelProposer,
     EagleProposer,
     ModelProposer,
+    StepSources,
 )
 from sluice.spec_decode.policy import can_speculate
 from sluice.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
@@ -94,10 +96,13 @@ class SpecDecoder:
         if self.device_ngram is not None:
             self.device_ngram.warm_up()
             if self.model_proposer is not None:
-                config = self.runner.scheduler_config
-                self.model_proposer.enable_decode_batches(
-                    config.max_num_seqs, -(-config.max_model_len // self.runner.block_size),
-                    capture=capture_graphs)
+                builder = self.runner.input_builder
+                sources = StepSources(builder.buf_input_ids.device, builder.buf_positions.device,
+                                      builder.buf_query_start_loc.device,
+                                      builder.graph_block_tables)
+                self.model_proposer.decode_batches = DecodeBatches(
+                    self.model_proposer, self.runner.scheduler_config.max_num_seqs, sources,
+                    capture=capture_graphs and builder.graph_block_tables is not None)
 
     def verify(self, step: StepInputs, hidden: torch.Tensor, rows: list[int],
                output: ModelRunnerOutput) -> None:
@@ -199,6 +204,24 @@ class SpecDecoder:
         waiting: the next step's fix-up takes the drafts."""
         states = step.states
         num_reqs = len(states)
+        rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
+        self.device_ngram.ensure_rows(int(rows.max()) + 1)
+        decode = self.model_proposer.decode_batches
+        slots = step.draft_slots
+        if (decode is not None and len(sample_rows) == num_reqs <= decode.max_size
+                and (step.num_scheduled == 1 + (0 if slots is None else slots)).all()):
+            # A decode batch: the fixed-shape pass (a CUDA graph's replay).
+            wanted = np.fromiter(
+                (self.k if draft and can_speculate(s.sampling_params) else 0 for s in states),
+                np.int64, num_reqs)
+            verified = handle.verified
+            decode.propose(
+                rows, wanted, self.runner.block_tables.num_blocks[rows],
+                handle.sampled.view(-1, 1) if verified is None else verified.tokens,
+                None if verified is None else verified.counts, hidden, step.block_tables,
+                step.graph is not None, self.device_ngram.model_draft_ids,
+                self.device_ngram.model_num_drafts)
+            return
         sample_index = np.full(num_reqs, -1, dtype=np.int64)
         sample_index[sample_rows] = np.arange(len(sample_rows))
         if sample_rows:
@@ -207,9 +230,7 @@ class SpecDecoder:
         else:
             emitted = torch.zeros((0, 1), dtype=torch.int64, device=self.runner.device)
             counts = emitted[:, 0]
-        rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
-        slots = step.draft_slots if step.draft_slots is not None else np.zeros(
-            num_reqs, dtype=np.int64)
+        slots = slots if slots is not None else np.zeros(num_reqs, dtype=np.int64)
         # EAGLE's pass over a chunk that samples nothing ends with the prompt token after it.
         end = step.num_computed + step.num_scheduled
         next_tokens = np.fromiter(
@@ -222,7 +243,6 @@ class SpecDecoder:
         builder = self.runner.input_builder
         num_layout = int(step.query_start_loc[-1])
         device_ngram = self.device_ngram
-        device_ngram.ensure_rows(int(rows.max()) + 1)
         self.model_proposer.propose_on_device(
             DeviceStep(
                 rows=rows, query_start_loc=step.query_start_loc,

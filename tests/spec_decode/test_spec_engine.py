@@ -495,7 +495,7 @@ def test_device_drafts_leave_greedy_output_unchanged_and_overlap(
         # Decode batches took the fixed-shape pass (a CUDA graph's on a GPU), the others
         # the general one.
         spec = llm.llm_engine.engine_core.executor.model_runner.spec
-        assert spec.model_proposer._decode.num_runs > 0
+        assert spec.model_proposer.decode_batches.num_runs > 0
     assert sum(1 for drafted, overlapped in launches if drafted and overlapped) > 5
     if setting == "preemption":
         assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
