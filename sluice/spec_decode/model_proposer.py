@@ -38,6 +38,7 @@ from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import HFModelConfig, load_hf_config
 from sluice.model.loader import load_model
 from sluice.spec_decode.config import SpeculativeConfig
+from sluice.spec_decode.proposer_inputs import pass_inputs, step_inputs
 
 
 @dataclass(slots=True)
@@ -462,6 +463,11 @@ class DecodeBatches:
             self.hidden = torch.zeros((max_size * (k + 1), proposer.target_hf_config.hidden_size),
                                       dtype=proposer.dtype, device=dev)
         self.drafts = torch.zeros((max_size, max(k, 1)), **i64)
+        # query_start_loc of a pass (L positions a row) and of a draft step (one a row).
+        self._pass_starts_np = np.arange(max_size + 1, dtype=np.int64) * self.length
+        self._one_each_np = np.arange(max_size + 1, dtype=np.int64)
+        self._pass_starts = torch.from_numpy(self._pass_starts_np.astype(np.int32)).to(dev)
+        self._one_each = torch.from_numpy(self._one_each_np.astype(np.int32)).to(dev)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.num_runs = 0
         if capture:
@@ -538,47 +544,32 @@ class DecodeBatches:
         """The pass over the first `size` rows; with `draft` their drafts, in self.drafts."""
         proposer = self.proposer
         src = self.sources
-        dev = proposer.device
-        length, known = self.length, self.known
-        t = torch.arange(length, device=dev)
-        # Where each row's tokens start in the step (a padding row's entry may be anything).
-        first = src.query_start_loc[:size].to(torch.int64).clamp(0, len(src.positions) - 1)
-        emitted = self.emitted[:size].gather(1, (t - known).clamp(min=0).expand(size, length))
-        input_ids = torch.where(t < known, src.input_ids[first][:, None], emitted)
-        input_ids = input_ids.clamp(min=0).reshape(-1)
-        first_pos = src.positions[first]
-        positions = (first_pos[:, None] + t).reshape(-1)
-        valid = known + self.counts[:size]  # a row's positions whose KV is kept
-        row_of = torch.arange(size, device=dev).repeat_interleave(length)
+        length = self.length
         num_blocks = self.num_blocks[:size]
-        store = (t[None, :] < valid[:, None]).reshape(-1)
-        slot_mapping = proposer._slots(block_tables, row_of, positions, num_blocks[row_of],
-                                       store)
-        cu = np.arange(size + 1, dtype=np.int64) * length
+        input_ids, positions, slot_mapping, seq_lens, valid, first_pos, hidden_rows = (
+            pass_inputs(src.query_start_loc, src.input_ids, src.positions, self.emitted,
+                        self.counts, num_blocks, block_tables, length, self.known,
+                        proposer.block_size,
+                        0 if self.hidden is None else self.hidden.shape[0]))
         max_len = proposer.max_model_len
         metadata = proposer._device_metadata(
-            torch.arange(size + 1, device=dev) * length, (first_pos + length).to(torch.int32),
-            block_tables, slot_mapping, cu, np.full(size, length, dtype=np.int64), max_len)
-        hidden = None
-        if self.hidden is not None:  # EAGLE: a row's positions read the step's rows after
-            # its first (past its own tokens, rows not kept)
-            index = (first[:, None] + t).clamp(max=self.hidden.shape[0] - 1).reshape(-1)
-            hidden = self.hidden[index]
+            self._pass_starts[:size + 1], seq_lens, block_tables, slot_mapping,
+            self._pass_starts_np[:size + 1], np.full(size, length, dtype=np.int64), max_len)
+        hidden = self.hidden[hidden_rows] if self.hidden is not None else None
         out = proposer.forward(input_ids, positions, hidden, metadata)
         if not draft:
             return
-        out = out[torch.arange(size, device=dev) * length + valid - 1]
+        # Each row's output at its last kept position predicts its first draft.
+        out = out[self._pass_starts[:size] + valid - 1]
         tokens = proposer.compute_logits(out).argmax(dim=-1)
         next_pos = first_pos + valid
-        one_each = torch.arange(size + 1, device=dev)
         steps = [tokens]
         for _ in range(1, self.k):
-            store = next_pos < max_len
-            pos = next_pos.clamp(max=max_len - 1)
-            slot_mapping = proposer._slots(block_tables, None, pos, num_blocks, store)
+            pos, slot_mapping, seq_lens = step_inputs(next_pos, num_blocks, block_tables,
+                                                      max_len, proposer.block_size)
             metadata = proposer._device_metadata(
-                one_each, (pos + 1).to(torch.int32), block_tables, slot_mapping,
-                np.arange(size + 1, dtype=np.int64), np.ones(size, dtype=np.int64), max_len)
+                self._one_each[:size + 1], seq_lens, block_tables, slot_mapping,
+                self._one_each_np[:size + 1], np.ones(size, dtype=np.int64), max_len)
             out = proposer.forward(tokens, pos, out if proposer.token_offset else None,
                                    metadata)
             tokens = proposer.compute_logits(out).argmax(dim=-1)

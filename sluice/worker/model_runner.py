@@ -115,6 +115,8 @@ class ModelRunner:
                 from sluice.worker.compile import install_fused_ops
 
                 install_fused_ops(self.model)
+                if self.spec is not None and self.spec.model_proposer is not None:
+                    install_fused_ops(self.spec.model_proposer.model)
         self.gpu_bytes_available = gpu_share
 
         self.requests: dict[str, CachedRequestState] = {}
