@@ -454,7 +454,10 @@ class DecodeBatches:
         pin = dev.type == "cuda"
         self._meta_host = ([torch.zeros(3 * max_size, dtype=torch.int64, pin_memory=True)
                             for _ in range(2)] if pin else [self.meta])
-        self._meta_done: list[torch.cuda.Event | None] = [None, None]
+        self._meta_host_np = [host.numpy() for host in self._meta_host]
+        # Each pinned buffer's last copy (recorded once used).
+        self._meta_done = [torch.cuda.Event() for _ in range(2)] if pin else []
+        self._meta_used = [False, False]
         self._parity = 0
         self.emitted = torch.full((max_size, k + 1), -1, **i64)
         self.counts = torch.zeros(max_size, **i64)
@@ -507,21 +510,19 @@ class DecodeBatches:
     def _load_meta(self, rows: np.ndarray, num_wanted: np.ndarray, num_blocks: np.ndarray,
                    size: int) -> None:
         num_reqs, cap = len(rows), self.max_size
-        self._parity ^= 1
-        done = self._meta_done[self._parity % len(self._meta_host)]
-        if done is not None:
-            done.synchronize()
-        host = self._meta_host[self._parity % len(self._meta_host)]
-        view = host.numpy()
+        parity = self._parity = (self._parity + 1) % len(self._meta_host)
+        if self._meta_done and self._meta_used[parity]:
+            self._meta_done[parity].synchronize()  # its copy two steps ago has left
+        view = self._meta_host_np[parity]
         view[:num_reqs] = rows
         view[cap:cap + num_reqs] = num_wanted
         view[2 * cap:2 * cap + num_reqs] = num_blocks
         view[2 * cap + num_reqs:2 * cap + size] = 0  # padding rows hold no blocks
-        if host is not self.meta:
+        if self._meta_done:
+            host = self._meta_host[parity]
             self.meta[:2 * cap + size].copy_(host[:2 * cap + size], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._meta_done[self._parity] = event
+            self._meta_done[parity].record()
+            self._meta_used[parity] = True
 
     def _capture(self) -> None:
         """A CUDA graph per size, with and without drafts (largest first, one memory pool,
