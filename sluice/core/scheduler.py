@@ -15,12 +15,15 @@ lookahead slots for the KV of their next drafts. The drafts are not the request'
 tokens already known enter the prefix cache, and after verification `num_computed_tokens` rolls
 back over the rejected drafts, whose KV is then overwritten. Whether a step drafts at all is the
 drafting policy's call (sluice/spec_decode/policy.py). Drafts continue from a request's last
-token. With async scheduling, n-gram drafts are proposed on the workers' device instead, after
-the tokens still in flight (sluice/spec_decode/device_ngram.py): the scheduler gives a decoding
-request k' draft slots (`scheduled_device_drafts`) and counts them as accepted until the step's
-tokens come back (`num_draft_slots_in_flight`; the blocks for them are allocated), so steps with
-drafts overlap like any other. Without async scheduling the scheduler proposes n-gram drafts from
-the tokens it has, and a step with drafts runs synchronously.
+token. With async scheduling, drafts are proposed on the workers' device instead, after the
+tokens still in flight (n-gram: sluice/spec_decode/device_ngram.py; a model proposer's by its
+device pass after every step, sluice/spec_decode/model_proposer.py): the scheduler gives a
+decoding request k' draft slots (`scheduled_device_drafts`) and counts them as accepted until the
+step's tokens come back (`num_draft_slots_in_flight`; the blocks for them are allocated), so
+steps with drafts overlap like any other. A model proposer drafts after a step when the policy
+drafts in it or probes in the next (`propose_drafts`). Without async scheduling the scheduler
+proposes n-gram drafts from the tokens it has, a model proposer's come back with each step, and
+steps with drafts (every step of a model proposer) run synchronously.
 
 KV connectors (sluice/core/kv_connector.py): a waiting request's prefix may be loadable from
 elsewhere. A synchronous load happens in the step that computes the request's next tokens (the
@@ -199,9 +202,9 @@ class Scheduler:
 
     def runs_synchronously(self, output: SchedulerOutput) -> bool:
         """Whether the step must be taken before the next is scheduled, even with async
-        scheduling: one with drafts (how many are accepted decides where each request's next
-        step starts), and every step of a model proposer (its KV pass and drafts read the
-        step's tokens on the host)."""
+        scheduling: one with host drafts (how many are accepted decides where each request's
+        next step starts), and without device drafts every step of a model proposer (its KV
+        pass and drafts read the step's tokens on the host)."""
         return bool(output.scheduled_spec_decode_tokens) or (
             self.drafting is not None and self.ngram is None and not self.device_drafts)
 

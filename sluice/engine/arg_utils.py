@@ -43,8 +43,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     dense_prefill: bool = True
-    # None: on when running on a GPU. With speculative decoding, every step of a model proposer
-    # still runs synchronously; n-gram drafts are then proposed on the device.
+    # None: on when running on a GPU. With speculative decoding, drafts are then proposed on
+    # the device (every proposer), so steps with drafts overlap too.
     async_scheduling: bool | None = None
     # {"method": "ngram" | "draft_model" | "eagle", "num_speculative_tokens": k, ...}, its JSON
     # string, or a SpeculativeConfig; None: no speculative decoding.

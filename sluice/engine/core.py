@@ -10,11 +10,11 @@ constrained request's next mask needs the token still in flight: when one has, t
 the in-flight result before scheduling (that step loses the overlap; requests stay at one token
 per step). Steps without constrained requests are untouched.
 
-Speculative decoding: with n-gram drafts every step overlaps like any step: the workers propose
-the drafts on the device after the tokens still in flight (sluice/spec_decode/device_ngram.py).
-Every step of a model proposer (draft model, EAGLE) runs synchronously (its result is taken
-before the next step is scheduled), since its KV pass reads the step's tokens on the host; so do
-n-gram steps with drafts without async scheduling (the scheduler proposes those).
+Speculative decoding: every step overlaps like any step: the workers propose the drafts on the
+device after the tokens still in flight (n-gram: sluice/spec_decode/device_ngram.py; a draft
+model or EAGLE head: its device pass after each step, sluice/spec_decode/model_proposer.py).
+Without async scheduling steps with drafts, and every step of a model proposer, run
+synchronously (their drafts are proposed on the host from the step's tokens).
 """
 
 from __future__ import annotations

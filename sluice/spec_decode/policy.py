@@ -1,7 +1,7 @@
 """When to draft: the scheduler's drafting policy for speculative decoding.
 
-A step with drafts verifies 1 + k tokens per request: with async scheduling and n-gram drafts
-(proposed on the device) it overlaps like any step, and costs more device time than a step
+A step with drafts verifies 1 + k tokens per request: with async scheduling (drafts proposed on
+the device) it overlaps like any step, and costs more device time than a step
 without (on an H200 at batch 1, 1.10 ms against 0.86 for Qwen3-0.6B); otherwise it runs
 synchronously (how many drafts each request accepted decides where its next step starts, and its
 next drafts continue from its last token), about two overlapped steps. Drafting pays only when
@@ -30,6 +30,9 @@ While drafting is off for acceptance the averages are kept fresh by probes, one 
   sampled ones in distribution (a draft d is accepted with probability p(d), the chance that the
   token sampled instead is d; d's successor likewise, given d). The device never sees a probe.
 - a model proposer's drafts need the device: every `probe_interval` steps off, one step drafts.
+  With device drafts that step's drafts are proposed after the step before it
+  (`probes_next_step`), and a step whose slots got no drafts (the step before did not propose)
+  is not observed.
 
 Lifecycle, driven by the scheduler: `add_request` for a request that can speculate
 (`can_speculate`), `begin_step` once per scheduled step, `observe` per verified row (and for a

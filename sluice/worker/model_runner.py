@@ -19,8 +19,9 @@ With speculative decoding (see sluice/worker/spec_decode.py) a request's drafts 
 of its scheduled tokens; a step with drafts, and every step of a model proposer, then runs
 synchronously: verify, append, propose. An n-gram step without drafts samples like any step
 (the scheduler proposes n-gram drafts), so it can overlap the next. With async scheduling,
-n-gram drafts are proposed on the device instead (sluice/spec_decode/device_ngram.py) and a step
-that verifies them overlaps the next like any other.
+drafts are proposed on the device instead (n-gram: sluice/spec_decode/device_ngram.py; a model
+proposer's pass after each step: sluice/spec_decode/model_proposer.py) and a step that verifies
+them overlaps the next like any other.
 """
 
 from __future__ import annotations
@@ -240,9 +241,9 @@ class ModelRunner:
                 s.pending_step is not None and _needs_token_history(s.sampling_params)
                 for s in (self.requests[r] for r in scheduler_output.num_scheduled_tokens)):
             previous.result()  # penalties and min_tokens count tokens on the host
-        device_ngram = self.spec.device_ngram if self.spec is not None else None
+        draft_fix_up = self.spec.draft_fix_up if self.spec is not None else None
         step = self.input_builder.prepare(scheduler_output, self.requests, self.graph_runner,
-                                          device_ngram)
+                                          draft_fix_up)
         if step.graph is not None:
             graphs, size = step.graph
             # A connector's per-layer work around the replay, through the events the graphs
@@ -280,7 +281,7 @@ class ModelRunner:
             for i in np.flatnonzero(device_rows):
                 states[i].history_step = handle  # its history now lacks this step's tokens
         spec = self.spec
-        if device_ngram is not None and spec.model_proposer is not None:
+        if draft_fix_up is not None and spec.model_proposer is not None:
             # A model proposer's drafts on the device: verify (or sample), then its pass.
             if sample_rows and any(scheduler_output.scheduled_device_drafts.values()):
                 self._launch_parity ^= 1

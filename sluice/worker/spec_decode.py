@@ -11,11 +11,13 @@ rejection sampler does not apply (penalties and min_tokens count the tokens befo
 logprobs are per token): those decode one token at a time. N-gram drafts are proposed by the
 scheduler (sluice/core/scheduler.py), from the tokens it knows.
 
-Steps that verify drafts, and every step of a model proposer, run synchronously: the next
-step's drafts depend on this step's tokens. Except with async scheduling and n-gram drafts:
-those are proposed on the device by the next step's input fix-up
-(sluice/spec_decode/device_ngram.py), after the tokens this step emits, and `verify_on_device`
-verifies them without the host waiting for anything.
+Without async scheduling, steps that verify drafts, and every step of a model proposer, run
+synchronously: the next step's drafts depend on this step's tokens. With it, drafts are proposed
+on the device and no step waits: n-gram drafts by the next step's input fix-up
+(sluice/spec_decode/device_ngram.py), after the tokens this step emits; a model proposer's by its
+device pass right after the step (`propose_on_device`: ModelProposer.propose_on_device, or for
+decode batches the fixed-shape DecodeBatches, CUDA graphs on a GPU), which the next step's fix-up
+takes. `verify_on_device` verifies either without the host waiting for anything.
 """
 
 from __future__ import annotations
@@ -60,12 +62,12 @@ class SpecDecoder:
         # one copy that never blocks the host.
         max_rows = runner.scheduler_config.max_num_seqs
         self.staged = StagedBuffer((max_rows * (2 * self.k + 2),), torch.int64, runner.device)
-        self.device_ngram: DeviceNgram | None = None
+        self.draft_fix_up: DeviceNgram | None = None
         if runner.scheduler_config.async_scheduling:
             # Drafts on the device: found by prompt lookup in the fix-up, or a model
             # proposer's from its device pass after each step.
             from_model = config.method != "ngram"
-            self.device_ngram = DeviceNgram(  # (n-gram sizes unused with a model's drafts)
+            self.draft_fix_up = DeviceNgram(  # (n-gram sizes unused with a model's drafts)
                 self.k, 1 if from_model else config.prompt_lookup_min,
                 1 if from_model else config.prompt_lookup_max,
                 runner.scheduler_config.max_model_len, max_rows, runner.block_size,
@@ -93,8 +95,8 @@ class SpecDecoder:
         graphs (with async scheduling)."""
         if self.model_proposer is not None:
             self.model_proposer.initialize_kv_cache(num_blocks)
-        if self.device_ngram is not None:
-            self.device_ngram.warm_up()
+        if self.draft_fix_up is not None:
+            self.draft_fix_up.warm_up()
             if self.model_proposer is not None:
                 builder = self.runner.input_builder
                 sources = StepSources(builder.buf_input_ids.device, builder.buf_positions.device,
@@ -205,7 +207,7 @@ class SpecDecoder:
         states = step.states
         num_reqs = len(states)
         rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
-        self.device_ngram.ensure_rows(int(rows.max()) + 1)
+        self.draft_fix_up.ensure_rows(int(rows.max()) + 1)
         decode = self.model_proposer.decode_batches
         slots = step.draft_slots
         if (decode is not None and len(sample_rows) == num_reqs <= decode.max_size
@@ -219,8 +221,8 @@ class SpecDecoder:
                 rows, wanted, self.runner.block_tables.num_blocks[rows],
                 handle.sampled.view(-1, 1) if verified is None else verified.tokens,
                 None if verified is None else verified.counts, hidden, step.block_tables,
-                step.graph is not None, self.device_ngram.model_draft_ids,
-                self.device_ngram.model_num_drafts)
+                step.graph is not None, self.draft_fix_up.model_draft_ids,
+                self.draft_fix_up.model_num_drafts)
             return
         sample_index = np.full(num_reqs, -1, dtype=np.int64)
         sample_index[sample_rows] = np.arange(len(sample_rows))
@@ -242,7 +244,7 @@ class SpecDecoder:
              for s, i in zip(states, sample_index.tolist())), np.int64, num_reqs)
         builder = self.runner.input_builder
         num_layout = int(step.query_start_loc[-1])
-        device_ngram = self.device_ngram
+        fix_up = self.draft_fix_up
         self.model_proposer.propose_on_device(
             DeviceStep(
                 rows=rows, query_start_loc=step.query_start_loc,
@@ -254,7 +256,7 @@ class SpecDecoder:
                 positions=builder.buf_positions.device[:num_layout],
                 block_tables=step.block_tables, hidden=hidden, emitted=emitted,
                 counts=counts),
-            device_ngram.model_draft_ids, device_ngram.model_num_drafts)
+            fix_up.model_draft_ids, fix_up.model_num_drafts)
 
 
 def _logit_positions(step: StepInputs, rows: list[int], num_drafts: np.ndarray) -> np.ndarray:

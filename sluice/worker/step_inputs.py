@@ -108,9 +108,9 @@ class InputBuilder:
         self.dense_prefix = False
 
     def prepare(self, so: SchedulerOutput, requests: dict[str, CachedRequestState],
-                graphs: GraphRunner, device_ngram: DeviceNgram | None = None) -> StepInputs:
+                graphs: GraphRunner, draft_fix_up: DeviceNgram | None = None) -> StepInputs:
         """This step's inputs, on the device (or queued to it) when this returns.
-        device_ngram: the runner's, with n-gram drafts proposed on the device."""
+        draft_fix_up: the runner's, with drafts proposed on the device."""
         req_ids = [r.req_id for r in so.scheduled_new_reqs]
         req_ids += [r.req_id for r in so.scheduled_cached_reqs]
         states = [requests[r] for r in req_ids]
@@ -125,7 +125,7 @@ class InputBuilder:
         num_drafts = (np.fromiter(map(len, drafts), np.int64, num_reqs) if drafts
                       else np.zeros(num_reqs, dtype=np.int64))
         device_rows = None
-        if device_ngram is not None:
+        if draft_fix_up is not None:
             # A row the device fixes: its drafts come from the device, or its last tokens are
             # those of a step in flight that verified drafts (how many is on the device only).
             slots = so.scheduled_device_drafts
@@ -242,7 +242,7 @@ class InputBuilder:
             self.buf_input_ids.device.index_copy_(0, index[:count], handle.sampled[index[count:]])
         device_drafts = None
         if device_rows is not None:
-            device_drafts = self._fix_up_device_rows(device_ngram, states, device_rows,
+            device_drafts = self._fix_up_device_rows(draft_fix_up, states, device_rows,
                                                      num_drafts, query_start_loc, block_tables,
                                                      padded_tokens)
         if self.device.type == "cuda":
@@ -254,7 +254,7 @@ class InputBuilder:
                           draft_slots=num_drafts if device_rows is not None else None,
                           device_drafts=device_drafts)
 
-    def _fix_up_device_rows(self, device_ngram: DeviceNgram,
+    def _fix_up_device_rows(self, draft_fix_up: DeviceNgram,
                             states: list[CachedRequestState], device_rows: np.ndarray,
                             slots: np.ndarray, query_start_loc: np.ndarray,
                             block_tables: torch.Tensor,
@@ -280,14 +280,14 @@ class InputBuilder:
             if s.pending_step is None or s.history_step is not s.pending_step:
                 upload_rows.append(s.row)
                 upload_tokens.append(s.token_ids)
-        device_ngram.ensure_rows(int(meta[:, 0].max()) + 1)
-        device_ngram.upload(upload_rows, upload_tokens)
+        draft_fix_up.ensure_rows(int(meta[:, 0].max()) + 1)
+        draft_fix_up.upload(upload_rows, upload_tokens)
         num_reqs = len(states)
         buffers = StepBuffers(self.buf_input_ids.device[:num_tokens],
                               self.buf_positions.device[:num_tokens],
                               self.buf_slot_mapping.device[:num_tokens],
                               self.buf_seq_lens.device[:num_reqs], block_tables)
-        return device_ngram.fix_up(
+        return draft_fix_up.fix_up(
             meta, previous.previous_tokens() if previous is not None else None, buffers)
 
     def upload(self, block_table_entries: int, num_tokens: int) -> None:
