@@ -255,12 +255,11 @@ class ModelProposer(ABC):
         steps = [tokens]
         k = int(step.num_wanted.max())
         for m in range(1, k):
-            store = next_pos < self.max_model_len
-            pos = next_pos.clamp(max=self.max_model_len - 1)
-            slot_mapping = self._slots(table, None, pos, blocks, store)
+            pos, slot_mapping, seq_lens = step_inputs(next_pos, blocks, table,
+                                                      self.max_model_len, self.block_size)
             max_len = int((step.num_computed + lengths).max()) + m
             metadata = self._device_metadata(
-                one_each, (pos + 1).to(torch.int32), table, slot_mapping,
+                one_each, seq_lens, table, slot_mapping,
                 np.arange(len(drafting) + 1, dtype=np.int64), np.ones(len(drafting), np.int64),
                 max_len)
             out = self.forward(tokens, pos, out if offset else None, metadata)
@@ -294,18 +293,16 @@ class ModelProposer(ABC):
             staged = staged.clone()  # the next call rewrites this buffer
         return list(torch.split(staged, sizes))
 
-    def _slots(self, block_tables: torch.Tensor, row_of: torch.Tensor | None,
+    def _slots(self, block_tables: torch.Tensor, row_of: torch.Tensor,
                positions: torch.Tensor, num_blocks: torch.Tensor,
                store: torch.Tensor) -> torch.Tensor:
         """Each position's KV slot through its row's block table (`block_tables` [R, width],
-        contiguous; `row_of` each position's row, None for one position per row); -1 (not
-        stored) where `store` is False or the row holds no block there."""
+        contiguous; `row_of` each position's row); -1 (not stored) where `store` is False or
+        the row holds no block there."""
         index = positions // self.block_size
         store = store & (index < num_blocks)
         width = block_tables.shape[1]
         index = index.clamp(max=width - 1)
-        if row_of is None:
-            row_of = torch.arange(len(positions), device=positions.device)
         blocks = block_tables.reshape(-1)[row_of * width + index]
         slots = blocks.to(torch.int64) * self.block_size + positions % self.block_size
         return torch.where(store, slots, -1)

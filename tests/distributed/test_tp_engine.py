@@ -132,11 +132,15 @@ def test_seeded_sampling_and_logprobs_equal_tp1(qwen3_dir: str, qwen3_tp2: LLM) 
     assert_all_blocks_back(qwen3_tp2)
 
 
-def test_eagle_speculation_at_tp2_keeps_greedy_ids(qwen3_dir: str, tmp_path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_eagle_speculation_at_tp2_keeps_greedy_ids(qwen3_dir: str, tmp_path,
+                                                   async_scheduling: bool) -> None:
     """The EAGLE head is replicated on each rank; it shares the target's vocab-parallel
-    embedding and LM head (their collectives run on every rank in the same order)."""
+    embedding and LM head (their collectives run on every rank in the same order), also in
+    its device pass after every step (async scheduling)."""
     eagle = make_tiny_eagle(qwen3_dir, str(tmp_path / "eagle"))
-    llm = LLM(model=qwen3_dir, tensor_parallel_size=2, **BASE, speculative_config={
+    llm = LLM(model=qwen3_dir, tensor_parallel_size=2, **BASE,
+              async_scheduling=async_scheduling, speculative_config={
         "method": "eagle", "model": eagle, "num_speculative_tokens": 3,
         "disable_by_batch_size": None, "min_accepted_tokens_per_step": 0})
     try:

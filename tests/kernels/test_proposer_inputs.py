@@ -8,11 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.spec_decode.proposer_inputs import (
-    _pass_inputs_triton,
-    pass_inputs_torch,
-    step_inputs_torch,
-)
+from sluice.spec_decode.proposer_inputs import pass_inputs_torch, step_inputs_torch
+from sluice.spec_decode.proposer_inputs_kernel import _step_inputs_kernel, pass_inputs_triton
 
 PAGE = 4
 
@@ -40,7 +37,7 @@ def test_pass_inputs_kernel_matches_torch_reference(seed: int, known: int) -> No
     length = k + 1 + known
     args = _batch(seed, 7, k)
     want = pass_inputs_torch(*args, length, known, PAGE, 20)
-    got = _pass_inputs_triton(*args, length, known, PAGE, 20)
+    got = pass_inputs_triton(*args, length, known, PAGE, 20)
     names = ("ids", "positions", "slots", "seq_lens", "valid", "first_pos", "hidden_rows")
     for name, w, g in zip(names, want, got):
         assert torch.equal(w, g), name
@@ -70,8 +67,6 @@ def test_pass_inputs_reference_lays_out_each_row() -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_step_inputs_kernel_matches_torch_reference(seed: int) -> None:
-    from sluice.spec_decode.proposer_inputs import _step_inputs_kernel
-
     generator = torch.Generator().manual_seed(seed)
     size, max_model_len = 150, 70  # two programs; some rows past max_model_len
     next_pos = torch.randint(0, 80, (size,), generator=generator)
