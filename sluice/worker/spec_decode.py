@@ -198,7 +198,6 @@ class SpecDecoder:
             hidden)
         output.spec_token_ids = drafts if draft else None
 
-
     def propose_on_device(self, step: StepInputs, hidden: torch.Tensor, handle: StepHandle,
                           sample_rows: list[int], draft: bool) -> None:
         """The model proposer's device pass over the step just launched (its KV, and with

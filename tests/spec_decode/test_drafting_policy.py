@@ -146,6 +146,26 @@ def test_model_proposer_drafts_to_measure_then_probes_every_interval() -> None:
     assert p.begin_step(1) is Drafting.ON
 
 
+def test_a_model_proposers_probe_is_announced_a_step_ahead() -> None:
+    """With drafts proposed on the device, a probing step's drafts come from the step before
+    it: the policy says after each step whether the next one probes."""
+    p = policy("eagle", min_accepted_tokens_per_step=1.0, disable_by_batch_size=None,
+               probe_interval=3)
+    p.add_request("a")
+    p.begin_step(1)
+    p.observe("a", 0)
+    announced = []
+    for _ in range(8):
+        decision = p.begin_step(1)
+        announced.append((decision, p.probes_next_step()))
+    assert announced == [
+        (Drafting.OFF_ACCEPTANCE, False), (Drafting.OFF_ACCEPTANCE, False),
+        (Drafting.OFF_ACCEPTANCE, True), (Drafting.ON, False),
+        (Drafting.OFF_ACCEPTANCE, False), (Drafting.OFF_ACCEPTANCE, False),
+        (Drafting.OFF_ACCEPTANCE, True), (Drafting.ON, False)]
+    assert not policy(min_accepted_tokens_per_step=1.0).probes_next_step()  # n-gram: on host
+
+
 def test_threshold_zero_always_drafts_below_the_batch_limit() -> None:
     p = policy(min_accepted_tokens_per_step=0, disable_by_batch_size=3)
     p.add_request("a")
