@@ -26,6 +26,8 @@ block-table row, for the next step's input fix-up (sluice/spec_decode/device_ngr
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -39,6 +41,8 @@ from sluice.model.hf_config import HFModelConfig, load_hf_config
 from sluice.model.loader import load_model
 from sluice.spec_decode.config import SpeculativeConfig
 from sluice.spec_decode.proposer_inputs import pass_inputs, step_inputs
+
+logger = logging.getLogger("sluice")
 
 
 @dataclass(slots=True)
@@ -525,6 +529,7 @@ class DecodeBatches:
         """A CUDA graph per size, with and without drafts (largest first, one memory pool,
         separate from the target's: the target's hidden states are read before a replay)."""
         tables = self.sources.graph_block_tables
+        start = time.perf_counter()
         pool = None
         for size in reversed(self.sizes):
             for draft in (True, False):
@@ -537,6 +542,9 @@ class DecodeBatches:
                     pool = graph.pool()
                 self.graphs[(size, draft)] = graph
         torch.cuda.synchronize()
+        logger.info("captured CUDA graphs of the %s proposer's pass over decode batch sizes %s, "
+                    "with and without drafts, in %.1f s", self.proposer.config.method,
+                    self.sizes, time.perf_counter() - start)
 
     def _body(self, size: int, draft: bool, block_tables: torch.Tensor) -> None:
         """The pass over the first `size` rows; with `draft` their drafts, in self.drafts."""
