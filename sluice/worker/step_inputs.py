@@ -279,7 +279,9 @@ class InputBuilder:
                 meta[i, 5] = len(s.token_ids) - 1 - s.num_computed_tokens
             if s.pending_step is None or s.history_step is not s.pending_step:
                 upload_rows.append(s.row)
-                upload_tokens.append(s.token_ids)
+                # (With a model's drafts the fix-up reads only a row's last token.)
+                upload_tokens.append(s.token_ids[-1:] if draft_fix_up.from_model
+                                     else s.token_ids)
         draft_fix_up.ensure_rows(int(meta[:, 0].max()) + 1)
         draft_fix_up.upload(upload_rows, upload_tokens)
         num_reqs = len(states)
