@@ -94,7 +94,9 @@ class ModelProposer(ABC):
         self._pin = device.type == "cuda"
         self._staging = [torch.zeros(4096, dtype=torch.int64, pin_memory=self._pin)
                          for _ in range(2)]
-        self._staging_done: list[torch.cuda.Event | None] = [None, None]
+        # (recorded once used)
+        self._staging_done = [torch.cuda.Event() for _ in range(2)] if self._pin else []
+        self._staging_used = [False, False]
         self._parity = 0
         # Decode batches in a fixed shape (CUDA graphs on a GPU): see DecodeBatches.
         self.decode_batches: DecodeBatches | None = None
@@ -280,9 +282,8 @@ class ModelProposer(ABC):
         sizes = [len(part) for part in parts]
         needed = sum(sizes)
         self._parity ^= 1
-        done = self._staging_done[self._parity]
-        if done is not None:
-            done.synchronize()
+        if self._pin and self._staging_used[self._parity]:
+            self._staging_done[self._parity].synchronize()
         if self._staging[self._parity].numel() < needed:
             self._staging[self._parity] = torch.zeros(
                 max(needed, 2 * self._staging[self._parity].numel()), dtype=torch.int64,
@@ -291,8 +292,8 @@ class ModelProposer(ABC):
         np.concatenate(parts, out=host.numpy()[:needed], casting="unsafe")
         staged = host[:needed].to(self.device, non_blocking=True)
         if self._pin:
-            self._staging_done[self._parity] = torch.cuda.Event()
             self._staging_done[self._parity].record()
+            self._staging_used[self._parity] = True
         elif self.device.type == "cpu":
             staged = staged.clone()  # the next call rewrites this buffer
         return list(torch.split(staged, sizes))
