@@ -181,6 +181,18 @@ def spec_configs(model: str, eagle: str) -> dict[str, dict]:
             **ALWAYS_DRAFT}, "max_num_batched_tokens": 32},
         "spec_eagle": {"speculative_config": {
             "method": "eagle", "model": eagle, "num_speculative_tokens": 3, **ALWAYS_DRAFT}},
+        # Drafting switched off (for the batch size; for a random head's acceptance, probing
+        # every other step): the device passes skipped, then caught up. In 64-token chunks
+        # the longest prompt decodes alone at the end. The self-draft accepts every draft
+        # only when its KV is right at every position.
+        "spec_draft_model_self_switching": {"speculative_config": {
+            "method": "draft_model", "model": model, "num_speculative_tokens": 4,
+            "disable_by_batch_size": 4, "min_accepted_tokens_per_step": 0},
+            "max_num_batched_tokens": 64},
+        "spec_eagle_switching": {"speculative_config": {
+            "method": "eagle", "model": eagle, "num_speculative_tokens": 3,
+            "disable_by_batch_size": None, "min_accepted_tokens_per_step": 1.0,
+            "probe_interval": 2}, "max_num_batched_tokens": 64},
         "spec_draft_model_self_sync": {"speculative_config": {
             "method": "draft_model", "model": model, "num_speculative_tokens": 4,
             **ALWAYS_DRAFT}, "async_scheduling": False},

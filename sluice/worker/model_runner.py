@@ -283,6 +283,7 @@ class ModelRunner:
         spec = self.spec
         if draft_fix_up is not None and spec.model_proposer is not None:
             # A model proposer's drafts on the device: verify (or sample), then its pass.
+            spec.store_hidden(step, hidden)
             if sample_rows and any(scheduler_output.scheduled_device_drafts.values()):
                 self._launch_parity ^= 1
                 spec.verify_on_device(step, hidden, sample_rows, handle, self._launch_parity)
@@ -401,13 +402,19 @@ class ModelRunner:
                 # A first token sampled elsewhere counts as a draw (seeded rows key on it).
                 num_sampled=len(new.output_token_ids),
             )
+            if self.spec is not None:
+                self.spec.start_request(self.requests[new.req_id])
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.resumed_from_preemption:
                 self.block_tables.replace(state.row, cached.new_block_ids)
             elif cached.new_block_ids:
                 self.block_tables.append(state.row, cached.new_block_ids)
+                if self.spec is not None:
+                    self.spec.fresh_blocks(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.resumed_from_preemption and self.spec is not None:
+                self.spec.start_request(state)
 
     def _compute_prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,
                                  output: ModelRunnerOutput) -> None:

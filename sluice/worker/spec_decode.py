@@ -86,6 +86,18 @@ class SpecDecoder:
             self.model_proposer = cls(
                 config, runner.model, runner.hf_config, runner.dtype, runner.device,
                 runner.attn_backend, runner.block_size, runner.scheduler_config.max_model_len)
+            # EAGLE's catch-up passes read the target's hidden states of skipped steps.
+            self.model_proposer.keeps_hidden = (self.draft_fix_up is not None
+                                                and config.method == "eagle")
+        # Device passes skipped (drafting off, no slots): propose_on_device.
+        self.num_passes_skipped = 0
+        # Per block-table row: where the proposer's KV gap starts (-1: none), whether drafts
+        # of an earlier pass may sit on the device for it, how many of its blocks the
+        # proposer's KV fills; per KV block: whether it does (prefix-cache hits trust it).
+        self._gap = np.zeros(0, dtype=np.int64)
+        self._stale = np.zeros(0, dtype=bool)
+        self._ok_blocks = np.zeros(0, dtype=np.int64)
+        self.proposer_ok: np.ndarray | None = None
 
     def kv_bytes_per_block(self) -> int:
         return self.model_proposer.kv_bytes_per_block() if self.model_proposer else 0
@@ -95,6 +107,8 @@ class SpecDecoder:
         graphs (with async scheduling)."""
         if self.model_proposer is not None:
             self.model_proposer.initialize_kv_cache(num_blocks)
+            if self.draft_fix_up is not None:
+                self.proposer_ok = np.zeros(num_blocks, dtype=bool)
         if self.draft_fix_up is not None:
             self.draft_fix_up.warm_up()
             if self.model_proposer is not None:
@@ -198,18 +212,44 @@ class SpecDecoder:
             hidden)
         output.spec_token_ids = drafts if draft else None
 
+    def store_hidden(self, step: StepInputs, hidden: torch.Tensor) -> None:
+        """EAGLE with drafts on the device: the target's hidden states of the step just run,
+        at its KV slots, for a later pass's catch-up (ModelProposer.store_hidden)."""
+        proposer = self.model_proposer
+        if proposer is not None and proposer.keeps_hidden:
+            num_layout = int(step.query_start_loc[-1])
+            slots = self.runner.input_builder.buf_slot_mapping.device[:num_layout]
+            proposer.store_hidden(slots, hidden)
+
     def propose_on_device(self, step: StepInputs, hidden: torch.Tensor, handle: StepHandle,
                           sample_rows: list[int], draft: bool) -> None:
         """The model proposer's device pass over the step just launched (its KV, and with
         `draft` the next drafts of every row that sampled and can speculate), queued without
-        waiting: the next step's fix-up takes the drafts."""
+        waiting: the next step's fix-up takes the drafts.
+
+        Skipped when the next step does not draft and this one had no draft slots: the
+        proposer's KV then lacks the step's positions (a gap, per block-table row), and the
+        next pass that runs over the request first catches them up from the tokens the host
+        knows by then (EAGLE: and the target's hidden states stored at their slots,
+        `store_hidden`). A gap's steps have no slots, so their tokens are the inputs the host
+        scheduled; the catch-up starts k positions early, since the host's count of the step
+        before a gap may include slots it did not accept (recomputing a verified position
+        rewrites the same KV)."""
         states = step.states
         num_reqs = len(states)
-        rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
-        self.draft_fix_up.ensure_rows(int(rows.max()) + 1)
-        decode = self.model_proposer.decode_batches
+        rows = step.rows
+        self._ensure_rows(int(rows.max()) + 1)
         slots = step.draft_slots
-        if (decode is not None and len(sample_rows) == num_reqs <= decode.max_size
+        if not draft and (slots is None or not slots.any()):
+            self._skip_pass(step)
+            return
+        gaps, gap_tokens = self._take_gaps(step)
+        self._stale[rows] = False
+        if draft:
+            self._stale[rows[sample_rows]] = True
+        decode = self.model_proposer.decode_batches
+        if (decode is not None and not gaps.any()
+                and len(sample_rows) == num_reqs <= decode.max_size
                 and (step.num_scheduled == 1 + (0 if slots is None else slots)).all()):
             # A decode batch: the fixed-shape pass (a CUDA graph's replay).
             wanted = np.fromiter(
@@ -222,6 +262,7 @@ class SpecDecoder:
                 None if verified is None else verified.counts, hidden, step.block_tables,
                 step.graph is not None, self.draft_fix_up.model_draft_ids,
                 self.draft_fix_up.model_num_drafts)
+            self._mark_covered(step, slots, gaps)
             return
         sample_index = np.full(num_reqs, -1, dtype=np.int64)
         sample_index[sample_rows] = np.arange(len(sample_rows))
@@ -251,11 +292,100 @@ class SpecDecoder:
                 num_computed=step.num_computed,
                 num_blocks=self.runner.block_tables.num_blocks[rows].astype(np.int64),
                 sample_index=sample_index, next_tokens=next_tokens, num_wanted=num_wanted,
+                gaps=gaps, gap_tokens=gap_tokens,
                 input_ids=builder.buf_input_ids.device[:num_layout],
                 positions=builder.buf_positions.device[:num_layout],
                 block_tables=step.block_tables, hidden=hidden, emitted=emitted,
                 counts=counts),
             fix_up.model_draft_ids, fix_up.model_num_drafts)
+        self._mark_covered(step, slots, gaps)
+
+    # ---- which positions the proposer's KV holds (device passes) ---------------------------
+
+    def start_request(self, state: CachedRequestState) -> None:
+        """A request (new, or resumed after preemption) took its block-table row with
+        `num_computed_tokens` already in its blocks (prefix-cache hits): its blocks past them
+        are fresh, and its proposer KV starts at the first hit block a pass never completed
+        (a gap there), the row's old drafts are stale."""
+        if self.proposer_ok is None:
+            return
+        row = state.row
+        self._ensure_rows(row + 1)
+        table = self.runner.block_tables
+        blocks = table.table[row, :table.num_blocks[row]]
+        num_hit = min(state.num_computed_tokens // self.runner.block_size, len(blocks))
+        self.proposer_ok[blocks[num_hit:]] = False
+        ok = self.proposer_ok[blocks[:num_hit]]
+        first_bad = num_hit if ok.all() else int(np.argmin(ok))
+        self._ok_blocks[row] = first_bad
+        self._gap[row] = first_bad * self.runner.block_size if first_bad < num_hit else -1
+        self._stale[row] = True
+
+    def fresh_blocks(self, block_ids: list[int]) -> None:
+        """Blocks newly given to a running request: no proposer KV in them yet."""
+        if self.proposer_ok is not None and block_ids:
+            self.proposer_ok[block_ids] = False
+
+    def _ensure_rows(self, num_rows: int) -> None:
+        self.draft_fix_up.ensure_rows(num_rows)
+        old = len(self._gap)
+        if num_rows > old:
+            grow = max(num_rows, 2 * old) - old
+            self._gap = np.concatenate([self._gap, np.full(grow, -1, dtype=np.int64)])
+            self._stale = np.concatenate([self._stale, np.ones(grow, dtype=bool)])
+            self._ok_blocks = np.concatenate([self._ok_blocks, np.zeros(grow, dtype=np.int64)])
+
+    def _skip_pass(self, step: StepInputs) -> None:
+        """No pass after this step: each request's gap starts (or goes on) here, and drafts
+        an earlier pass left for its row are dropped (the fix-up must not take them later)."""
+        self.num_passes_skipped += 1
+        rows = step.rows
+        gap = self._gap[rows]
+        self._gap[rows] = np.where(gap < 0, np.maximum(step.num_computed - self.k, 0), gap)
+        stale = rows[self._stale[rows]]
+        if len(stale):
+            self._stale[stale] = False
+            num_drafts = self.draft_fix_up.model_num_drafts
+            num_drafts[torch.from_numpy(stale).to(num_drafts.device)] = 0
+
+    def _take_gaps(self, step: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+        """Per request of the step, the positions its pass catches up before the step's
+        first (0: none), and their tokens, request after request (EAGLE's pass at position p
+        takes the token at p + 1: the last catch-up position's is the step's first input)."""
+        rows = step.rows
+        starts = self._gap[rows]
+        gaps = np.where(starts < 0, 0, np.maximum(step.num_computed - starts, 0))
+        if not gaps.any():
+            return gaps, np.zeros(0, dtype=np.int64)
+        self._gap[rows] = -1
+        offset = self.model_proposer.token_offset
+        tokens: list[int] = []
+        for i in np.flatnonzero(gaps):
+            s = step.states[i]
+            start, computed = int(starts[i]), int(step.num_computed[i])
+            known = s.token_ids[start + offset:computed]
+            assert len(known) == computed - start - offset, (
+                f"request {s.req_id}: the host lacks tokens of its proposer catch-up "
+                f"({len(known)} of positions {start} .. {computed})")
+            tokens.extend(known)
+        return gaps, np.array(tokens, dtype=np.int64)
+
+    def _mark_covered(self, step: StepInputs, slots: np.ndarray | None,
+                      gaps: np.ndarray) -> None:
+        """After a pass: the blocks each request's KV now fills for the proposer, up to what
+        the host knows the step verified (a row's count may include slots of the step before
+        it did not accept, unless a gap made it exact: k positions fewer)."""
+        rows = step.rows
+        self._gap[rows] = -1
+        verified = step.num_computed + step.num_scheduled - (0 if slots is None else slots)
+        verified -= np.where(gaps > 0, 0, self.k)
+        filled = verified // self.runner.block_size
+        done = self._ok_blocks[rows]
+        table = self.runner.block_tables
+        for i in np.flatnonzero(filled > done):
+            row = rows[i]
+            self.proposer_ok[table.table[row, done[i]:filled[i]]] = True
+            self._ok_blocks[row] = filled[i]
 
 
 def _logit_positions(step: StepInputs, rows: list[int], num_drafts: np.ndarray) -> np.ndarray:

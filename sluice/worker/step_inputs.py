@@ -42,6 +42,7 @@ class StepInputs:
     states: list[CachedRequestState]
     num_tokens: int
     num_computed: np.ndarray  # [B] before this step
+    rows: np.ndarray  # [B] each request's block-table row
     num_scheduled: np.ndarray  # [B]
     # [B + 1] where each request's tokens start in the step's flattened tokens (a verification
     # CUDA graph lays requests out every 1 + k tokens, padding after the real ones)
@@ -248,7 +249,7 @@ class InputBuilder:
         if self.device.type == "cuda":
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
-        return StepInputs(req_ids, states, num_tokens, num_computed, num_scheduled,
+        return StepInputs(req_ids, states, num_tokens, num_computed, rows, num_scheduled,
                           query_start_loc, num_drafts, drafts, block_tables, graph, ordered,
                           dense_prefill=fresh or over_prefix, device_rows=device_rows,
                           draft_slots=num_drafts if device_rows is not None else None,

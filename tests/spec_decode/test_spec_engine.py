@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from sluice import LLM, SamplingParams
 from sluice.spec_decode.eagle_model import make_tiny_eagle
@@ -402,6 +403,8 @@ def test_model_proposer_steps_overlap_with_the_default_policy(
     assert stats.num_draft_tokens > 0
     assert any(drafted and overlapped for drafted, overlapped in launches)
     assert any(not drafted and overlapped for drafted, overlapped in launches)
+    # While drafting was off its pass was skipped.
+    assert llm.llm_engine.engine_core.executor.model_runner.spec.num_passes_skipped > 0
     assert_blocks_balance(llm)
     llm.shutdown()
 
@@ -501,6 +504,90 @@ def test_device_drafts_leave_greedy_output_unchanged_and_overlap(
         assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
     assert_blocks_balance(llm)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("setting", list(SWITCHING_SETTINGS))
+def test_model_proposer_passes_skipped_while_drafting_is_off_are_caught_up(
+        qwen3_dir: str, reference: list[list[int]], setting: str) -> None:
+    """While drafting is off (here for the batch size) a model proposer's device pass is
+    skipped; when drafting comes back its first pass catches the request's missing positions
+    up. The model as its own draft then still gets every draft accepted, which it only does
+    when its KV is right at every position: through chunks, preemption, no prefix cache and a
+    worker process. Then a request whose prompt hits blocks computed while the passes were
+    skipped: the proposer's KV in them is caught up too."""
+    config = {**device_proposers(qwen3_dir, "")["draft_model_self"], **BY_BATCH_SIZE}
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              async_scheduling=True, speculative_config=config, **SWITCHING_SETTINGS[setting])
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SHRINKING,
+                           use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [
+        ref[:p.max_tokens] for ref, p in zip(reference, SHRINKING)]
+    stats = llm.get_spec_decoding_stats()
+    assert stats.num_steps_off_batch_size > 0 and stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    if setting != "mp_executor":
+        spec = llm.llm_engine.engine_core.executor.model_runner.spec
+        assert spec.num_passes_skipped > 0
+    # A prompt again, alone (drafting on from its first step), whose request above ended
+    # while drafting was off: its prompt's cached blocks never got the proposer's KV.
+    before = stats.num_draft_tokens
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == reference[1]
+    stats = llm.get_spec_decoding_stats()
+    assert stats.num_draft_tokens > before
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    if setting == "preemption":
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
+def proposer_kv(llm: LLM, req_id: str, snapshots: dict) -> torch.Tensor:
+    """The model proposer's KV at a request's positions 0 .. n - 1, [layers, 2, n, ...]: its
+    block-table row as last launched (snapshots[req_id] = (row table, n))."""
+    spec = llm.llm_engine.engine_core.executor.model_runner.spec
+    table, n = snapshots[req_id]
+    positions = torch.arange(n)
+    blocks = torch.as_tensor(table)[positions // 4].long()
+    caches = spec.model_proposer.kv_caches.values()
+    return torch.stack([cache[:, blocks, positions % 4] for cache in caches])
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "draft_model"])
+def test_model_proposer_kv_after_a_catch_up_is_the_kv_of_a_pass_every_step(
+        qwen3_dir: str, draft_dir: str, eagle_dir: str, reference: list[list[int]],
+        proposer: str) -> None:
+    """The proposer's KV of the longest request, which ran most of its steps with drafting off
+    for the batch size (passes skipped, EAGLE's hidden states stored) and the rest alone with
+    drafting on (caught up), equals its KV with drafting, and so the pass, on in every step."""
+    kv = {}
+    for name, policy in (("every_step", ALWAYS_DRAFT), ("caught_up", BY_BATCH_SIZE)):
+        config = {**spec_configs(qwen3_dir, draft_dir, eagle_dir)[proposer], **policy}
+        llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+                  async_scheduling=True, speculative_config=config)
+        runner = llm.llm_engine.engine_core.executor.model_runner
+        launch = runner.launch
+        snapshots: dict = {}
+
+        def recording(so, runner=runner, launch=launch, snapshots=snapshots):  # noqa: ANN001, ANN202
+            handle = launch(so)
+            for req_id, state in runner.requests.items():
+                row = runner.block_tables
+                snapshots[req_id] = (row.table[state.row, :row.num_blocks[state.row]].copy(),
+                                     state.num_computed_tokens)
+            return handle
+
+        runner.launch = recording
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SHRINKING,
+                               use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == [
+            ref[:p.max_tokens] for ref, p in zip(reference, SHRINKING)]
+        if name == "caught_up":
+            assert runner.spec.num_passes_skipped > 0
+        kv[name] = proposer_kv(llm, "0", snapshots)
+        assert_blocks_balance(llm)
+        llm.shutdown()
+    torch.testing.assert_close(kv["caught_up"], kv["every_step"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 11])
