@@ -59,11 +59,6 @@ class DeviceStep:
     sample_index: np.ndarray  # row in `emitted`, -1 for a row that did not sample
     next_tokens: np.ndarray  # EAGLE: the prompt token after a chunk that did not sample
     num_wanted: np.ndarray  # drafts to propose (0: none; only rows that sampled)
-    # Positions before the step's first that the proposer's KV lacks (passes skipped while
-    # drafting was off; 0: none), and the tokens of those positions, row after row (a row's
-    # gap - token_offset: EAGLE's last one is the step's first input id).
-    gaps: np.ndarray
-    gap_tokens: np.ndarray
     input_ids: torch.Tensor  # [>= T] the step's input ids, as fixed on the device
     positions: torch.Tensor  # [>= T]
     block_tables: torch.Tensor  # [B, width] int32
@@ -212,6 +207,34 @@ class ModelProposer(ABC):
         return drafts
 
     @torch.inference_mode()
+    def catch_up(self, starts: np.ndarray, gaps: np.ndarray, tokens: np.ndarray,
+                 block_tables: np.ndarray, first_inputs: torch.Tensor | None) -> None:
+        """The KV of positions starts[i] .. starts[i] + gaps[i] - 1 of each row [R] (passes
+        skipped while drafting was off), nothing else: `tokens` their tokens, row after row;
+        `block_tables` [R, width] the rows' host tables. EAGLE's position p takes the token at
+        p + 1, so a row's last one is the step's first input id, on the device only
+        (`first_inputs` [R]), and reads the target's hidden state stored at its slot."""
+        num = len(gaps)
+        cu = np.zeros(num + 1, dtype=np.int64)
+        np.cumsum(gaps, out=cu[1:])
+        row_of = np.repeat(np.arange(num), gaps)
+        t = np.arange(int(cu[-1])) - cu[row_of]
+        positions = starts[row_of] + t
+        metadata = self._metadata(positions, cu, starts + gaps, block_tables)
+        hidden = None
+        if self.token_offset:
+            assert first_inputs is not None and self.hidden_cache is not None
+            host_start = np.zeros(num, dtype=np.int64)
+            np.cumsum(gaps[:-1] - 1, out=host_start[1:])
+            source = np.where(t < gaps[row_of] - 1, host_start[row_of] + t, len(tokens) + row_of)
+            pool = torch.cat([self._tensor(tokens), first_inputs])
+            input_ids = pool[self._tensor(source)]
+            hidden = self.hidden_cache[metadata.slot_mapping]
+        else:
+            input_ids = self._tensor(tokens)
+        self.forward(input_ids, self._tensor(positions), hidden, metadata)
+
+    @torch.inference_mode()
     def propose_on_device(self, step: DeviceStep, draft_ids: torch.Tensor,
                           num_drafts: torch.Tensor) -> None:
         """The KV pass over a launched step and, for rows with `num_wanted`, their drafts,
@@ -227,51 +250,38 @@ class ModelProposer(ABC):
         num_reqs = len(step.rows)
         qsl = step.query_start_loc
         n, s = step.num_scheduled, step.num_slots
-        gaps = step.gaps
         sampled = step.sample_index >= 0
-        # Each row's pass starts `gaps` positions before the step's first (a catch-up, its
-        # tokens staged from the host), then covers what the step could have verified.
-        own = n + (sampled & (offset == 0))
-        lengths = gaps + own
-        # Of each row's own positions, those whose tokens are input ids of the step; the rest
-        # are emitted (or, for EAGLE's chunk that did not sample, the next prompt token).
+        lengths = n + (sampled & (offset == 0))
+        # Tokens of each row's pass that are input ids of the step; the rest are emitted (or,
+        # for EAGLE's chunk that did not sample, the next prompt token).
         known = np.where(sampled, n - s, n) - offset
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu[1:])
         total = int(cu[-1])
         row_of = np.repeat(np.arange(num_reqs), lengths)
         t = np.arange(total) - cu[row_of]
-        t_own = t - gaps[row_of]  # the index among the row's own positions (< 0: catch-up)
         num_layout = int(qsl[-1])
         num_emitted, width = step.emitted.shape
-        from_emitted = num_layout + step.sample_index[row_of] * width + t_own - known[row_of]
+        from_emitted = num_layout + step.sample_index[row_of] * width + t - known[row_of]
         from_next = num_layout + num_emitted * width + row_of
-        source = np.where(t_own < known[row_of], qsl[row_of] + t_own + offset,
+        source = np.where(t < known[row_of], qsl[row_of] + t + offset,
                           np.where(sampled[row_of], from_emitted, from_next))
-        if gaps.any():
-            # Catch-up tokens (EAGLE's last is the step's first input id: t_own + offset = 0).
-            gap_starts = np.zeros(num_reqs, dtype=np.int64)
-            np.cumsum(np.maximum(gaps - offset, 0)[:-1], out=gap_starts[1:])
-            from_gap = num_layout + num_emitted * width + num_reqs + gap_starts[row_of] + t
-            source = np.where(t_own + offset < 0, from_gap, source)
         drafting = np.flatnonzero(step.num_wanted > 0)
         # One staged copy: the gather index, each token's row and index in its row, the
         # rows' pass starts, their first position in the step, their counts' index (sampled
         # rows; else the appended 0), the base of their verified count, their block counts,
-        # their block-table rows, the next tokens, the drafting rows, their drafts wanted,
-        # the catch-up lengths and tokens.
+        # their block-table rows, the next tokens, the drafting rows.
         parts = [source, row_of, t, cu, qsl[:-1],
                  np.where(sampled, step.sample_index, num_emitted),
-                 gaps + np.where(sampled, known, own), lengths, step.num_blocks, step.rows,
-                 step.next_tokens, drafting, step.num_wanted[drafting], gaps, step.gap_tokens]
+                 np.where(sampled, known, lengths), lengths, step.num_blocks, step.rows,
+                 step.next_tokens, drafting, step.num_wanted[drafting]]
         staged = self._stage(parts)
         (source_d, row_d, t_d, cu_d, first_d, count_index, base, lengths_d, num_blocks, rows,
-         next_tokens, drafting_d, wanted_d, gaps_d, gap_tokens) = staged
+         next_tokens, drafting_d, wanted_d) = staged
 
-        pool = torch.cat([step.input_ids[:num_layout], step.emitted.reshape(-1), next_tokens,
-                          gap_tokens])
+        pool = torch.cat([step.input_ids[:num_layout], step.emitted.reshape(-1), next_tokens])
         input_ids = pool[source_d].clamp_(min=0)  # a rejected slot's -1: any token
-        start = step.positions[first_d] - gaps_d  # [B] the row's first position in the pass
+        start = step.positions[first_d]  # [B] the row's first position in the step
         positions = start[row_d] + t_d
         counts = torch.cat([step.counts, torch.zeros(1, dtype=step.counts.dtype,
                                                      device=self.device)])
@@ -280,21 +290,12 @@ class ModelProposer(ABC):
         slot_mapping = self._slots(step.block_tables, row_d, positions, num_blocks[row_d],
                                    store)
         seq_lens = (start + lengths_d).to(torch.int32)
-        max_len = int((step.num_computed + own).max(initial=1))
+        max_len = int((step.num_computed + lengths).max(initial=1))
         metadata = self._device_metadata(cu_d, seq_lens, step.block_tables, slot_mapping,
                                          cu, lengths, max_len)
         hidden = None
         if offset:
-            t_own_d = t_d - gaps_d[row_d]
-            hidden = step.hidden[first_d[row_d] + t_own_d.clamp(min=0)]
-            if gaps.any():
-                # Catch-up positions: the target's hidden states where it stored their KV.
-                cache = self.hidden_cache
-                assert cache is not None, "a catch-up pass needs the hidden-state cache"
-                catch_up = t_own_d < 0
-                slots = self._slots(step.block_tables, row_d, positions, num_blocks[row_d],
-                                    catch_up)
-                hidden = torch.where(catch_up[:, None], cache[slots.clamp(min=0)], hidden)
+            hidden = step.hidden[first_d[row_d] + t_d]
         out = self.forward(input_ids, positions, hidden, metadata)
 
         num_drafts[rows] = 0
@@ -313,7 +314,7 @@ class ModelProposer(ABC):
         for m in range(1, k):
             pos, slot_mapping, seq_lens = step_inputs(next_pos, blocks, table,
                                                       self.max_model_len, self.block_size)
-            max_len = int((step.num_computed + own).max()) + m
+            max_len = int((step.num_computed + lengths).max()) + m
             metadata = self._device_metadata(
                 one_each, seq_lens, table, slot_mapping,
                 np.arange(len(drafting) + 1, dtype=np.int64), np.ones(len(drafting), np.int64),

@@ -59,6 +59,10 @@ _GLOBAL_EMA_WEIGHT = 0.05
 # Drafting, once on for acceptance, stays on until the expectation falls below this fraction of
 # min_accepted_tokens_per_step.
 _STAY_ON_FRACTION = 0.5
+# A model proposer's probes back off: each one that leaves drafting off doubles the steps to the
+# next, up to this many times probe_interval (its probe is a drafting step, and its pass catches
+# up the positions skipped since the last).
+_MAX_PROBE_BACKOFF = 8
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -100,6 +104,7 @@ class DraftingPolicy:
         self._probes: dict[str, _Probe] = {}
         self._steps_to_probe: dict[str, int] = {}  # host probes: per request
         self._steps_since_drafting = 0  # model probes: steps off since the last one drafting
+        self._model_probe_interval = self.probe_interval  # steps off before the next
         self._on = False  # whether the last counted step drafted (hysteresis)
 
     # ---- requests ------------------------------------------------------------------------
@@ -138,37 +143,49 @@ class DraftingPolicy:
     def decide(self, batch_size: int) -> Drafting:
         """This step's decision for `batch_size` running requests, without counting the step
         (begin_step counts it)."""
+        return self._decide(batch_size)[0]
+
+    def _decide(self, batch_size: int) -> tuple[Drafting, bool]:
+        """(the decision, whether it is a model proposer's probe)."""
         if batch_size == 0 or not self._live:
-            return Drafting.IDLE
+            return Drafting.IDLE, False
         if self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size:
-            return Drafting.OFF_BATCH_SIZE
+            return Drafting.OFF_BATCH_SIZE, False
         if self.min_accepted == 0:
-            return Drafting.ON
+            return Drafting.ON, False
         expected = self.expected_accepted_tokens()
         if expected is None:
             # Nothing measured yet: a model proposer drafts to measure; n-gram probes on the host.
-            return Drafting.OFF_ACCEPTANCE if self.probes_on_host else Drafting.ON
+            return (Drafting.OFF_ACCEPTANCE if self.probes_on_host else Drafting.ON), False
         threshold = self.min_accepted * (_STAY_ON_FRACTION if self._on else 1.0)
         if expected >= threshold:
-            return Drafting.ON
-        if not self.probes_on_host and self._steps_since_drafting >= self.probe_interval:
-            return Drafting.ON  # a model proposer's probe
-        return Drafting.OFF_ACCEPTANCE
+            return Drafting.ON, False
+        if self._model_probe_due():
+            return Drafting.ON, True
+        return Drafting.OFF_ACCEPTANCE, False
+
+    def _model_probe_due(self) -> bool:
+        return (not self.probes_on_host
+                and self._steps_since_drafting >= self._model_probe_interval)
 
     def probes_next_step(self) -> bool:
         """A model proposer's: whether the next step probes if drafting stays off for
         acceptance (its drafts must be proposed after this one)."""
-        return (not self.probes_on_host and not self._on
-                and self._steps_since_drafting >= self.probe_interval)
+        return not self._on and self._model_probe_due()
 
     def wants_drafts(self, batch_size: int) -> bool:
         return self.decide(batch_size) is Drafting.ON
 
     def begin_step(self, batch_size: int) -> Drafting:
         """Decide for the step being scheduled, and count it."""
-        decision = self.decide(batch_size)
+        decision, probe = self._decide(batch_size)
         self._on = decision is Drafting.ON
         if decision is Drafting.ON:
+            # Each model probe doubles the interval to the next (up to _MAX_PROBE_BACKOFF
+            # times probe_interval); drafting on for the acceptance resets it.
+            self._model_probe_interval = (
+                min(2 * self._model_probe_interval, _MAX_PROBE_BACKOFF * self.probe_interval)
+                if probe else self.probe_interval)
             self._steps_since_drafting = 0
             self._probes.clear()  # real drafts measure now
         elif decision is Drafting.OFF_ACCEPTANCE:

@@ -91,6 +91,7 @@ class SpecDecoder:
                                                 and config.method == "eagle")
         # Device passes skipped (drafting off, no slots): propose_on_device.
         self.num_passes_skipped = 0
+        self.num_catch_ups = 0
         # Per block-table row: where the proposer's KV gap starts (-1: none), whether drafts
         # of an earlier pass may sit on the device for it, how many of its blocks the
         # proposer's KV fills; per KV block: whether it does (prefix-cache hits trust it).
@@ -243,13 +244,12 @@ class SpecDecoder:
         if not draft and (slots is None or not slots.any()):
             self._skip_pass(step)
             return
-        gaps, gap_tokens = self._take_gaps(step)
+        gaps = self._catch_up(step)
         self._stale[rows] = False
         if draft:
             self._stale[rows[sample_rows]] = True
         decode = self.model_proposer.decode_batches
-        if (decode is not None and not gaps.any()
-                and len(sample_rows) == num_reqs <= decode.max_size
+        if (decode is not None and len(sample_rows) == num_reqs <= decode.max_size
                 and (step.num_scheduled == 1 + (0 if slots is None else slots)).all()):
             # A decode batch: the fixed-shape pass (a CUDA graph's replay).
             wanted = np.fromiter(
@@ -292,7 +292,6 @@ class SpecDecoder:
                 num_computed=step.num_computed,
                 num_blocks=self.runner.block_tables.num_blocks[rows].astype(np.int64),
                 sample_index=sample_index, next_tokens=next_tokens, num_wanted=num_wanted,
-                gaps=gaps, gap_tokens=gap_tokens,
                 input_ids=builder.buf_input_ids.device[:num_layout],
                 positions=builder.buf_positions.device[:num_layout],
                 block_tables=step.block_tables, hidden=hidden, emitted=emitted,
@@ -348,19 +347,21 @@ class SpecDecoder:
             num_drafts = self.draft_fix_up.model_num_drafts
             num_drafts[torch.from_numpy(stale).to(num_drafts.device)] = 0
 
-    def _take_gaps(self, step: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-        """Per request of the step, the positions its pass catches up before the step's
-        first (0: none), and their tokens, request after request (EAGLE's pass at position p
-        takes the token at p + 1: the last catch-up position's is the step's first input)."""
+    def _catch_up(self, step: StepInputs) -> np.ndarray:
+        """The proposer's KV over the positions each request of the step lacks before the
+        step's first (its gap), from the tokens the host knows by now (EAGLE's pass at
+        position p takes the token at p + 1: a gap's last is the step's first input id);
+        returns the gap lengths [B] (0: none)."""
         rows = step.rows
         starts = self._gap[rows]
         gaps = np.where(starts < 0, 0, np.maximum(step.num_computed - starts, 0))
         if not gaps.any():
-            return gaps, np.zeros(0, dtype=np.int64)
+            return gaps
         self._gap[rows] = -1
         offset = self.model_proposer.token_offset
+        which = np.flatnonzero(gaps)
         tokens: list[int] = []
-        for i in np.flatnonzero(gaps):
+        for i in which:
             s = step.states[i]
             start, computed = int(starts[i]), int(step.num_computed[i])
             known = s.token_ids[start + offset:computed]
@@ -368,7 +369,16 @@ class SpecDecoder:
                 f"request {s.req_id}: the host lacks tokens of its proposer catch-up "
                 f"({len(known)} of positions {start} .. {computed})")
             tokens.extend(known)
-        return gaps, np.array(tokens, dtype=np.int64)
+        first_inputs = None
+        if offset:
+            firsts = torch.from_numpy(step.query_start_loc[which].astype(np.int64))
+            first_inputs = self.runner.input_builder.buf_input_ids.device[
+                firsts.to(self.runner.device)]
+        self.num_catch_ups += 1
+        self.model_proposer.catch_up(starts[which], gaps[which],
+                                     np.array(tokens, dtype=np.int64),
+                                     self.runner.block_tables.table[rows[which]], first_inputs)
+        return gaps
 
     def _mark_covered(self, step: StepInputs, slots: np.ndarray | None,
                       gaps: np.ndarray) -> None:

@@ -132,37 +132,45 @@ def test_host_probes_only_while_off_for_acceptance() -> None:
     assert not p.probes_wanted(1)  # on
 
 
-def test_model_proposer_drafts_to_measure_then_probes_every_interval() -> None:
+def test_model_proposer_drafts_to_measure_then_probes_backing_off() -> None:
+    """A model proposer's probe is a drafting step (and its pass catches up what the skipped
+    passes did not write): each probe that leaves drafting off doubles the steps to the next,
+    up to 8 times probe_interval; drafting on for the acceptance resets the interval."""
     p = policy("draft_model", min_accepted_tokens_per_step=1.0, disable_by_batch_size=None,
                probe_interval=3)
     p.add_request("a")
     assert p.begin_step(1) is Drafting.ON  # nothing measured: draft to measure
     p.observe("a", 0)
-    decisions = [p.begin_step(1) for _ in range(8)]
-    assert decisions == [Drafting.OFF_ACCEPTANCE] * 3 + [Drafting.ON] + [
-        Drafting.OFF_ACCEPTANCE] * 3 + [Drafting.ON]
+    decisions = [p.begin_step(1) for _ in range(3 + 1 + 6 + 1 + 12 + 1 + 24 + 1 + 24 + 1)]
+    off, on = Drafting.OFF_ACCEPTANCE, Drafting.ON
+    assert decisions == ([off] * 3 + [on] + [off] * 6 + [on] + [off] * 12 + [on]
+                         + [off] * 24 + [on] + [off] * 24 + [on])
     assert not p.probes_wanted(1)  # no host probes for a model proposer
     p.observe("a", 4)  # the probe found drafts accepted again: on
     assert p.begin_step(1) is Drafting.ON
+    for _ in range(4):  # until the expectation falls below half the threshold
+        p.observe("a", 0)
+    decisions = [p.begin_step(1) for _ in range(5)]
+    assert decisions == [off] * 3 + [on] + [off]  # back to probe_interval
 
 
 def test_a_model_proposers_probe_is_announced_a_step_ahead() -> None:
     """With drafts proposed on the device, a probing step's drafts come from the step before
     it: the policy says after each step whether the next one probes."""
     p = policy("eagle", min_accepted_tokens_per_step=1.0, disable_by_batch_size=None,
-               probe_interval=3)
+               probe_interval=2)
     p.add_request("a")
     p.begin_step(1)
     p.observe("a", 0)
     announced = []
-    for _ in range(8):
+    for _ in range(9):
         decision = p.begin_step(1)
         announced.append((decision, p.probes_next_step()))
+    off, on = Drafting.OFF_ACCEPTANCE, Drafting.ON
     assert announced == [
-        (Drafting.OFF_ACCEPTANCE, False), (Drafting.OFF_ACCEPTANCE, False),
-        (Drafting.OFF_ACCEPTANCE, True), (Drafting.ON, False),
-        (Drafting.OFF_ACCEPTANCE, False), (Drafting.OFF_ACCEPTANCE, False),
-        (Drafting.OFF_ACCEPTANCE, True), (Drafting.ON, False)]
+        (off, False), (off, True), (on, False),
+        (off, False), (off, False), (off, False), (off, True), (on, False),
+        (off, False)]
     assert not policy(min_accepted_tokens_per_step=1.0).probes_next_step()  # n-gram: on host
 
 
