@@ -45,6 +45,21 @@ from sluice.spec_decode.proposer_inputs import pass_inputs, step_inputs
 logger = logging.getLogger("sluice")
 
 
+# catch_up pads its tokens to a power of two from this many, up to this many (or max_model_len).
+CATCH_UP_MIN_TOKENS = 16
+CATCH_UP_MAX_TOKENS = 8192
+
+
+def catch_up_tokens(num_tokens: int, max_model_len: int) -> int:
+    """The token count `catch_up` runs `num_tokens` as: the next power of two from
+    CATCH_UP_MIN_TOKENS while within CATCH_UP_MAX_TOKENS and max_model_len (its padding row
+    takes positions from 0), else as is."""
+    padded = CATCH_UP_MIN_TOKENS
+    while padded < num_tokens:
+        padded *= 2
+    return padded if padded <= min(CATCH_UP_MAX_TOKENS, max_model_len) else num_tokens
+
+
 @dataclass(slots=True)
 class DeviceStep:
     """A launched step as the proposer's device pass reads it: host arrays per request row of
@@ -128,13 +143,12 @@ class ModelProposer(ABC):
                 dtype=self.dtype, device=self.device)
 
     def store_hidden(self, slot_mapping: torch.Tensor, hidden: torch.Tensor) -> None:
-        """The target's output hidden states of a step, at their KV slots (-1: none), for
-        the passes that catch up later (EAGLE with `keeps_hidden`)."""
+        """The target's output hidden states of a step, at their KV slots (-1, nothing
+        stored: the last row), for the passes that catch up later (EAGLE with
+        `keeps_hidden`). One launch; captured into the target's CUDA graphs."""
         cache = self.hidden_cache
         assert cache is not None
-        num = slot_mapping.shape[0]
-        index = torch.where(slot_mapping >= 0, slot_mapping, cache.shape[0] - 1)
-        cache.index_copy_(0, index, hidden[:num])
+        cache[slot_mapping] = hidden[:slot_mapping.shape[0]]
 
     # ---- subclass hooks ------------------------------------------------------------------
 
@@ -208,19 +222,35 @@ class ModelProposer(ABC):
 
     @torch.inference_mode()
     def catch_up(self, starts: np.ndarray, gaps: np.ndarray, tokens: np.ndarray,
-                 block_tables: np.ndarray, first_inputs: torch.Tensor | None) -> None:
+                 block_tables: np.ndarray, first_inputs: torch.Tensor | None,
+                 store: bool = True) -> None:
         """The KV of positions starts[i] .. starts[i] + gaps[i] - 1 of each row [R] (passes
         skipped while drafting was off), nothing else: `tokens` their tokens, row after row;
         `block_tables` [R, width] the rows' host tables. EAGLE's position p takes the token at
         p + 1, so a row's last one is the step's first input id, on the device only
-        (`first_inputs` [R]), and reads the target's hidden state stored at its slot."""
+        (`first_inputs` [R]), and reads the target's hidden state stored at its slot.
+
+        The tokens are padded to a power of two (a last row that stores nothing): a GEMM or
+        kernel of a token count seen first mid-run costs milliseconds of host time (its
+        kernels loaded, planned, specialized), and `warm_up` runs every padded count."""
+        total = int(gaps.sum())
+        padded = catch_up_tokens(total, self.max_model_len)
+        keep = np.full(len(gaps), store)
+        if padded > total:
+            pad = padded - total
+            starts, gaps = np.append(starts, 0), np.append(gaps, pad)
+            tokens = np.concatenate([tokens, np.zeros(pad - self.token_offset, np.int64)])
+            block_tables = np.concatenate([block_tables, block_tables[:1] * 0])
+            keep = np.append(keep, False)
+            if first_inputs is not None:
+                first_inputs = torch.cat([first_inputs, first_inputs[:1]])
         num = len(gaps)
         cu = np.zeros(num + 1, dtype=np.int64)
         np.cumsum(gaps, out=cu[1:])
         row_of = np.repeat(np.arange(num), gaps)
         t = np.arange(int(cu[-1])) - cu[row_of]
         positions = starts[row_of] + t
-        metadata = self._metadata(positions, cu, starts + gaps, block_tables)
+        metadata = self._metadata(positions, cu, starts + gaps, block_tables, store=keep)
         hidden = None
         if self.token_offset:
             assert first_inputs is not None and self.hidden_cache is not None
@@ -233,6 +263,18 @@ class ModelProposer(ABC):
         else:
             input_ids = self._tensor(tokens)
         self.forward(input_ids, self._tensor(positions), hidden, metadata)
+
+    def warm_up_catch_up(self, width: int) -> None:
+        """Every padded token count of `catch_up` once, storing nothing (a GPU's kernels for
+        them loaded and planned before the first request)."""
+        count = CATCH_UP_MIN_TOKENS
+        first = torch.zeros(1, dtype=torch.int64, device=self.device)
+        while count <= min(CATCH_UP_MAX_TOKENS, self.max_model_len):
+            self.catch_up(np.zeros(1, dtype=np.int64), np.array([count]),
+                          np.zeros(count - self.token_offset, dtype=np.int64),
+                          np.zeros((1, width), dtype=np.int32),
+                          first if self.token_offset else None, store=False)
+            count *= 2
 
     @torch.inference_mode()
     def propose_on_device(self, step: DeviceStep, draft_ids: torch.Tensor,

@@ -62,7 +62,7 @@ _STAY_ON_FRACTION = 0.5
 # A model proposer's probes back off: each one that leaves drafting off doubles the steps to the
 # next, up to this many times probe_interval (its probe is a drafting step, and its pass catches
 # up the positions skipped since the last).
-_MAX_PROBE_BACKOFF = 8
+_MAX_PROBE_BACKOFF = 16
 
 
 def can_speculate(params: SamplingParams) -> bool:

@@ -93,6 +93,9 @@ class GraphRunner:
         # Decode batches whose contexts are all under SHORT_CONTEXT_TOKENS, by number of
         # requests: the sizes whose attention plan differs from the main set's.
         self.short_graphs: DecodeGraphs | None = None
+        # (hidden, metadata) -> None, captured after the model's forward in every graph (an
+        # EAGLE proposer's hidden-state store: sluice/worker/spec_decode.py); None: nothing.
+        self.after_forward: Callable[[torch.Tensor, AttentionMetadata], None] | None = None
         self.prefill_graphs: DecodeGraphs | None = None  # one prompt, by number of tokens
         # One prompt over no cached context, its attention dense (AttentionMetadata.
         # dense_prefill), by number of tokens: captured where the backend supports it.
@@ -284,6 +287,7 @@ class GraphRunner:
         sluice/worker/layer_events.py); None without a connector."""
         b = self.inputs
         self._layer_hooks = layer_hooks
+        forward = self._forward(model)
         max_model_len = self.scheduler_config.max_model_len
         max_size = min(self.scheduler_config.max_num_seqs, _MAX_GRAPH_BATCH)
         self.graphs = DecodeGraphs(capture_sizes(max_size))
@@ -306,7 +310,7 @@ class GraphRunner:
                 return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
             return make_inputs
 
-        self.graphs.capture(model, self._hooked(decode_inputs(max_model_len)))
+        self.graphs.capture(forward, self._hooked(decode_inputs(max_model_len)))
         logger.info("captured CUDA graphs for decode batch sizes %s", self.graphs.sizes)
         short = SHORT_CONTEXT_TOKENS - 1
         plan = _decode_plan(model)
@@ -314,7 +318,7 @@ class GraphRunner:
             sizes = [s for s in self.graphs.sizes if plan(s, short) != plan(s, max_model_len)]
             if sizes:
                 self.short_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
-                self.short_graphs.capture(model, self._hooked(decode_inputs(short)))
+                self.short_graphs.capture(forward, self._hooked(decode_inputs(short)))
                 logger.info("captured CUDA graphs for decode batch sizes %s with contexts "
                             "under %d tokens", sizes, SHORT_CONTEXT_TOKENS)
         self._capture_prompt_graphs(model, max_size)
@@ -323,6 +327,7 @@ class GraphRunner:
 
     def _capture_prompt_graphs(self, model: nn.Module, max_size: int) -> None:
         """Steps with prompts: one prompt, and any other step of several requests."""
+        forward = self._forward(model)
         b = self.inputs
         max_model_len = self.scheduler_config.max_model_len
         # One prompt (maybe over a cached prefix) padded to a token bucket: the prefill of a
@@ -346,11 +351,11 @@ class GraphRunner:
                 return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
             return make_inputs
 
-        self.prefill_graphs.capture(model, self._hooked(prefill_inputs(dense=False)))
+        self.prefill_graphs.capture(forward, self._hooked(prefill_inputs(dense=False)))
         logger.info("captured CUDA graphs for one-prompt prefills of %s tokens", sizes)
         if b.dense_prefill:
             self.dense_prefill_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
-            self.dense_prefill_graphs.capture(model, self._hooked(prefill_inputs(dense=True)))
+            self.dense_prefill_graphs.capture(forward, self._hooked(prefill_inputs(dense=True)))
             logger.info("captured CUDA graphs for one fresh prompt of %s tokens, dense "
                         "attention", sizes)
 
@@ -372,8 +377,23 @@ class GraphRunner:
                                   block_tables=b.graph_block_tables[:max_size])
             return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
 
-        self.mixed_graphs.capture(model, self._hooked(make_mixed_inputs))
+        self.mixed_graphs.capture(forward, self._hooked(make_mixed_inputs))
         logger.info("captured CUDA graphs for steps of several requests, %s tokens", sizes)
+
+    def _forward(self, model: nn.Module) -> Callable[..., torch.Tensor]:
+        """The forward to capture: the model's, then `after_forward` (if any) on its hidden
+        states and metadata."""
+        after = self.after_forward
+        if after is None:
+            return model
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor,
+                    metadata: AttentionMetadata) -> torch.Tensor:
+            hidden = model(input_ids, positions, metadata)
+            after(hidden, metadata)
+            return hidden
+
+        return forward
 
     def _hooked(self, make_inputs: Callable[[int], GraphInputs]) -> Callable[[int], GraphInputs]:
         """make_inputs whose metadata carries the layer hooks to capture (if any)."""
@@ -391,6 +411,7 @@ class GraphRunner:
     def _capture_verify_graphs(self, model: nn.Module, max_size: int) -> None:
         """Verification steps of decodes with drafts: every request laid out as 1 + k tokens
         (fewer drafts are padded: no KV stored, outputs ignored)."""
+        forward = self._forward(model)
         b = self.inputs
         q = self.query_len
         max_tokens = b.buf_input_ids.np.shape[0]
@@ -410,7 +431,7 @@ class GraphRunner:
             metadata.split_queries = True
             return b.buf_input_ids.device[:size * q], b.buf_positions.device[:size * q], metadata
 
-        self.verify_graphs.capture(model, self._hooked(make_inputs))
+        self.verify_graphs.capture(forward, self._hooked(make_inputs))
         logger.info("captured CUDA graphs for verification of %d tokens per request, batch "
                     "sizes %s", q, sizes)
 

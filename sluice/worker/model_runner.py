@@ -199,6 +199,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.graph_runner.warm_up(self.model, self.sampler)
         if graphs:
+            if self.spec is not None:
+                self.graph_runner.after_forward = self.spec.hidden_store()
             if with_connector:
                 self.layer_events = GraphLayerEvents(list(self.kv_caches), self.device)
             self.graph_runner.capture(self.model, self.layer_events)

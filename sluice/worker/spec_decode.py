@@ -22,6 +22,7 @@ takes. `verify_on_device` verifies either without the host waiting for anything.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,6 +44,7 @@ from sluice.worker.input_batch import StagedBuffer
 from sluice.worker.sampling_inputs import build_sampling_metadata
 
 if TYPE_CHECKING:
+    from sluice.attention import AttentionMetadata
     from sluice.core.outputs import ModelRunnerOutput
     from sluice.sample.metadata import SamplingMetadata
     from sluice.worker.input_batch import CachedRequestState
@@ -99,6 +101,7 @@ class SpecDecoder:
         self._stale = np.zeros(0, dtype=bool)
         self._ok_blocks = np.zeros(0, dtype=np.int64)
         self.proposer_ok: np.ndarray | None = None
+        self._last_skipped: np.ndarray | None = None  # the rows of the last skip (same: no-op)
 
     def kv_bytes_per_block(self) -> int:
         return self.model_proposer.kv_bytes_per_block() if self.model_proposer else 0
@@ -110,6 +113,9 @@ class SpecDecoder:
             self.model_proposer.initialize_kv_cache(num_blocks)
             if self.draft_fix_up is not None:
                 self.proposer_ok = np.zeros(num_blocks, dtype=bool)
+                if self.runner.device.type == "cuda":
+                    self.model_proposer.warm_up_catch_up(
+                        self.runner.block_tables.max_blocks_per_req)
         if self.draft_fix_up is not None:
             self.draft_fix_up.warm_up()
             if self.model_proposer is not None:
@@ -213,11 +219,19 @@ class SpecDecoder:
             hidden)
         output.spec_token_ids = drafts if draft else None
 
-    def store_hidden(self, step: StepInputs, hidden: torch.Tensor) -> None:
-        """EAGLE with drafts on the device: the target's hidden states of the step just run,
-        at its KV slots, for a later pass's catch-up (ModelProposer.store_hidden)."""
+    def hidden_store(self) -> Callable[[torch.Tensor, AttentionMetadata], None] | None:
+        """What the target's CUDA graphs capture after the model (GraphRunner.after_forward):
+        EAGLE with drafts on the device stores the step's hidden states at its KV slots, for
+        a later catch-up (ModelProposer.store_hidden); None for other proposers."""
         proposer = self.model_proposer
-        if proposer is not None and proposer.keeps_hidden:
+        if proposer is None or not proposer.keeps_hidden:
+            return None
+        return lambda hidden, metadata: proposer.store_hidden(metadata.slot_mapping, hidden)
+
+    def store_hidden(self, step: StepInputs, hidden: torch.Tensor) -> None:
+        """The same for a step that ran without a graph (a graph's replay did it)."""
+        proposer = self.model_proposer
+        if proposer is not None and proposer.keeps_hidden and step.graph is None:
             num_layout = int(step.query_start_loc[-1])
             slots = self.runner.input_builder.buf_slot_mapping.device[:num_layout]
             proposer.store_hidden(slots, hidden)
@@ -244,6 +258,7 @@ class SpecDecoder:
         if not draft and (slots is None or not slots.any()):
             self._skip_pass(step)
             return
+        self._last_skipped = None
         gaps = self._catch_up(step)
         self._stale[rows] = False
         if draft:
@@ -308,6 +323,7 @@ class SpecDecoder:
         (a gap there), the row's old drafts are stale."""
         if self.proposer_ok is None:
             return
+        self._last_skipped = None
         row = state.row
         self._ensure_rows(row + 1)
         table = self.runner.block_tables
@@ -339,10 +355,16 @@ class SpecDecoder:
         an earlier pass left for its row are dropped (the fix-up must not take them later)."""
         self.num_passes_skipped += 1
         rows = step.rows
-        gap = self._gap[rows]
-        self._gap[rows] = np.where(gap < 0, np.maximum(step.num_computed - self.k, 0), gap)
-        stale = rows[self._stale[rows]]
-        if len(stale):
+        last = self._last_skipped
+        if last is not None and len(last) == len(rows) and (last == rows).all():
+            return  # the same rows as the last skip: their gaps are open, no drafts stale
+        self._last_skipped = rows
+        starting = self._gap[rows] < 0
+        if starting.any():
+            self._gap[rows[starting]] = np.maximum(step.num_computed[starting] - self.k, 0)
+        stale = self._stale[rows]
+        if stale.any():
+            stale = rows[stale]
             self._stale[stale] = False
             num_drafts = self.draft_fix_up.model_num_drafts
             num_drafts[torch.from_numpy(stale).to(num_drafts.device)] = 0
