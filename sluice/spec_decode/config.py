@@ -6,17 +6,17 @@ n-gram defaults follow vLLM: with neither `prompt_lookup_min` nor `prompt_lookup
 are 5, with one given the other takes its value.
 
 The drafting policy's fields (sluice/spec_decode/policy.py) say when drafting stops:
-`disable_by_batch_size` (vLLM's name: no drafts while at least this many requests run; None:
-never off for the batch size), `min_accepted_tokens_per_step` (no drafts while the draft tokens
-accepted per request and step, a moving average, stay below it; 0: never off for acceptance;
-unset: 1.25, or k when k is 1) and `probe_interval` (steps between the checks that turn drafting
-back on; unset: 2 for n-gram, whose checks run on the host, 16 for a model proposer, whose checks
-are steps that draft). The defaults come from the H200's figures (`benchmarks/README.md`): a
-synchronous step with drafts cost about twice an overlapped step without at batch 1 and more at
-batch 8, and with n-gram drafts proposed on the device (async scheduling) a verification step
-still costs 1.28x a decode step at batch 1, 1.34x at batch 8 and 1.20x at batch 32, where the
-`repeat` workload's drafts did not pay (0.96x with drafting always on): drafting pays at batch
-1, and there from about one accepted draft token per step.
+`disable_by_batch_size` (vLLM's name: no drafts while at least this many requests run; None: never
+off for the batch size), `min_accepted_tokens_per_step` (no drafts while the draft tokens accepted
+per request and step, a moving average, stay below it; 0: never off for acceptance; unset: 1.25, or
+k when k is 1) and `probe_interval` (steps between the checks that turn drafting back on; unset: 2
+for n-gram, whose checks run on the host, 16 for a model proposer, whose checks are steps that
+draft, and back off up to 16 times that while they find nothing). The defaults come from the H200's
+figures (`benchmarks/README.md`): a synchronous step with drafts cost about twice an overlapped step
+without at batch 1 and more at batch 8, and with n-gram drafts proposed on the device (async
+scheduling) a verification step still costs 1.28x a decode step at batch 1, 1.34x at batch 8 and
+1.20x at batch 32, where the `repeat` workload's drafts did not pay (0.96x with drafting always on):
+drafting pays at batch 1, and there from about one accepted draft token per step.
 """
 
 from __future__ import annotations

@@ -22,6 +22,12 @@ how many drafts a request accepted is known to the device only, so the pass cove
 the step could have verified (a fixed shape the host knows), stores KV only for the verified ones,
 and takes the first draft at the last verified one; the drafts stay on the device, per
 block-table row, for the next step's input fix-up (sluice/spec_decode/device_ngram.py).
+
+While drafting is off that pass is skipped (sluice/worker/spec_decode.py decides, per step), and
+the first pass over a request once drafting is back runs `catch_up` first: the KV of the positions
+it lacks, from tokens the host knows by then; EAGLE reads the target's hidden states of those
+positions from `hidden_cache`, where every target step stores them at its KV slots
+(`store_hidden`, captured into the target's CUDA graphs).
 """
 
 from __future__ import annotations

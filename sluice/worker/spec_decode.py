@@ -17,7 +17,11 @@ on the device and no step waits: n-gram drafts by the next step's input fix-up
 (sluice/spec_decode/device_ngram.py), after the tokens this step emits; a model proposer's by its
 device pass right after the step (`propose_on_device`: ModelProposer.propose_on_device, or for
 decode batches the fixed-shape DecodeBatches, CUDA graphs on a GPU), which the next step's fix-up
-takes. `verify_on_device` verifies either without the host waiting for anything.
+takes. `verify_on_device` verifies either without the host waiting for anything. While drafting is
+off a model proposer's pass is skipped and caught up when drafting resumes (`propose_on_device`),
+so enabling one costs little where it does not draft (for the batch size, or for acceptance
+between probes); the blocks its KV fills are tracked, so a prefix-cache hit on blocks computed
+while passes were skipped is caught up too.
 """
 
 from __future__ import annotations
