@@ -52,6 +52,8 @@ class NewRequestData(msgspec.Struct):
     # Output tokens the request already has when the runner first sees it (the first token a
     # prefill instance sampled, delivered with the KV by a connector).
     output_token_ids: list[int] = msgspec.field(default_factory=list)
+    # Of num_computed_tokens, those a KV connector loaded (after the local prefix-cache hit).
+    num_loaded_tokens: int = 0
 
 
 class CachedRequestData(msgspec.Struct):
@@ -60,6 +62,8 @@ class CachedRequestData(msgspec.Struct):
     resumed_from_preemption: bool
     new_block_ids: list[int]
     num_computed_tokens: int
+    # A resumed request's: of num_computed_tokens, those a KV connector loaded.
+    num_loaded_tokens: int = 0
 
 
 class GrammarBitmask(msgspec.Struct):

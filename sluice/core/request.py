@@ -104,6 +104,9 @@ class Request:
         self._num_arrayed = 0
         # Prefix-cache hit at first scheduling (reported as RequestOutput.num_cached_tokens).
         self.num_cached_tokens = -1
+        # Of its computed tokens when last admitted, those a KV connector loaded (after the
+        # local prefix-cache hit): a model proposer's KV was never written there.
+        self.num_loaded_tokens = 0
         # Chained hashes of this request's full blocks, extended by the KV cache manager.
         self.block_hashes: list[BlockHash] = []
         self.num_preemptions = 0

@@ -401,6 +401,7 @@ class Scheduler:
                     limit = (limit - 1) // block_size * block_size
                 num_external = max(0, min(num_external, limit - num_local))
                 load_async = load_async and num_external > 0
+            request.num_loaded_tokens = num_external
         request_num_computed = request.num_computed_tokens + num_local + num_external
         num_new = 0
         if not load_async:
@@ -439,6 +440,7 @@ class Scheduler:
                 resumed_from_preemption=True,
                 new_block_ids=block_ids,
                 num_computed_tokens=request_num_computed,
+                num_loaded_tokens=request.num_loaded_tokens,
             ))
         else:
             plan.new_reqs.append(NewRequestData(
@@ -448,6 +450,7 @@ class Scheduler:
                 block_ids=block_ids,
                 num_computed_tokens=request_num_computed,
                 output_token_ids=list(request.output_token_ids),
+                num_loaded_tokens=request.num_loaded_tokens,
             ))
         request.status = RequestStatus.RUNNING
         plan.add(request, num_new, is_partial)

@@ -405,7 +405,7 @@ class ModelRunner:
                 num_sampled=len(new.output_token_ids),
             )
             if self.spec is not None:
-                self.spec.start_request(self.requests[new.req_id])
+                self.spec.start_request(self.requests[new.req_id], new.num_loaded_tokens)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.resumed_from_preemption:
@@ -416,7 +416,7 @@ class ModelRunner:
                     self.spec.fresh_blocks(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.resumed_from_preemption and self.spec is not None:
-                self.spec.start_request(state)
+                self.spec.start_request(state, cached.num_loaded_tokens)
 
     def _compute_prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,
                                  output: ModelRunnerOutput) -> None:

@@ -320,11 +320,12 @@ class SpecDecoder:
 
     # ---- which positions the proposer's KV holds (device passes) ---------------------------
 
-    def start_request(self, state: CachedRequestState) -> None:
+    def start_request(self, state: CachedRequestState, num_loaded: int = 0) -> None:
         """A request (new, or resumed after preemption) took its block-table row with
-        `num_computed_tokens` already in its blocks (prefix-cache hits): its blocks past them
-        are fresh, and its proposer KV starts at the first hit block a pass never completed
-        (a gap there), the row's old drafts are stale."""
+        `num_computed_tokens` already in its blocks (prefix-cache hits, then `num_loaded` a
+        KV connector loaded): its blocks past the hits are fresh or hold loaded target KV
+        only, and its proposer KV starts at the first hit block a pass never completed (a
+        gap there), the row's old drafts are stale."""
         if self.proposer_ok is None:
             return
         self._last_skipped = None
@@ -332,12 +333,14 @@ class SpecDecoder:
         self._ensure_rows(row + 1)
         table = self.runner.block_tables
         blocks = table.table[row, :table.num_blocks[row]]
-        num_hit = min(state.num_computed_tokens // self.runner.block_size, len(blocks))
-        self.proposer_ok[blocks[num_hit:]] = False
+        block_size = self.runner.block_size
+        num_hit = min(state.num_computed_tokens // block_size, len(blocks))
+        num_local = min((state.num_computed_tokens - num_loaded) // block_size, num_hit)
+        self.proposer_ok[blocks[num_local:]] = False
         ok = self.proposer_ok[blocks[:num_hit]]
         first_bad = num_hit if ok.all() else int(np.argmin(ok))
         self._ok_blocks[row] = first_bad
-        self._gap[row] = first_bad * self.runner.block_size if first_bad < num_hit else -1
+        self._gap[row] = first_bad * block_size if first_bad < num_hit else -1
         self._stale[row] = True
 
     def fresh_blocks(self, block_ids: list[int]) -> None:

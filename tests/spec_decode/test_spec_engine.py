@@ -542,6 +542,40 @@ def test_model_proposer_passes_skipped_while_drafting_is_off_are_caught_up(
     llm.shutdown()
 
 
+def test_model_proposer_catches_up_the_blocks_a_kv_connector_loaded(
+        qwen3_dir: str, reference: list[list[int]]) -> None:
+    """Blocks a KV connector loads (the CPU tier here) hold the target's KV only: the first
+    pass over the request catches the proposer's KV up there, so the model as its own draft
+    still gets every draft accepted, though the GPU blocks it loads into held other prompts'
+    proposer KV."""
+    config = device_proposers(qwen3_dir, "")["draft_model_self"]
+    llm = LLM(model=qwen3_dir, dtype="float32", device="cpu", block_size=4,
+              async_scheduling=True, speculative_config=config, kv_offloading_size=0.01,
+              num_gpu_blocks_override=40, max_model_len=80)
+    core = llm.llm_engine.engine_core
+    prompt = [{"prompt_token_ids": PROMPTS[2]}]
+    assert list(llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == (
+        reference[2])  # its blocks saved to the CPU tier
+    rng = random.Random(1)
+    for _ in range(2):  # other prompts over every GPU block
+        assert core.kv_cache_manager.reset_prefix_cache()
+        others = [{"prompt_token_ids": [rng.randrange(3, 90) for _ in range(60)]}
+                  for _ in range(2)]
+        llm.generate(others, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)
+    assert core.kv_cache_manager.reset_prefix_cache()
+    before = llm.get_spec_decoding_stats()
+    drafted, accepted = before.num_draft_tokens, before.num_accepted_tokens
+    out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == reference[2]
+    assert core.scheduler.connector.get_stats()["loaded_blocks"] > 0
+    stats = llm.get_spec_decoding_stats()
+    assert stats.num_draft_tokens > drafted
+    assert stats.num_accepted_tokens - accepted == stats.num_draft_tokens - drafted
+    assert_blocks_balance(llm)
+    llm.shutdown()
+
+
 def proposer_kv(llm: LLM, req_id: str, snapshots: dict) -> torch.Tensor:
     """The model proposer's KV at a request's positions 0 .. n - 1, [layers, 2, n, ...]: its
     block-table row as last launched (snapshots[req_id] = (row table, n))."""
