@@ -189,6 +189,12 @@ def spec_configs(model: str, eagle: str) -> dict[str, dict]:
             "method": "draft_model", "model": model, "num_speculative_tokens": 4,
             "disable_by_batch_size": 4, "min_accepted_tokens_per_step": 0},
             "max_num_batched_tokens": 64},
+        # A prompt reloaded from the CPU tier into blocks that held other prompts: the
+        # self-draft accepts every draft only if the loaded blocks' proposer KV is caught up.
+        "spec_draft_model_self_cpu_kv_tier": {"speculative_config": {
+            "method": "draft_model", "model": model, "num_speculative_tokens": 4,
+            **ALWAYS_DRAFT}, "kv_offloading_size": 0.05, "num_gpu_blocks_override": 96,
+            "max_model_len": 1024},
         "spec_eagle_switching": {"speculative_config": {
             "method": "eagle", "model": eagle, "num_speculative_tokens": 3,
             "disable_by_batch_size": None, "min_accepted_tokens_per_step": 1.0,
@@ -314,6 +320,22 @@ def main() -> None:
                 stats = llm.llm_engine.scheduler.connector.get_stats()
                 result[f"{arch}_{name}_loaded_blocks"] = stats["loaded_blocks"]
                 result[f"{arch}_{name}_loaded_some"] = stats["loaded_blocks"] > 0
+            if name == "spec_draft_model_self_cpu_kv_tier":
+                manager = llm.llm_engine.kv_cache_manager
+                for _ in range(2):  # other prompts' KV over every GPU block
+                    assert manager.reset_prefix_cache()
+                    greedy_ids(llm, long_prompts, max_tokens=8)
+                assert manager.reset_prefix_cache()
+                before = llm.get_spec_decoding_stats()
+                result[f"{arch}_{name}_loaded_equals_cpu"] = (
+                    greedy_ids(llm, prompts) == reference)
+                after = llm.get_spec_decoding_stats()
+                drafted = after.num_draft_tokens - before.num_draft_tokens
+                accepted = after.num_accepted_tokens - before.num_accepted_tokens
+                result[f"{arch}_{name}_loaded_accepted_of_drafted"] = f"{accepted}/{drafted}"
+                result[f"{arch}_{name}_loaded_accepted_all"] = drafted > 0 and accepted == drafted
+                loaded = llm.llm_engine.scheduler.connector.get_stats()["loaded_blocks"]
+                result[f"{arch}_{name}_loaded_some"] = loaded > 0
             if name.startswith("pool_"):
                 # Again, from the pool: every full block of every prompt loads.
                 worker = llm.llm_engine.engine_core.executor.worker.connector
