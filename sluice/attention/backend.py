@@ -36,6 +36,12 @@ class AttentionBackend(Protocol):
     # bool`: whether the runner should mark steps that are one fresh prompt
     # (`AttentionMetadata.dense_prefill`), which `forward` then runs as dense causal attention;
     # and `supports_dense_prefix(...)`, the same for one prompt chunk over a cached prefix.
+    #
+    # Optional: `decode_from_qkv(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight,
+    # eps, residual, residual_eps, num_heads, kv_cache, metadata, scale) -> Tensor | None`: a
+    # decode step's attention output from the raw q/k/v projection, doing what the model's
+    # qk_norm_rope op and `forward` do (TritonBackend: in one launch), or None where the backend
+    # leaves this step to them (Attention.decode_from_qkv).
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

@@ -74,6 +74,28 @@ class Attention(nn.Module):
             hooks.save_kv_layer(self.layer_name, self.kv_cache, attn_metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
+    def decode_from_qkv(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D]: the raw q/k/v projection
+        positions: torch.Tensor,  # [T]
+        cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
+        q_norm_weight: torch.Tensor | None,  # [D]; None: no q/k norm
+        k_norm_weight: torch.Tensor | None,
+        eps: float,
+        residual: torch.Tensor | None,  # [T, hidden]: the input norm folded
+        residual_eps: float,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:  # [T, H * D]
+        """This step's attention output from the projection where the backend fuses q/k norm,
+        RoPE and the KV store into its decode attention (a small decode batch), else None: the
+        caller runs its qk_norm_rope op and `forward`. Never with a KV connector's per-layer
+        hooks (they wrap `forward`)."""
+        fused = getattr(self.backend, "decode_from_qkv", None)
+        if fused is None or attn_metadata.kv_hooks is not None or self.kv_cache.numel() == 0:
+            return None
+        return fused(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, residual,
+                     residual_eps, self.num_heads, self.kv_cache, attn_metadata, self.scale)
+
 
 def attention_layers(model: nn.Module) -> dict[str, Attention]:
     """The Attention layers of `model` by qualified module name, in layer order."""

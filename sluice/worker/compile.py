@@ -7,7 +7,9 @@ sizes, where the torch.compile (inductor) versions they replace did not (rotary 
 the down projection with SiLU-and-mul folded in), which cuBLAS runs slowly at a few rows. And the
 layers' RMSNorm weights folded into the projections they feed (LlamaModel.fold_norms): the
 norms' 1 / rms rides in the q/k/v and SiLU kernels (or gate_up's Triton GEMM) and the residual
-adds in the GEMMs, so a layer is 7 launches instead of 9 (6 instead of 8 at small batches).
+adds in the GEMMs, so a layer is 7 launches instead of 9 (6 instead of 8 at small batches). And
+small decode batches hand the raw q/k/v projection to the attention backend, which may fold the
+q/k norm, RoPE and KV store into its decode attention (5 launches a layer).
 
 Only the instance attributes of this model change; other engines in the process are untouched.
 """
@@ -40,6 +42,7 @@ def install_fused_ops(model: nn.Module) -> None:
             module.op = triton_ops.silu_and_mul
         elif isinstance(module, LlamaAttention):
             module.qk_norm_rope_op = triton_ops.qk_norm_rope_store_kv
+            module.fused_decode = True
     # The layers' norms ride in the q/k/v and SiLU kernels (at the Triton GEMM's rows: in
     # gate_up's GEMM, and SiLU-and-mul in the down GEMM) and the residual adds in the GEMMs:
     # 7 launches a layer instead of 9 (6 instead of 8 at the Triton GEMM's rows).

@@ -472,3 +472,168 @@ def test_triton_attention_reads_the_cache_the_fused_op_stored(monkeypatch, folde
     got = prefill_then_decode(model, config)
     assert store_calls == []
     assert_same_steps(got, expected, tolerance=1e-4)
+
+
+@pytest.mark.parametrize("fused_decode", [False, True], ids=["two_launches", "one_launch"])
+def test_decode_attention_from_the_projection_gives_the_models_hidden_states(monkeypatch,
+                                                                            fused_decode):
+    """With the norms folded, a decode step hands the raw projection to the Triton backend,
+    which norms, rotates and stores k/v inside its decode attention (decode_from_qkv) where its
+    rule says so; the prefill step never does. Hidden states and caches match the torch
+    ops with the reference backend either way."""
+    reference, config = build_tiny_model("qwen3", TorchRefBackend())
+    expected = prefill_then_decode(reference, config)
+    model, _ = build_tiny_model("qwen3", TritonBackend())
+    install_fused_ops(model)
+    if fused_decode:  # the decode step has 2 requests, under the rule's minimum
+        monkeypatch.setattr(triton_backend, "FUSED_DECODE_MIN_REQS", 2)
+    fused_calls, rope_calls = [], []
+    real_fused, real_rope = triton_backend.decode_from_qkv, triton_ops.qk_norm_rope_store_kv
+    monkeypatch.setattr(triton_backend, "decode_from_qkv",
+                        lambda *args: fused_calls.append(args[0].shape) or real_fused(*args))
+    for layer in model.model.layers:
+        layer.self_attn.qk_norm_rope_op = (
+            lambda *args: rope_calls.append(args[0].shape) or real_rope(*args))
+    got = prefill_then_decode(model, config)
+    layers_count = config.num_hidden_layers
+    width = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    assert fused_calls == ([(2, width)] * layers_count if fused_decode else [])
+    assert rope_calls == [(15, width)] * layers_count + ([] if fused_decode
+                                                        else [(2, width)] * layers_count)
+    assert_same_steps(got, expected, tolerance=1e-4)
+
+
+def decode_step(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
+                dtype: torch.dtype, seed: int) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A decode batch (one query a request; seq_len 0: a CUDA graph's padding request, slot
+    -1) over shuffled blocks of a cache of random contents."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-max(s, 1) // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 1
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = torch.zeros(len(seq_lens), max(blocks_per_req) + 1, dtype=torch.int32)
+    slots = []
+    for i, seq_len in enumerate(seq_lens):
+        table = [free.pop() for _ in range(blocks_per_req[i])]
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        last = seq_len - 1
+        slots.append(table[last // block_size] * block_size + last % block_size
+                     if seq_len else -1)
+    seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32)
+    query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=len(seq_lens),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_start_loc=query_start_loc.to(DEVICE),
+        seq_lens=seq_lens_tensor.to(DEVICE),
+        block_tables=tables.to(DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens_tensor,
+    )
+    cache = random(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=seed + 1)
+    return metadata, cache
+
+
+def assert_close_in_dtype(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32 within float32 rounding; bfloat16 within an ulp, for a few values (another
+    summation order of a head's norm)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=3e-5)
+        return
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-7, atol=2**-7)
+    assert (actual != expected).float().mean() < 0.01
+
+
+# (num_heads, num_kv_heads, head_dim): GQA groups of 1, 2, 3 and 4.
+DECODE_QKV_SHAPES = [(2, 2, 16), (4, 2, 32), (6, 2, 16), (4, 1, 64)]
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["in_order", "longest_first"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norms", "folded_norms"])
+@pytest.mark.parametrize("with_norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_shape", DECODE_QKV_SHAPES,
+                         ids=lambda s: "h{}_kvh{}_d{}".format(*s))
+def test_decode_from_qkv_is_qk_norm_rope_then_attention(head_shape, dtype, with_norm,
+                                                        with_residual, ordered):
+    """One launch against the two it replaces, as the torch ops and the reference backend do
+    them: the same cache afterwards (the new k and v at their slots, nothing for padding
+    requests) and the same attention output (zeros for padding requests); qkv is only read."""
+    from sluice.attention.triton.decode_qkv import decode_from_qkv
+    from sluice.attention.triton_backend import DECODE_TILES
+
+    num_heads, num_kv_heads, head_dim = head_shape
+    block_size = 4
+    seq_lens = [9, 0, 40, 16, 1, 0, 23]  # ragged; one fills its block; two padding requests
+    metadata, cache = decode_step(seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=20)
+    if ordered:
+        metadata.decode_order = torch.argsort(
+            -torch.tensor(seq_lens), stable=True).to(torch.int32).to(DEVICE)
+    num_tokens = len(seq_lens)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = random(num_tokens, width, dtype=dtype, seed=21, scale=2.0)
+    positions = torch.tensor([max(s - 1, 0) for s in seq_lens], device=DEVICE)
+    q_weight = random(head_dim, dtype=dtype, seed=22, scale=0.3) + 1 if with_norm else None
+    k_weight = random(head_dim, dtype=dtype, seed=23, scale=0.3) + 1 if with_norm else None
+    residual = random(num_tokens, 40, dtype=dtype, seed=24, scale=3.0) if with_residual else None
+    table = cos_sin_cache(head_dim)
+    scale = head_dim**-0.5
+
+    expected_qkv, expected_cache = qkv.clone(), cache.clone()
+    q, k = layers.qk_norm_rope(expected_qkv, positions, table, q_weight, k_weight, EPS,
+                               num_heads, num_kv_heads, residual, EPS)
+    v = expected_qkv[:, (num_heads + num_kv_heads) * head_dim :]
+    expected = TorchRefBackend().forward(
+        q.reshape(num_tokens, num_heads, head_dim), k.reshape(num_tokens, num_kv_heads, head_dim),
+        v.reshape(num_tokens, num_kv_heads, head_dim), expected_cache, metadata, scale)
+    qkv_before, cache_before = qkv.clone(), cache.clone()
+    out = decode_from_qkv(qkv, positions, table, q_weight, k_weight, EPS, residual, EPS,
+                          num_heads, cache, metadata, scale, DECODE_TILES)
+
+    assert torch.equal(qkv, qkv_before)
+    assert_close_in_dtype(cache, expected_cache)
+    changed = (cache != cache_before).flatten(3).any(-1)  # [2, num_blocks, block_size]
+    assert int(changed.sum()) == 2 * sum(1 for s in seq_lens if s)  # k and v, real requests
+    assert out.shape == (num_tokens, num_heads * head_dim) and out.dtype == dtype
+    tolerance = dict(atol=3e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=0)
+    torch.testing.assert_close(out, expected.reshape(num_tokens, -1), **tolerance)
+    assert torch.all(out[[1, 5]] == 0)
+
+
+def test_decode_from_qkv_rule_takes_decode_batches_of_about_one_wave():
+    """The backend fuses decode batches of FUSED_DECODE_MIN_REQS requests or more whose
+    programs fit FUSED_DECODE_MAX_PROGRAMS_PER_SM per SM (4 SMs stand in for the CPU), and
+    leaves everything else to the two launches (None)."""
+    from sluice.attention.triton_backend import (
+        FUSED_DECODE_MAX_PROGRAMS_PER_SM,
+        FUSED_DECODE_MIN_REQS,
+    )
+
+    backend = TritonBackend()
+    head_dim, num_heads = 16, 2
+    table = cos_sin_cache(head_dim)
+    sms = backend._sm_count(torch.device(DEVICE))
+
+    def fused(num_reqs: int, num_kv_heads: int, **changes) -> bool:
+        metadata, cache = decode_step([5] * num_reqs, num_kv_heads, head_dim, 4, torch.float32,
+                                      seed=30)
+        for name, value in changes.items():
+            setattr(metadata, name, value)
+        qkv = random(num_reqs, (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.float32,
+                     seed=31)
+        positions = torch.full((num_reqs,), 4, device=DEVICE)
+        out = backend.decode_from_qkv(qkv, positions, table, None, None, EPS, None, EPS,
+                                      num_heads, cache, metadata, 0.25)
+        return out is not None
+
+    assert FUSED_DECODE_MIN_REQS == 16
+    if DEVICE == "cpu":
+        assert sms * FUSED_DECODE_MAX_PROGRAMS_PER_SM == 16
+        assert fused(16, 1)
+        assert not fused(15, 1)  # too few requests
+        assert not fused(16, 2)  # 32 programs: more than a wave
+        assert not fused(16, 1, max_query_len=2)  # a verification step
+        assert not fused(16, 1, dense_prefill=True)

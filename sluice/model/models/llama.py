@@ -122,6 +122,10 @@ class LlamaAttention(nn.Module):
         # A plain function, so a runner may swap in one fused kernel for all layers, which may
         # also store k and v into the paged KV cache (see qk_norm_rope_leaving_kv_store).
         self.qk_norm_rope_op = qk_norm_rope_leaving_kv_store
+        # Whether a decode step may ask the attention backend for its output straight from the
+        # projection (Attention.decode_from_qkv: one launch for what qk_norm_rope_op and the
+        # attention do), on the folded path; set with the fused ops (sluice.worker.compile).
+        self.fused_decode = False
 
     def qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         """(q weight, k weight, eps) of the per-head RMSNorm before RoPE: none in Llama."""
@@ -146,16 +150,25 @@ class LlamaAttention(nn.Module):
     ) -> None:
         """residual += forward(positions, rms_norm(residual)), in place, with the norm's weight
         folded into qkv_proj (LlamaModel.fold_norms): qk_norm_rope_op scales q, k and v by
-        1 / rms, and o_proj accumulates into residual (one GEMM, no add)."""
+        1 / rms (or, with `fused_decode`, the attention backend does for a small decode batch),
+        and o_proj accumulates into residual (one GEMM, no add)."""
         qkv = self.qkv_proj(residual)
         q_norm_weight, k_norm_weight, eps = self.qk_norms()
-        q, k, kv_stored = self.qk_norm_rope_op(
-            qkv, positions, self.rotary_emb.cos_sin_cache, q_norm_weight, k_norm_weight, eps,
-            self.num_heads, self.num_kv_heads, self.attn.kv_cache, attn_metadata.slot_mapping,
-            residual, norm_eps,
-        )
-        v = qkv[:, self.q_size + self.kv_size :]
-        self.o_proj.add_to(residual, self.attn(q, k, v, attn_metadata, kv_stored=kv_stored))
+        cos_sin_cache = self.rotary_emb.cos_sin_cache
+        out = None
+        if self.fused_decode:
+            out = self.attn.decode_from_qkv(qkv, positions, cos_sin_cache, q_norm_weight,
+                                            k_norm_weight, eps, residual, norm_eps,
+                                            attn_metadata)
+        if out is None:
+            q, k, kv_stored = self.qk_norm_rope_op(
+                qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
+                self.num_heads, self.num_kv_heads, self.attn.kv_cache,
+                attn_metadata.slot_mapping, residual, norm_eps,
+            )
+            v = qkv[:, self.q_size + self.kv_size :]
+            out = self.attn(q, k, v, attn_metadata, kv_stored=kv_stored)
+        self.o_proj.add_to(residual, out)
 
 
 class LlamaDecoderLayer(nn.Module):
