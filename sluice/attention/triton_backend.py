@@ -65,12 +65,13 @@ MAX_SPLITS = 64
 # Decode batches of FUSED_DECODE_MIN_REQS requests or more, with at most
 # FUSED_DECODE_MAX_PROGRAMS_PER_SM (request, KV head) programs per SM, take q/k norm, RoPE and
 # the KV store inside the attention kernel (decode_from_qkv): one launch a layer fewer, for a
-# prologue each program repeats (its token's 1 / rms, its heads' norms, the new key's round trip
-# through the cache), which costs once while the programs fit about one wave and wave after wave
-# beyond. On an H100 (Qwen3-0.6B, 128 + 128 tokens) it took the decode step from 1.728-1.747 to
-# 1.688-1.691 ms at 64 requests and batch-16 ITL from 1.175-1.211 to 1.143-1.147 ms, but batch 1
-# from 0.979-0.983 to 1.031-1.034 ms: there the separate q/k kernel is short and overlaps the
-# attention's launch (programmatic dependent launch), and the prologue lengthens the path.
+# prologue each program repeats (its token's 1 / rms, its heads' norms), which costs once
+# while the programs fit about one wave and wave after wave beyond. Decode device time per
+# step (Qwen3-0.6B, 128 + 128 tokens, `benchmarks/README.md`): at 16 requests 1.16 -> 1.12 ms
+# on an H100, 1.03-1.05 -> 1.00-1.01 on an H200; at 64 requests 1.73-1.74 -> 1.69-1.71 on an
+# H100, 1.50-1.51 -> 1.48-1.50 on an H200. At one request it was slower (0.98 -> 1.03 ms, an
+# H100): the separate q/k kernel is short there and overlaps the attention's launch
+# (programmatic dependent launch), while the prologue lengthens the one wave's path.
 FUSED_DECODE_MIN_REQS = 16
 FUSED_DECODE_MAX_PROGRAMS_PER_SM = 4
 # No context under this is split (see choose_num_splits): short_decode_tiles take such batches.

@@ -13,8 +13,9 @@ decode batch). A program:
    token's 1 / rms of the residual row, when given;
 2. norms (Qwen3) and rotates its KV head's k and its GROUP query heads, scales v, and stores k
    and v at the token's slot of the paged cache (none for a padding token, slot < 0);
-3. waits for the block's threads (a barrier: the stores are visible to the block), then attends
-   to the request's keys, the new one included, as the unified kernel does.
+3. attends to the new key from registers first (its score and value start the online
+   softmax), then to the request's cached keys as the unified kernel does; so nothing it reads
+   waits for its own stores.
 
 Every value is rounded where `qk_norm_rope` rounds it, so k, v and q are what the two launches
 compute but for float32 summation order. Each program repeats its token's 1 / rms (a 2 KiB row,
@@ -164,19 +165,25 @@ def _decode_from_qkv_kernel(
         q = q.to(key_cache_ptr.dtype.element_ty).to(tl.float32)
     else:
         q = q.to(key_cache_ptr.dtype.element_ty)
-    # The k and v stores above are visible to every thread of this program past the barrier.
-    tl.debug_barrier()
 
+    # The new key is attended to from registers, first; the loop reads the cached keys before
+    # it. Nothing here reads the slots stored above (no barrier, and the loop's loads need not
+    # wait for the stores).
+    k_new = k.to(key_cache_ptr.dtype.element_ty).to(tl.float32)
+    v_new = v.to(value_cache_ptr.dtype.element_ty).to(tl.float32)
+    s_new = tl.sum(q.to(tl.float32) * k_new, axis=1) * qk_scale  # [BLOCK_M]
+    has_key = seq_len > 0
+    m_i = tl.where(has_key, s_new, float("-inf"))
+    l_i = tl.where(has_key, 1.0, 0.0) + tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.where(has_key, 1.0, 0.0) * v_new + tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
     k_base = key_cache_ptr + kv_head * stride_kv_head
     v_base = value_cache_ptr + kv_head * stride_kv_head
-    query_pos = tl.zeros([BLOCK_M], tl.int32) + seq_len - 1
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for t in range(0, tl.cdiv(seq_len, BLOCK_N)):
+    num_cached = tl.maximum(seq_len - 1, 0)
+    query_pos = tl.zeros([BLOCK_M], tl.int32) + num_cached
+    for t in range(0, tl.cdiv(num_cached, BLOCK_N)):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, k_base, v_base, block_table_row, 0, t * BLOCK_N, seq_len,
+            q, m_i, l_i, acc, k_base, v_base, block_table_row, 0, t * BLOCK_N, num_cached,
             query_pos, stride_kv_block, stride_kv_slot, dims, dims < HEAD_DIM, qk_scale,
             BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=True, MASK=True, CAUSAL=False,
             MASK_DIMS=False, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
