@@ -71,7 +71,8 @@ MAX_SPLITS = 64
 # on an H100, 1.03-1.05 -> 1.00-1.01 on an H200; at 64 requests 1.73-1.74 -> 1.69-1.71 on an
 # H100, 1.50-1.51 -> 1.48-1.50 on an H200. At one request it was slower (0.98 -> 1.03 ms, an
 # H100): the separate q/k kernel is short there and overlaps the attention's launch
-# (programmatic dependent launch), while the prologue lengthens the one wave's path.
+# (programmatic dependent launch), while the prologue lengthens the one wave's path; at 4 and
+# 8 requests the two were within their run-to-run spread.
 FUSED_DECODE_MIN_REQS = 16
 FUSED_DECODE_MAX_PROGRAMS_PER_SM = 4
 # No context under this is split (see choose_num_splits): short_decode_tiles take such batches.

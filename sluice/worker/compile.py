@@ -8,8 +8,9 @@ the down projection with SiLU-and-mul folded in), which cuBLAS runs slowly at a 
 layers' RMSNorm weights folded into the projections they feed (LlamaModel.fold_norms): the
 norms' 1 / rms rides in the q/k/v and SiLU kernels (or gate_up's Triton GEMM) and the residual
 adds in the GEMMs, so a layer is 7 launches instead of 9 (6 instead of 8 at small batches). And
-small decode batches hand the raw q/k/v projection to the attention backend, which may fold the
-q/k norm, RoPE and KV store into its decode attention (5 launches a layer).
+decode steps hand the raw q/k/v projection to the attention backend, which folds the q/k norm,
+RoPE and KV store into its decode attention for batches of 16 requests to about one wave of
+programs (TritonBackend.decode_from_qkv): one launch a layer fewer there.
 
 Only the instance attributes of this model change; other engines in the process are untouched.
 """

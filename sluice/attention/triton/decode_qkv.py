@@ -18,9 +18,12 @@ decode batch). A program:
    waits for its own stores.
 
 Every value is rounded where `qk_norm_rope` rounds it, so k, v and q are what the two launches
-compute but for float32 summation order. Each program repeats its token's 1 / rms (a 2 KiB row,
-from L2 after the first), so the backend uses this only while the programs fit about one wave
-(`sluice.attention.triton_backend`); the prologue would be paid wave after wave beyond that.
+compute but for float32 summation order; the new key's softmax weight stays in float32 where the
+tiles' weights are rounded to the cache dtype before their product with v.
+
+Each program repeats its token's 1 / rms (a 2 KiB row, from L2 after the first), so the backend
+uses this only while the programs fit about one wave (`sluice.attention.triton_backend`); the
+prologue would be paid wave after wave beyond that.
 
 Neox RoPE in one pass over whole heads: element d pairs with element (d + D / 2) % D, so each
 head is loaded twice (the second load, permuted, comes from L1) rather than split in halves.
