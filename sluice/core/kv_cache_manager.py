@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sluice.core.block_pool import BlockPool
-from sluice.core.kv_cache_utils import KVCacheBlock, hash_block_tokens, sha256_hash
+from sluice.core.kv_cache_utils import KVCacheBlock, hash_blocks, sha256_hash
 
 if TYPE_CHECKING:
     from sluice.core.request import Request
@@ -56,14 +56,11 @@ class KVCacheManager:
         num_full_blocks = request.num_tokens // self.block_size
         if len(block_hashes) >= num_full_blocks:
             return
-        token_ids = request.all_token_ids
+        start = len(block_hashes) * self.block_size
         parent = block_hashes[-1].hash_value if block_hashes else None
-        for i in range(len(block_hashes), num_full_blocks):
-            start = i * self.block_size
-            block_hash = hash_block_tokens(
-                self.hash_fn, parent, token_ids[start:start + self.block_size])
-            block_hashes.append(block_hash)
-            parent = block_hash.hash_value
+        block_hashes += hash_blocks(
+            self.hash_fn, parent,
+            request.all_token_ids[start:num_full_blocks * self.block_size], self.block_size)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of `request` (hit blocks, hit tokens); does not take refs.

@@ -26,6 +26,12 @@ against 0.576 ms a step); up to 16 rows the tensor-core tiles beat cuBLAS; at 32
 sweep's chain favoured them too, but in the model the projections took 0.71 ms a step against
 cuBLAS's 0.62, so `linear` leaves batches above MAX_ROWS = 16 to cuBLAS.
 
+With PDL (sluice.model.pdl) each program asks for its weight slice in L2 before it waits for the
+kernel before; the CUDA-core tiles of one row also load their first weight tile into registers
+then (on an H100, a chain of the 112 projections at one row: 5.05-5.19 against 4.88-4.90 us a
+projection; 3.84 against 4.13-4.22 with every weight in L2). The tensor-core tiles do not:
+loading ahead by hand undoes Triton's pipelining of their loop.
+
 The functions take CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1` (the tests). The grid
 depends only on python ints, so a launch can be captured in a CUDA graph. The split-K counters
 are one buffer per device: launches that split K must not run concurrently on two streams.
@@ -94,30 +100,42 @@ def _skinny_mm_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
     LINE_ELEMS: tl.constexpr,  # USE_PDL: weight elements per L2 line
     LINES_PAD: tl.constexpr,  # USE_PDL: a power of two >= the L2 lines of a row's K_PART
+    PRELOAD: tl.constexpr,  # weight tiles loaded one iteration ahead, the first before the wait
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     K_PART: tl.constexpr = K // SPLIT_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * K_PART + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     if USE_PDL:
         # This program's weight slice, on its way to L2 while the kernel before still runs
         # (weights are written by no kernel); the loop below then reads it from L2.
         line_k = tl.minimum(tl.arange(0, LINES_PAD) * LINE_ELEMS, K_PART - 1)
         rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
         prefetch_l2(w_ptr + rows[:, None] + (pid_k * K_PART + line_k)[None, :])
+    if PRELOAD:
+        # The CUDA-core tiles (GemmConfig.fma): the first weight tile into registers before the
+        # wait too, so that with PDL its bytes arrive while the kernel before still runs; the
+        # loop then loads each next tile one iteration ahead. (With the tensor-core tiles this
+        # defeats Triton's pipelining of the loop: 7.3-8.5 against 4.6-5.7 us a projection.)
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
     pdl_wait(USE_PDL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k * K_PART + tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
     m_mask = offs_m < M
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     dtype = y_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     sum_squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for _ in range(0, K_PART, BLOCK_K):
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+    for k_start in range(0, K_PART, BLOCK_K):
+        if PRELOAD:
+            w = w_next
+            w_next = tl.load(w_ptrs + BLOCK_K,
+                             mask=n_mask[:, None] & (k_start + BLOCK_K < K_PART), other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         if SILU_MUL:
             gate = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
             up = tl.load(x_ptrs + K, mask=m_mask[:, None], other=0.0).to(tl.float32)
@@ -259,6 +277,7 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, LINE_ELEMS=line_elems(weight),
         LINES_PAD=lines_pad(k // config.split_k, weight),
+        PRELOAD=config.fma,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     return out if out.shape[0] == m else out[:m]

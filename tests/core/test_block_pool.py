@@ -14,6 +14,7 @@ from sluice.core.kv_cache_utils import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     hash_block_tokens,
+    hash_blocks,
     sha256_hash,
 )
 from sluice.core.request import Request
@@ -68,6 +69,22 @@ def test_block_hash_equality_compares_tokens_not_only_the_digest() -> None:
     assert hash(a) == hash(b)
     assert a != b
     assert {a: "a"}.get(b) is None
+
+
+@pytest.mark.parametrize("extra_keys", [None, ("lora-a", 3)])
+@pytest.mark.parametrize("parent", [None, b"p" * 32])
+def test_hash_blocks_chains_hash_block_tokens(parent, extra_keys) -> None:
+    """The batched form gives each full block's hash_block_tokens, chained from `parent`;
+    a partial last block gets none."""
+    token_ids = [(i * 7919) % 151_936 for i in range(37)]
+    expected, previous = [], parent
+    for start in range(0, 36, 4):
+        block_hash = hash_block_tokens(sha256_hash, previous, token_ids[start:start + 4],
+                                       extra_keys)
+        expected.append(block_hash)
+        previous = block_hash.hash_value
+    assert hash_blocks(sha256_hash, parent, token_ids, 4, extra_keys) == expected
+    assert hash_blocks(sha256_hash, parent, token_ids[:3], 4, extra_keys) == []
 
 
 def test_unsupported_extra_key_is_a_value_error() -> None:
