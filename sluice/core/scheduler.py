@@ -223,7 +223,14 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
+    def cache_scheduled_blocks(self) -> None:
+        """Enter the blocks the last schedule() filled into the prefix cache, where the KV cache
+        manager defers that (see KVCacheManager.defer_caching): the engine calls this once the
+        step is on its way to the device. schedule() does it first too."""
+        self.kv_cache_manager.flush_pending_cache()
+
     def schedule(self) -> SchedulerOutput:
+        self.kv_cache_manager.flush_pending_cache()
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, now=time.time())
         if self.kv_transfers is not None:
             self.kv_transfers.free_expired(plan.now)

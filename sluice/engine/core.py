@@ -65,6 +65,8 @@ class EngineCore:
             num_blocks=num_blocks,
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
+            # A connector reads every block hash when the step is scheduled.
+            defer_caching=config.kv_transfer_config is None,
         )
         connector = None
         if config.kv_transfer_config is not None:
@@ -128,6 +130,8 @@ class EngineCore:
                 launched = (scheduler_output, self.executor.execute_model(scheduler_output))
             elif scheduler_output.finished_req_ids:
                 self.executor.execute_model(scheduler_output)  # only drops their state
+            # The step's new full blocks into the prefix cache while the device runs it.
+            scheduler.cache_scheduled_blocks()
             if scheduler_output.is_empty and self.in_flight is None and launched is None:
                 if self.structured_output.has_pending_compiles():
                     self.structured_output.wait_for_compiles(_COMPILE_WAIT_S)

@@ -462,3 +462,53 @@ def test_random_workload_keeps_the_pool_consistent_and_returns_every_block(
     assert manager.prefix_cache_queries == workload.num_queried_tokens
     assert manager.prefix_cache_hits == workload.num_hit_tokens
     assert manager.reset_prefix_cache() is True
+
+
+def test_deferred_caching_caches_before_any_lookup_free_or_flush() -> None:
+    """defer_caching: allocate_slots only notes the blocks; a later request's lookup (in the
+    same step), a free, or flush_pending_cache enters them, as if cached when allocated."""
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, defer_caching=True)
+    prompt = list(range(13))  # three full blocks and one token
+    first = make_request("a", prompt)
+    hits, _ = manager.get_computed_blocks(first)
+    assert manager.allocate_slots(first, first.num_tokens, hits) is not None
+    assert manager.block_pool.get_cached_block(first.block_hashes[0]) is None
+    assert len(first.block_hashes) == 1  # the lookup hashed only as far as it went
+    manager.check_integrity()
+    # A request admitted after it in the same step finds its blocks.
+    second = make_request("b", prompt[:12] + [99])
+    hits, num_tokens = manager.get_computed_blocks(second)
+    assert num_tokens == 12 and [b.block_id for b in hits] == manager.get_block_ids("a")[:3]
+    assert manager.allocate_slots(second, 1, hits) is not None
+
+    third = make_request("c", [50 + i for i in range(9)])
+    hits, _ = manager.get_computed_blocks(third)
+    assert manager.allocate_slots(third, third.num_tokens, hits) is not None
+    manager.flush_pending_cache()
+    assert num_hit_tokens(manager, third.all_token_ids + [7]) == 8
+    fourth = make_request("d", [80 + i for i in range(5)])
+    hits, _ = manager.get_computed_blocks(fourth)
+    assert manager.allocate_slots(fourth, fourth.num_tokens, hits) is not None
+    manager.free(fourth)  # freed before a flush: its full block was still cached
+    assert num_hit_tokens(manager, fourth.all_token_ids) == 4
+    for request in (first, second, third):
+        manager.free(request)
+    manager.check_integrity()
+    assert manager.get_num_free_blocks() == 15
+
+
+def test_lookup_hashes_as_far_as_it_hits() -> None:
+    """The lookup computes block hashes in doubling runs while it hits, so a miss at block 0
+    hashes one block, and a full hit hashes every block it can use."""
+    manager = KVCacheManager(num_blocks=32, block_size=BLOCK_SIZE)
+    prompt = list(range(41))  # ten full blocks
+    prefill(manager, make_request("a", prompt))
+    fresh = make_request("b", [500 + i for i in range(41)])
+    assert manager.get_computed_blocks(fresh)[1] == 0
+    assert len(fresh.block_hashes) == 1
+    again = make_request("c", prompt)
+    assert manager.get_computed_blocks(again)[1] == 40
+    assert len(again.block_hashes) == 10
+    diverging = make_request("d", prompt[:20] + [999] * 21)
+    assert manager.get_computed_blocks(diverging)[1] == 20
+    assert len(diverging.block_hashes) == 8  # 1, 2, 4, then 8 blocks hashed

@@ -160,6 +160,28 @@ def test_shared_prefix_is_cached_and_computes_fewer_tokens(qwen3_dir: str) -> No
     assert llm.llm_engine.kv_cache_manager.prefix_cache_hits == 64
 
 
+def test_prompts_of_one_step_share_their_prefix_with_deferred_caching(qwen3_dir: str) -> None:
+    """The engine enters a step's blocks into the prefix cache after the step is launched
+    (KVCacheManager.defer_caching), but a prompt admitted after another in the same step still
+    hits the blocks scheduled for it, and the output is what it is without the cache."""
+    llm = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256)
+    manager = llm.llm_engine.kv_cache_manager
+    assert manager.defer_caching
+    vocab = llm.llm_engine.hf_config.vocab_size
+    rng = random.Random(4)
+    prefix = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = [prefix + [11, 12, 13], prefix + [21, 22]]
+    want, _ = sluice_greedy(LLM(model=qwen3_dir, dtype="float32", block_size=8,
+                                max_model_len=256, enable_prefix_caching=False), prompts)
+    got, outputs = sluice_greedy(llm, prompts)
+    assert got == want
+    assert [o.num_cached_tokens for o in outputs] == [0, 40]
+    assert_integrity_and_all_free(llm)
+    # And a later prompt finds the block the first's decode filled (its 3 tokens, 5 generated).
+    _, outputs = sluice_greedy(llm, [prompts[0] + got[0][:5] + [19]])
+    assert outputs[0].num_cached_tokens == 48
+
+
 def test_fully_cached_prompt_still_computes_its_last_token(qwen3_dir: str) -> None:
     llm = LLM(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=256)
     prompt = list(range(10, 42))  # exactly four blocks
