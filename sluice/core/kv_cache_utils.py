@@ -89,7 +89,7 @@ def hash_blocks(
 ) -> list[BlockHash]:
     """hash_block_tokens over each full block of `token_ids` in turn, chained from
     `parent_hash_value`, with the tokens converted to bytes once for all of them (a 1,024-token
-    prompt's 64 blocks are hashed before its first step can launch)."""
+    prompt has 64 blocks of 16)."""
     num_blocks = len(token_ids) // block_size
     tokens = array("q", token_ids[: num_blocks * block_size])
     if sys.byteorder == "big":
