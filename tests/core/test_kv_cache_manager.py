@@ -443,13 +443,16 @@ class Workload:
     num_blocks=st.integers(2, 16),
     block_size=st.sampled_from([1, 2, 4]),
     enable_caching=st.booleans(),
+    defer_caching=st.booleans(),
     operations=st.lists(OPERATION, min_size=30, max_size=80),
 )
 def test_random_workload_keeps_the_pool_consistent_and_returns_every_block(
-    num_blocks: int, block_size: int, enable_caching: bool,
+    num_blocks: int, block_size: int, enable_caching: bool, defer_caching: bool,
     operations: list[tuple[str, int, int, list[int]]],
 ) -> None:
-    manager = KVCacheManager(num_blocks, block_size, enable_caching)
+    """Also with deferred caching: every hit still holds the tokens it claims (check_hits)."""
+    manager = KVCacheManager(num_blocks, block_size, enable_caching,
+                             defer_caching=defer_caching)
     workload = Workload(manager)
     for operation in operations:
         workload.apply(*operation)
