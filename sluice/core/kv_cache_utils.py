@@ -71,13 +71,9 @@ def hash_block_tokens(
     extra_keys: tuple | None = None,
 ) -> BlockHash:
     """The chained hash of one block: `hash_fn(parent + int64 LE tokens + extra_keys)`."""
-    tokens = array("q", token_ids)
-    if sys.byteorder == "big":
-        tokens.byteswap()
-    parts = [NONE_HASH if parent_hash_value is None else parent_hash_value, tokens.tobytes()]
-    if extra_keys is not None:
-        _encode_extra_key(extra_keys, parts)
-    return BlockHash(hash_fn(b"".join(parts)), tuple(token_ids), extra_keys)
+    if not token_ids:
+        raise ValueError("a block has at least one token")
+    return hash_blocks(hash_fn, parent_hash_value, token_ids, len(token_ids), extra_keys)[0]
 
 
 def hash_blocks(
@@ -87,7 +83,7 @@ def hash_blocks(
     block_size: int,
     extra_keys: tuple | None = None,
 ) -> list[BlockHash]:
-    """hash_block_tokens over each full block of `token_ids` in turn, chained from
+    """The chained hash of each full block of `token_ids` in turn (see hash_block_tokens), from
     `parent_hash_value`, with the tokens converted to bytes once for all of them (a 1,024-token
     prompt has 64 blocks of 16)."""
     num_blocks = len(token_ids) // block_size
