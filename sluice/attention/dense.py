@@ -30,6 +30,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
+from sluice.attention.kv_layout import as_cached, select_rows
 from sluice.attention.metadata import AttentionMetadata
 
 
@@ -41,11 +42,16 @@ def dense_prefill_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,  # dense_prefill: one request, its queries rows [0, Q)
     scale: float,
+    kv_as_cached: bool = False,  # key/value already hold what the cache holds (the fused op's)
 ) -> torch.Tensor:  # [T, H, D]
     """A step marked dense_prefill: over no cached context (a CUDA graph's padding rows may
     follow), or over a cached prefix (eager: no padding)."""
     num_queries = int(metadata.query_start_loc_cpu[1])
     context_len = int(metadata.seq_lens_cpu[0]) - num_queries
+    if not kv_as_cached:
+        # An 8-bit cache: this step's K/V as the cache holds them, as paged attention reads
+        # them (a no-op for any other cache dtype).
+        key, value = as_cached(key, key_cache.dtype), as_cached(value, value_cache.dtype)
     if context_len == 0:
         return dense_causal_attention(query, key, value, scale)
     assert num_queries == query.shape[0], "a step over a prefix runs eagerly, unpadded"
@@ -111,8 +117,9 @@ def dense_attention_over_prefix(
 ) -> torch.Tensor:  # [Q, H, D]
     block_size = key_cache.shape[1]
     blocks = block_table_row[:-(-context_len // block_size)].long()
-    prefix_key, prefix_value = (cache.index_select(0, blocks).flatten(0, 1)[:context_len]
-                                for cache in (key_cache, value_cache))  # [C, KVH, D]
+    prefix_key, prefix_value = (
+        select_rows(cache, blocks).flatten(0, 1)[:context_len].to(query.dtype)
+        for cache in (key_cache, value_cache))  # [C, KVH, D]
     out_prefix, lse_prefix = _attention_with_lse(query, prefix_key, prefix_value, scale, False)
     out_self, lse_self = _attention_with_lse(query, key, value, scale, True)
     # softmax over both key sets = the two partial softmaxes weighted by their mass

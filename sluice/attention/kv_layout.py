@@ -10,6 +10,15 @@ graphs' padding rows) may read it.
 The model runner sizes the cache (sluice.worker.kv_cache.determine_num_blocks), allocates it here
 once the model is loaded and binds each tensor to its layer (sluice.model.attention); a draft
 model's or EAGLE head's cache is allocated the same way, addressed by the same block ids.
+
+The cache holds K/V in the model's dtype, or with `kv_cache_dtype="fp8"` in float8_e4m3fn (one
+byte an element, no scale: what vLLM does for a checkpoint without KV scales), which halves a 16-bit
+model's KV bytes, so a decode step reads half as much and twice the tokens fit. Every write
+saturates at +-448 (`to_cache_dtype`) and every attention reads K/V as the cache holds them, the
+current step's too (the dense attention of a prompt included), so each path attends to the same
+values and chunked prefill, prefix hits and CUDA graphs leave greedy output as it is with the
+same cache dtype. The output differs from a 16-bit cache's: this is quantization, chosen by the
+user.
 """
 
 from __future__ import annotations
@@ -17,6 +26,57 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+# kv_cache_dtype values: "auto" (the model's dtype), "fp8" and its alias "fp8_e4m3".
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_E4M3_MAX = 448.0
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's torch dtype for a `kv_cache_dtype` setting and the model's dtype."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                     f"got {kv_cache_dtype!r}")
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == torch.float8_e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a cache of `cache_dtype` stores it: saturated at +-448 for an 8-bit cache (the
+    Triton kernels' `to_cache_dtype` does the same), else a plain conversion."""
+    if is_fp8(cache_dtype):
+        x = x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(cache_dtype)
+
+
+def select_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache[index] along dim 0; an 8-bit cache is indexed through its bytes (indexing ops
+    need not support float8 on every device)."""
+    if is_fp8(cache.dtype):
+        return cache.view(torch.uint8).index_select(0, index).view(cache.dtype)
+    return cache.index_select(0, index)
+
+
+def write_rows(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache[index] = rows as the cache stores them (to_cache_dtype)."""
+    rows = to_cache_dtype(rows, cache.dtype)
+    if is_fp8(cache.dtype):
+        cache.view(torch.uint8)[index] = rows.view(torch.uint8)
+    else:
+        cache[index] = rows
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`x` (fresh K or V) rounded to what a cache of `cache_dtype` would hold, in x's dtype:
+    attention over fresh K/V (dense prefill) sees what attention over the cache sees."""
+    if not is_fp8(cache_dtype):
+        return x
+    return to_cache_dtype(x, cache_dtype).to(x.dtype)
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from sluice.attention.dense import dense_prefill_attention
+from sluice.attention.kv_layout import select_rows, write_rows
 from sluice.attention.metadata import AttentionMetadata
 
 
@@ -49,12 +50,12 @@ class TorchRefBackend:
         if has_cache and not kv_stored:
             slots = metadata.slot_mapping[: key.shape[0]]
             stored = slots >= 0
-            key_cache[slots[stored]] = key[stored].to(key_cache.dtype)
-            value_cache[slots[stored]] = value[stored].to(value_cache.dtype)
+            write_rows(key_cache, slots[stored], key[stored])
+            write_rows(value_cache, slots[stored], value[stored])
 
         if metadata.dense_prefill and self.dense_prefill:
             return dense_prefill_attention(query, key, value, kv_cache[0], kv_cache[1], metadata,
-                                           scale)
+                                           scale, kv_as_cached=kv_stored)
         query_start_loc = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
         for i, seq_len in enumerate(seq_lens):
@@ -73,7 +74,8 @@ class TorchRefBackend:
                 block_ids = metadata.block_tables[i, :num_blocks].long()
                 offsets = torch.arange(block_size, device=block_ids.device)
                 context_slots = (block_ids[:, None] * block_size + offsets).flatten()[:seq_len]
-                keys, values = key_cache[context_slots], value_cache[context_slots]
+                keys = select_rows(key_cache, context_slots)
+                values = select_rows(value_cache, context_slots)
             output[start:end] = _causal_attention(query[start:end], keys, values, scale)
         return output
 

@@ -152,7 +152,7 @@ class TritonBackend:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if metadata.dense_prefill:
             return dense_prefill_attention(query, key, value, key_cache, value_cache, metadata,
-                                           scale)
+                                           scale, kv_as_cached=kv_stored)
         num_splits = self._num_splits(metadata, key.shape[1], query.device)
         if num_splits > 0:
             tiles = self.config.split_tiles

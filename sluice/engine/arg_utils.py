@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from sluice.attention.kv_layout import KV_CACHE_DTYPES
 from sluice.config import (
     CacheConfig,
     EngineConfig,
@@ -39,6 +40,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 4 << 30
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" | "fp8_e4m3"
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -103,6 +105,15 @@ class EngineArgs:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, "
                              f"got {self.long_prefill_token_threshold!r}")
 
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and kv_transfer_config is not None:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with a KV connector "
+                f"({kv_transfer_config.kv_connector}): the KV pool, the CPU tier and "
+                "prefill/decode transfers move caches of the model's dtype only")
+
         speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 
         max_model_len = self.max_model_len or hf_config.max_position_embeddings
@@ -138,6 +149,7 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             gpu_memory_utilization=self.gpu_memory_utilization,
             cpu_kv_cache_bytes=self.cpu_kv_cache_bytes,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.attention.kv_layout import is_fp8
+from sluice.attention.triton.common import to_cache_dtype
 from sluice.model.pdl import pdl_wait, use_pdl
 
 # qk_norm_rope: with fewer (token, head) pairs than this, one head per program (a small decode
@@ -83,6 +85,9 @@ def _qk_norm_rope_kernel(
     HEADS_PER_PROGRAM: tl.constexpr,
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
+    # An 8-bit cache: k and v also rewritten in qkv as the cache holds them, so attention that
+    # reads this step's K/V from qkv (dense prefill) sees what attention over the cache sees.
+    ROUND_KV: tl.constexpr,
     CACHE_BLOCK_SIZE: tl.constexpr,
     ROW_RMS: tl.constexpr,  # scale q, k and v by the residual row's 1 / rms first
     HIDDEN_PAD: tl.constexpr,
@@ -124,15 +129,20 @@ def _qk_norm_rope_kernel(
         if ROW_RMS:
             v1 = (v1.to(tl.float32) * row_scale).to(dtype)
             v2 = (v2.to(tl.float32) * row_scale).to(dtype)
-            tl.store(qkv_ptr + offsets, v1, mask=mask)
-            tl.store(qkv_ptr + offsets + HALF, v2, mask=mask)
         if STORE_KV:
             cache_offsets = cache_row + kv_heads[:, None] * stride_cache_head
             cache_dtype = value_cache_ptr.dtype.element_ty
             cache_mask = mask & (slot >= 0)
-            tl.store(value_cache_ptr + cache_offsets, v1.to(cache_dtype), mask=cache_mask)
-            tl.store(value_cache_ptr + cache_offsets + HALF, v2.to(cache_dtype),
-                     mask=cache_mask)
+            v1_cached = to_cache_dtype(v1, cache_dtype)
+            v2_cached = to_cache_dtype(v2, cache_dtype)
+            tl.store(value_cache_ptr + cache_offsets, v1_cached, mask=cache_mask)
+            tl.store(value_cache_ptr + cache_offsets + HALF, v2_cached, mask=cache_mask)
+            if ROUND_KV:
+                v1 = v1_cached.to(dtype)
+                v2 = v2_cached.to(dtype)
+        if ROW_RMS or ROUND_KV:
+            tl.store(qkv_ptr + offsets, v1, mask=mask)
+            tl.store(qkv_ptr + offsets + HALF, v2, mask=mask)
         return
     is_q = block < num_q_blocks
     first_head = tl.where(is_q, block * HEADS_PER_PROGRAM,
@@ -162,15 +172,20 @@ def _qk_norm_rope_kernel(
     sin = tl.load(cos_sin_row + HALF + dims, mask=dim_mask, other=0.0)[None, :]
     out1 = (x1 * cos - x2 * sin).to(dtype)
     out2 = (x2 * cos + x1 * sin).to(dtype)
-    tl.store(qkv_ptr + offsets, out1, mask=mask)
-    tl.store(qkv_ptr + offsets + HALF, out2, mask=mask)
     if STORE_KV:
         # The same k values, in the cache dtype: what store_kv would write from qkv's k.
         key_mask = mask & (block >= num_q_blocks) & (slot >= 0)
         cache_offsets = cache_row + (heads - NUM_HEADS)[:, None] * stride_cache_head
         cache_dtype = key_cache_ptr.dtype.element_ty
-        tl.store(key_cache_ptr + cache_offsets, out1.to(cache_dtype), mask=key_mask)
-        tl.store(key_cache_ptr + cache_offsets + HALF, out2.to(cache_dtype), mask=key_mask)
+        out1_cached = to_cache_dtype(out1, cache_dtype)
+        out2_cached = to_cache_dtype(out2, cache_dtype)
+        tl.store(key_cache_ptr + cache_offsets, out1_cached, mask=key_mask)
+        tl.store(key_cache_ptr + cache_offsets + HALF, out2_cached, mask=key_mask)
+        if ROUND_KV:  # a k block leaves k in qkv as the cache holds it
+            out1 = tl.where(is_q, out1, out1_cached.to(dtype))
+            out2 = tl.where(is_q, out2, out2_cached.to(dtype))
+    tl.store(qkv_ptr + offsets, out1, mask=mask)
+    tl.store(qkv_ptr + offsets + HALF, out2, mask=mask)
 
 
 def heads_per_program(num_tokens: int, num_heads: int, num_kv_heads: int) -> int:
@@ -204,7 +219,8 @@ def qk_norm_rope(
     kv_cache, also what store_kv would do next (sluice.attention.triton.store_kv): each token's
     final k heads and its v heads go to the cache at its slot, cast to the cache dtype, unless
     the slot is negative (padding). k is still rewritten in qkv too: attention without a cache
-    (a profiling run) reads it there.
+    (a profiling run) and dense prefill read it there. With an 8-bit cache k and v are
+    rewritten in qkv as the cache holds them (sluice.attention.kv_layout).
 
     Given `residual`, qkv is the projection of the raw residual rows by a weight with the
     layer's input-norm weight folded in (LlamaModel.fold_norms): every q, k and v head is first
@@ -283,6 +299,7 @@ def qk_norm_rope(
         HEADS_PER_PROGRAM=block_heads,
         HAS_NORM=has_norm,
         STORE_KV=stores_kv,
+        ROUND_KV=stores_kv and is_fp8(kv_cache.dtype),
         CACHE_BLOCK_SIZE=kv_cache.shape[2] if stores_kv else 1,
         ROW_RMS=row_rms,
         HIDDEN_PAD=triton.next_power_of_2(residual.shape[1]) if row_rms else 1,

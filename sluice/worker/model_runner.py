@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from sluice.attention import get_attention_backend
-from sluice.attention.kv_layout import allocate_kv_caches
+from sluice.attention.kv_layout import allocate_kv_caches, resolve_kv_cache_dtype
 from sluice.config import CacheConfig, ModelConfig, SchedulerConfig
 from sluice.core.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -87,6 +87,7 @@ class ModelRunner:
         self.hf_config = hf_config
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, hf_config)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.block_size = cache_config.block_size
         backend_name = model_config.attention_backend
         if backend_name == "auto":
@@ -176,7 +177,7 @@ class ModelRunner:
     def determine_num_blocks(self) -> int:
         extra = self.spec.kv_bytes_per_block() if self.spec is not None else 0
         return determine_num_blocks(self.cache_config, self.scheduler_config, self.hf_config,
-                                    self.dtype, self.device, self.gpu_bytes_available,
+                                    self.kv_cache_dtype, self.device, self.gpu_bytes_available,
                                     extra_bytes_per_block=extra, tp_size=self.tp.size)
 
     def initialize_kv_cache(self, num_blocks: int, with_connector: bool = False) -> None:
@@ -187,7 +188,7 @@ class ModelRunner:
                                             self.block_size,
                                             kv_heads_per_rank(hf.num_key_value_heads,
                                                               self.tp.size),
-                                            hf.head_dim, self.dtype, self.device)
+                                            hf.head_dim, self.kv_cache_dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches)
         self.num_blocks = num_blocks
         self.input_builder.dense_prefill = self._backend_supports("supports_dense_prefill")

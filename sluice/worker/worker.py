@@ -67,7 +67,7 @@ class Worker:
         hf_config = self.config.hf_config
         return KVCacheSpec(
             model=self.config.model_config.model,
-            dtype=str(runner.dtype).removeprefix("torch."),
+            dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
             block_size=self.config.cache_config.block_size,
             num_kv_heads=kv_heads_per_rank(hf_config.num_key_value_heads, self.tp.size),
             head_dim=hf_config.head_dim,

@@ -23,3 +23,26 @@ if not torch.cuda.is_available():
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = _patch_lang_tensor_with_scalar_index
+
+    # Its float8 conversions truncate the mantissa and flush subnormals, where a GPU (and
+    # torch) rounds to nearest even and keeps them: an 8-bit KV cache's values would differ from
+    # the reference's by design. Conversions to and from float8_e4m3fn go through torch instead.
+    import numpy as np
+    import triton.language as tl
+
+    _convert_float = interpreter._convert_float
+    _TORCH_FLOATS = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16,
+                     tl.float16: torch.float16, tl.float8e4nv: torch.float8_e4m3fn}
+
+    def _convert_float_as_torch_does(input, input_dtype, output_dtype, rounding_mode):
+        if tl.float8e4nv in (input_dtype, output_dtype) and {
+                input_dtype, output_dtype} <= _TORCH_FLOATS.keys():
+            bits = np.frombuffer(input.tobytes(), dtype=f"uint{input_dtype.primitive_bitwidth}")
+            source = torch.from_numpy(bits.copy()).view(_TORCH_FLOATS[input_dtype])
+            converted = source.to(_TORCH_FLOATS[output_dtype])
+            width = output_dtype.primitive_bitwidth
+            unsigned = {8: torch.uint8, 16: torch.uint16, 32: torch.uint32}[width]
+            return converted.view(unsigned).numpy().reshape(np.shape(input))
+        return _convert_float(input, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = _convert_float_as_torch_does

@@ -350,13 +350,14 @@ def step_metadata(query_lens: list[int], seq_lens: list[int],
 
 
 def prefill_then_decode(
-    model: torch.nn.Module, config: HFModelConfig
+    model: torch.nn.Module, config: HFModelConfig, cache_dtype: torch.dtype = torch.float32,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Hidden states of a prefill of two prompts (5 and 8 tokens, then 2 padding tokens) into a
-    fresh paged cache, then one decode step each reading it back; and the layers' caches after
-    both steps."""
+    fresh paged cache of `cache_dtype`, then one decode step each reading it back; and the
+    layers' caches after both steps."""
     shape = (2, 2 * BLOCKS_PER_REQUEST, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
-    kv_caches = {name: torch.zeros(shape, device=DEVICE) for name in attention_layers(model)}
+    kv_caches = {name: torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
+                 for name in attention_layers(model)}
     bind_kv_caches(model, kv_caches)
     generator = torch.Generator().manual_seed(8)
     input_ids = torch.randint(0, config.vocab_size, (15,), generator=generator).to(DEVICE)

@@ -13,7 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.attention.kv_layout import FP8_E4M3_MAX
+
 LOG2_E = math.log2(math.e)
+_FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +72,16 @@ class KernelDtypes:
     # The interpreter multiplies bfloat16 bit patterns as integers, so on the CPU dot operands
     # go through float32 (values rounded exactly as on the GPU first).
     upcast_dot: bool
-    # float32 caches: exact products rather than TF32, so float32 matches the reference tightly.
+    # float32 models: exact products rather than TF32, so float32 matches the reference
+    # tightly (whatever the cache holds: an 8-bit cache's K/V enter the dots as float32).
     dot_precision: str
 
     @staticmethod
-    def of(kv_dtype: torch.dtype, device: torch.device) -> KernelDtypes:
+    def of(compute_dtype: torch.dtype, device: torch.device) -> KernelDtypes:
+        """`compute_dtype`: the model's (the queries'), in which the dots run."""
         return KernelDtypes(
             upcast_dot=device.type == "cpu",
-            dot_precision="ieee" if kv_dtype == torch.float32 else "tf32",
+            dot_precision="ieee" if compute_dtype == torch.float32 else "tf32",
         )
 
 
@@ -84,6 +89,31 @@ def group_padded(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
     """(query heads per KV head, that rounded up to a power of two for `tl.arange`)."""
     group = num_heads // num_kv_heads
     return group, triton.next_power_of_2(group)
+
+
+@triton.jit
+def to_cache_dtype(x, CACHE_DTYPE: tl.constexpr):
+    """`x` as the KV cache stores it (sluice.attention.kv_layout.to_cache_dtype): an 8-bit
+    (float8_e4m3fn) cache saturates at +-448 and rounds to nearest even, as torch converts;
+    any other cache dtype is a plain conversion."""
+    if CACHE_DTYPE.is_fp8():
+        x = _round_to_e4m3(tl.clamp(x.to(tl.float32), -_FP8_MAX, _FP8_MAX))
+    return x.to(CACHE_DTYPE)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """float32 within +-448 rounded to the nearest float8_e4m3fn value (ties to even), still
+    float32, so the conversion after it is exact whatever route the compiler takes for it."""
+    bits = x.to(tl.int32, bitcast=True)
+    # normal values: 3 of the 23 mantissa bits kept
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    # under 2**-6 (subnormal in e4m3): steps of 2**-9; adding and subtracting 1.5 * 2**23
+    # rounds to an integer, ties to even; the sign put back (-0 stays -0, as torch keeps it)
+    size = tl.abs(x)
+    subnormal = ((size * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    subnormal = tl.where(bits < 0, subnormal * -1.0, subnormal)  # -x is 0 - x: +0
+    return tl.where(size < 0.015625, subnormal, normal)
 
 
 @triton.jit
@@ -132,7 +162,7 @@ def load_rows(ptrs, row_mask, dim_mask, MASK_ROWS: tl.constexpr, MASK_DIMS: tl.c
 
 @triton.jit
 def attend_tile(
-    q,  # [BLOCK_M, HEAD_DIM_PAD], cache dtype (float32 when UPCAST_DOT)
+    q,  # [BLOCK_M, HEAD_DIM_PAD], COMPUTE_DTYPE (float32 when UPCAST_DOT)
     m_i,  # [BLOCK_M] running max of scores, log2 domain
     l_i,  # [BLOCK_M] running sum of exp2(score - m_i)
     acc,  # [BLOCK_M, HEAD_DIM_PAD] float32, unnormalised output
@@ -156,6 +186,7 @@ def attend_tile(
     MASK_DIMS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,  # the model's dtype: q's, and that of k, v and p in the dots
 ):
     pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     in_seq = pos < seq_len
@@ -170,6 +201,9 @@ def attend_tile(
     offsets = rows[:, None] + dims[None, :]
     k = load_rows(k_base + offsets, in_seq, dim_mask, MASK, MASK_DIMS)  # [BLOCK_N, D_PAD]
     v = load_rows(v_base + offsets, in_seq, dim_mask, MASK, MASK_DIMS)
+    # An 8-bit cache's keys and values in the model dtype (exact); a no-op for any other.
+    k = k.to(COMPUTE_DTYPE)
+    v = v.to(COMPUTE_DTYPE)
     if UPCAST_DOT:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]

@@ -36,7 +36,13 @@ import triton
 import triton.language as tl
 
 from sluice.attention.metadata import AttentionMetadata
-from sluice.attention.triton.common import LOG2_E, KernelDtypes, TileConfig, attend_tile
+from sluice.attention.triton.common import (
+    LOG2_E,
+    KernelDtypes,
+    TileConfig,
+    attend_tile,
+    to_cache_dtype,
+)
 from sluice.model.pdl import pdl_wait, use_pdl
 
 
@@ -151,9 +157,10 @@ def _decode_from_qkv_kernel(
     cache_offsets = ((slot // PAGE_SIZE) * stride_kv_block + (slot % PAGE_SIZE) * stride_kv_slot
                      + kv_head * stride_kv_head + dims[None, :])
     store_mask = all_dims & (slot >= 0)
-    tl.store(key_cache_ptr + cache_offsets, k.to(key_cache_ptr.dtype.element_ty), mask=store_mask)
-    tl.store(value_cache_ptr + cache_offsets, v.to(value_cache_ptr.dtype.element_ty),
-             mask=store_mask)
+    k_cached = to_cache_dtype(k, key_cache_ptr.dtype.element_ty)
+    v_cached = to_cache_dtype(v, value_cache_ptr.dtype.element_ty)
+    tl.store(key_cache_ptr + cache_offsets, k_cached, mask=store_mask)
+    tl.store(value_cache_ptr + cache_offsets, v_cached, mask=store_mask)
 
     # The group's query heads.
     rows = tl.arange(0, BLOCK_M)
@@ -165,15 +172,13 @@ def _decode_from_qkv_kernel(
                    sin, row_scale, q_weight_ptr, dims, rot_dims, eps, HEAD_DIM=HEAD_DIM,
                    HAS_NORM=HAS_NORM, ROW_RMS=ROW_RMS)
     if UPCAST_DOT:
-        q = q.to(key_cache_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        q = q.to(key_cache_ptr.dtype.element_ty)
+        q = q.to(tl.float32)
 
     # The new key is attended to from registers, first; the loop reads the cached keys before
     # it. Nothing here reads the slots stored above (no barrier, and the loop's loads need not
     # wait for the stores).
-    k_new = k.to(key_cache_ptr.dtype.element_ty).to(tl.float32)
-    v_new = v.to(value_cache_ptr.dtype.element_ty).to(tl.float32)
+    k_new = k_cached.to(dtype).to(tl.float32)  # as the cache holds it
+    v_new = v_cached.to(dtype).to(tl.float32)
     s_new = tl.sum(q.to(tl.float32) * k_new, axis=1) * qk_scale  # [BLOCK_M]
     has_key = seq_len > 0
     m_i = tl.where(has_key, s_new, float("-inf"))
@@ -190,6 +195,7 @@ def _decode_from_qkv_kernel(
             query_pos, stride_kv_block, stride_kv_slot, dims, dims < HEAD_DIM, qk_scale,
             BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=True, MASK=True, CAUSAL=False,
             MASK_DIMS=False, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
+            COMPUTE_DTYPE=dtype,
         )
     # A padding request (seq_len 0) saw no key: l = 0, acc = 0, zeros written.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -232,7 +238,7 @@ def decode_from_qkv(
     row_rms = residual is not None
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     ordered = metadata.decode_order is not None
-    dtypes = KernelDtypes.of(key_cache.dtype, qkv.device)
+    dtypes = KernelDtypes.of(qkv.dtype, qkv.device)
     pdl = use_pdl(qkv, "attention")
     _decode_from_qkv_kernel[(num_tokens, num_kv_heads)](
         out,

@@ -102,9 +102,9 @@ def _split_kv_partial_kernel(
         other=0.0,
     )
     if UPCAST_DOT:
-        q = q.to(key_cache_ptr.dtype.element_ty).to(tl.float32)
+        q = q.to(query_ptr.dtype.element_ty).to(tl.float32)
     else:
-        q = q.to(key_cache_ptr.dtype.element_ty)
+        q = q.to(query_ptr.dtype.element_ty)
 
     k_base = key_cache_ptr + kv_head * stride_kv_head
     v_base = value_cache_ptr + kv_head * stride_kv_head
@@ -121,6 +121,7 @@ def _split_kv_partial_kernel(
             query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
             BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=True, MASK=True, CAUSAL=False,
             MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
+            COMPUTE_DTYPE=query_ptr.dtype.element_ty,
         )
     stat = (token.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
     tl.store(partial_max_ptr + stat, m_i, mask=row_valid)
@@ -210,7 +211,7 @@ def split_kv_attention(
     head_dim_pad = triton.next_power_of_2(head_dim)
     tiles, block_m = fit_tiles(tiles, max(tiles.block_m, group_pad), head_dim_pad,
                                key_cache.element_size(), min_block_m=max(16, group_pad))
-    dtypes = KernelDtypes.of(key_cache.dtype, query.device)
+    dtypes = KernelDtypes.of(query.dtype, query.device)
     partial_acc = torch.empty(
         num_tokens, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device
     )

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.attention.triton.common import to_cache_dtype
 from sluice.model.pdl import pdl_wait, use_pdl
 
 
@@ -57,8 +58,10 @@ def _store_kv_kernel(
         value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :],
         mask=mask,
     )
-    tl.store(key_cache_ptr + cache_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + cache_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(key_cache_ptr + cache_offsets, to_cache_dtype(key, key_cache_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(value_cache_ptr + cache_offsets,
+             to_cache_dtype(value, value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(

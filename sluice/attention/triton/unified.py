@@ -125,9 +125,9 @@ def _unified_attention_kernel(
         other=0.0,
     )
     if UPCAST_DOT:
-        q = q.to(key_ptr.dtype.element_ty).to(tl.float32)
+        q = q.to(query_ptr.dtype.element_ty).to(tl.float32)
     else:
-        q = q.to(key_ptr.dtype.element_ty)
+        q = q.to(query_ptr.dtype.element_ty)
     query_pos = context_len + q_local  # [BLOCK_M]
 
     k_base = key_ptr + kv_head * stride_kv_head
@@ -157,6 +157,7 @@ def _unified_attention_kernel(
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASK=True, CAUSAL=False,
                 MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT,
                 DOT_PRECISION=DOT_PRECISION,
+                COMPUTE_DTYPE=query_ptr.dtype.element_ty,
             )
         num_tiles = 0
     for t in range(0, num_full):
@@ -165,6 +166,7 @@ def _unified_attention_kernel(
             query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
             BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASK=False, CAUSAL=True,
             MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
+            COMPUTE_DTYPE=query_ptr.dtype.element_ty,
         )
     for t in tl.range(num_full, num_tiles, num_stages=1):  # few tiles: no smem to pipeline
         m_i, l_i, acc = attend_tile(
@@ -172,6 +174,7 @@ def _unified_attention_kernel(
             query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
             BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASK=True, CAUSAL=True,
             MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
+            COMPUTE_DTYPE=query_ptr.dtype.element_ty,
         )
     # Rows that saw no key (seq_len 0) have l = 0 and acc = 0: write zeros.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -209,7 +212,7 @@ def unified_attention(
     ordered = (metadata.decode_order is not None and metadata.max_query_len == 1
                and num_tokens == num_reqs and query_lens[0] <= 1 <= query_lens[1])
     num_q_tiles = num_reqs if ordered else num_tokens // block_q + num_reqs + 1
-    dtypes = KernelDtypes.of(key.dtype, query.device)
+    dtypes = KernelDtypes.of(query.dtype, query.device)
     if paged:
         page_size = key.shape[1]
         stride_kv = (key.stride(0), key.stride(1), key.stride(2))
