@@ -229,3 +229,19 @@ def test_qwen3_over_an_fp8_cache_gives_the_reference_hidden_states(monkeypatch, 
     assert_same_steps(hidden(got), hidden(expected), tolerance=1e-3)
     decode_gap = (expected[0][1] - unquantized[0][1]).abs().max()
     assert decode_gap > 1e-3
+
+
+def test_a_float32_model_over_an_fp8_cache_sizes_its_tiles_as_float32(monkeypatch):
+    """Its K/V tiles enter the dots as float32: shared memory is planned for 4-byte elements
+    (the prefill tiles of large heads shrink), not for the cache's 1-byte ones."""
+    from sluice.attention.triton import split_kv, unified
+
+    sizes = []
+    for module in (unified, split_kv):
+        real = module.fit_tiles
+        monkeypatch.setattr(module, "fit_tiles", lambda *args, real=real, **kw: (
+            sizes.append(args[3]) or real(*args, **kw)))
+    for split in ("never", "always"):
+        step = to_fp8_step(make_step(SCENARIOS["decode"], 4, 2, 16, seed=5), loud_token=None)
+        assert_fp8_matches_reference(step, TritonBackend(TritonBackendConfig(split_kv=split)))
+    assert sizes and set(sizes) == {4}

@@ -39,11 +39,12 @@ SHARED_MEMORY_BUDGET = 160 * 1024
 
 def fit_tiles(tiles: TileConfig, block_m: int, head_dim_pad: int, elem_size: int,
               min_block_m: int) -> tuple[TileConfig, int]:
-    """(tiles, block_m) for a float32 cache, shrunk until the query tile plus the pipelined K
-    and V tiles (a rough, generous count) fit SHARED_MEMORY_BUDGET: fewer stages first, then
-    narrower KV tiles, then fewer query rows. The prefill tiles of 16-bit caches are tuned and
-    fit; float32 with large heads does not (128 x 128 tiles of head_dim 128 asked 256 KiB on an
-    H200, over its 227 KiB)."""
+    """(tiles, block_m) for float32 tiles (`elem_size` 4: a float32 cache, or a float32 model
+    over an 8-bit cache, whose K/V tiles enter the dots as float32), shrunk until the query tile
+    plus the pipelined K and V tiles (a rough, generous count) fit SHARED_MEMORY_BUDGET: fewer
+    stages first, then narrower KV tiles, then fewer query rows. The prefill tiles of 16-bit
+    caches are tuned and fit; float32 with large heads does not (128 x 128 tiles of head_dim 128
+    asked 256 KiB on an H200, over its 227 KiB)."""
     if elem_size < 4:
         return tiles, block_m
 

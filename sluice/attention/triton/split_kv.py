@@ -210,7 +210,8 @@ def split_kv_attention(
     group, group_pad = group_padded(num_heads, num_kv_heads)
     head_dim_pad = triton.next_power_of_2(head_dim)
     tiles, block_m = fit_tiles(tiles, max(tiles.block_m, group_pad), head_dim_pad,
-                               key_cache.element_size(), min_block_m=max(16, group_pad))
+                               max(key_cache.element_size(), query.element_size()),
+                               min_block_m=max(16, group_pad))
     dtypes = KernelDtypes.of(query.dtype, query.device)
     partial_acc = torch.empty(
         num_tokens, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device

@@ -202,7 +202,8 @@ def unified_attention(
     group, group_pad = group_padded(num_heads, num_kv_heads)
     block_m = max(tiles.block_m, group_pad)
     tiles, block_m = fit_tiles(tiles, block_m, triton.next_power_of_2(head_dim),
-                               key.element_size(), min_block_m=max(16, group_pad))
+                               max(key.element_size(), query.element_size()),
+                               min_block_m=max(16, group_pad))
     block_q = block_m // group_pad
     num_reqs = metadata.num_reqs
     # Request i's tiles start at query_start_loc[i] // BLOCK_Q + i (< num_tokens // BLOCK_Q +
