@@ -53,7 +53,10 @@ class ModelCost:
     lm_head_flops: int  # one row of logits
 
     @classmethod
-    def from_hf_config(cls, config: HFModelConfig, dtype_bytes: int) -> ModelCost:
+    def from_hf_config(cls, config: HFModelConfig, dtype_bytes: int,
+                       kv_dtype_bytes: int | None = None) -> ModelCost:
+        """`kv_dtype_bytes`: bytes of a KV cache element (1 for an 8-bit cache); default the
+        model's `dtype_bytes`."""
         hidden, head_dim = config.hidden_size, config.head_dim
         q_size = config.num_attention_heads * head_dim
         kv_size = config.num_key_value_heads * head_dim
@@ -70,7 +73,8 @@ class ModelCost:
         decode_params = config.num_hidden_layers * layer + hidden + lm_head
         return cls(
             weight_bytes=decode_params * dtype_bytes,
-            kv_bytes_per_token=2 * config.num_hidden_layers * kv_size * dtype_bytes,
+            kv_bytes_per_token=2 * config.num_hidden_layers * kv_size
+            * (dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes),
             linear_flops_per_token=2 * config.num_hidden_layers * layer,
             attention_flops_per_pair=4 * config.num_hidden_layers * q_size,
             lm_head_flops=2 * lm_head,

@@ -96,6 +96,7 @@ def _timed_generate(llm: Any, prompts: list[list[int]], params: list[Any],
 
 def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     from sluice import SamplingParams
+    from sluice.attention.kv_layout import resolve_kv_cache_dtype
     from sluice.bench import offline_report as report
     from sluice.bench.hf_baseline import HFBaselineResult, measure_hf_baseline
     from sluice.bench.roofline import ModelCost, gpu_spec_for, offline_roofline
@@ -134,7 +135,8 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
 
     machine = report.machine_info(device)
     spec = gpu_spec_for(ns.gpu_spec, machine["gpu"])
-    cost = ModelCost.from_hf_config(hf_config, dtype.itemsize)
+    kv_dtype = resolve_kv_cache_dtype(ns.kv_cache_dtype, dtype)
+    cost = ModelCost.from_hf_config(hf_config, dtype.itemsize, kv_dtype.itemsize)
     roofline = offline_roofline(cost, [len(p) for p in workload.prompts], generated, spec)
     output_tokens = sum(generated)
     output_tok_s = output_tokens / seconds
@@ -145,6 +147,7 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         "model": model_dir,
         "architecture": hf_config.architectures[0],
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         "device": str(device),
         "num_requests": workload.num_requests,
         "prompt_tokens": workload.prompt_tokens,

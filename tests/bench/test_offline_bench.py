@@ -101,6 +101,13 @@ def test_roofline_reproduces_benchmarks_md_for_qwen3_0_6b_on_h200() -> None:
     assert roofline.output_tok_s == pytest.approx(40_812, rel=0.01)
 
 
+def test_an_8_bit_kv_cache_halves_the_kv_bytes_of_the_roofline() -> None:
+    config = parse_hf_config(_hf_config("qwen3", "qwen3-0.6b", 643, "bfloat16", 0, 1))
+    fp8 = ModelCost.from_hf_config(config, dtype_bytes=2, kv_dtype_bytes=1)
+    assert fp8.kv_bytes_per_token == qwen3_0_6b_cost().kv_bytes_per_token // 2
+    assert fp8.weight_bytes == qwen3_0_6b_cost().weight_bytes
+
+
 def test_roofline_counts_each_tokens_context_and_each_prompts_causal_pairs() -> None:
     cost = ModelCost(weight_bytes=1000, kv_bytes_per_token=10, linear_flops_per_token=100,
                      attention_flops_per_pair=7, lm_head_flops=50)
