@@ -107,6 +107,21 @@ def test_greedy_ids_equal_tp1_with_prefix_caching_chunks_and_preemption(
         time.sleep(0.05)
 
 
+def test_an_fp8_kv_cache_at_tp2_gives_tp1_s_greedy_ids(qwen3_dir: str) -> None:
+    """Each rank's cache of its heads is 8-bit (the setting reaches the worker processes) and
+    the ids are those of one process with the same cache dtype, preempting."""
+    want = greedy(LLM(model=qwen3_dir, kv_cache_dtype="fp8", **BASE))
+    llm = LLM(model=qwen3_dir, tensor_parallel_size=2, kv_cache_dtype="fp8", **BASE,
+              **PREEMPTING)
+    try:
+        assert llm.llm_engine.engine_core.executor.kv_cache_spec.dtype == "float8_e4m3fn"
+        assert greedy(llm) == want
+        assert llm.llm_engine.scheduler.num_preemptions_total > 0
+        assert_all_blocks_back(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_seeded_sampling_and_logprobs_equal_tp1(qwen3_dir: str, qwen3_tp2: LLM) -> None:
     """Every rank samples from the same gathered logits with the same seeds (the executor
     fails the engine if the ranks' tokens ever differ); the tokens and logprobs are TP = 1's."""
