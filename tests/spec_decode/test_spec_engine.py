@@ -751,3 +751,21 @@ def test_device_drafts_under_churn_with_aborts_and_preemption(
     assert llm.get_spec_decoding_stats().num_accepted_tokens > 0
     assert_blocks_balance(llm)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_an_fp8_target_cache_keeps_its_greedy_output_under_speculation(
+        qwen3_dir: str, draft_dir: str, eagle_dir: str, method: str) -> None:
+    """The target's KV cache 8-bit, the proposer's in the model dtype: verification reads the
+    target's cache as every decode does, so the output is the fp8 engine's without drafts."""
+    want, llm = generate(qwen3_dir, kv_cache_dtype="fp8")
+    llm.shutdown()
+    config = spec_configs(qwen3_dir, draft_dir, eagle_dir)[method]
+    tokens, llm = generate(qwen3_dir, speculative_config=config, kv_cache_dtype="fp8",
+                           async_scheduling=True)
+    runner = llm.llm_engine.engine_core.executor.model_runner
+    assert {c.dtype for c in runner.kv_caches.values()} == {torch.float8_e4m3fn}
+    assert tokens == want
+    assert llm.get_spec_decoding_stats().num_draft_tokens > 0
+    assert_blocks_balance(llm)
+    llm.shutdown()
