@@ -18,7 +18,9 @@ saturates at +-448 (`to_cache_dtype`) and every attention reads K/V as the cache
 current step's too (the dense attention of a prompt included), so each path attends to the same
 values and chunked prefill, prefix hits and CUDA graphs leave greedy output as it is with the
 same cache dtype. The output differs from a 16-bit cache's: this is quantization, chosen by the
-user.
+user. KV connectors (the CPU tier, the pool, prefill/decode transfers) see an 8-bit cache as
+bytes (`kv_bytes`) and name its dtype in their keys and handshakes, so 8-bit and 16-bit
+instances never exchange blocks.
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ def write_rows(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> 
         cache.view(torch.uint8)[index] = rows.view(torch.uint8)
     else:
         cache[index] = rows
+
+
+def kv_bytes(kv: torch.Tensor) -> torch.Tensor:
+    """What a KV connector is given of a cache: an 8-bit cache as its bytes (uint8, the same
+    shape), which every copy and index op takes on every device; any other cache as it is.
+    Connectors move blocks without reading their values."""
+    return kv.view(torch.uint8) if is_fp8(kv.dtype) else kv
 
 
 def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

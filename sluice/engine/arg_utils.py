@@ -108,11 +108,6 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and kv_transfer_config is not None:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with a KV connector "
-                f"({kv_transfer_config.kv_connector}): the KV pool, the CPU tier and "
-                "prefill/decode transfers move caches of the model's dtype only")
 
         speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from sluice.attention.backend import AttentionBackend
+from sluice.attention.kv_layout import kv_bytes
 from sluice.attention.metadata import AttentionMetadata
 
 
@@ -71,7 +72,7 @@ class Attention(nn.Module):
             kv_stored,
         )
         if hooks is not None:
-            hooks.save_kv_layer(self.layer_name, self.kv_cache, attn_metadata)
+            hooks.save_kv_layer(self.layer_name, kv_bytes(self.kv_cache), attn_metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def decode_from_qkv(

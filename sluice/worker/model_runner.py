@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from sluice.attention import get_attention_backend
-from sluice.attention.kv_layout import allocate_kv_caches, resolve_kv_cache_dtype
+from sluice.attention.kv_layout import allocate_kv_caches, kv_bytes, resolve_kv_cache_dtype
 from sluice.config import CacheConfig, ModelConfig, SchedulerConfig
 from sluice.core.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -206,6 +206,10 @@ class ModelRunner:
                 self.layer_events = GraphLayerEvents(list(self.kv_caches), self.device)
             self.graph_runner.capture(self.model, self.layer_events)
 
+    def connector_kv_caches(self) -> dict[str, torch.Tensor]:
+        """The caches as a KV connector is given them (an 8-bit cache as bytes: kv_bytes)."""
+        return {name: kv_bytes(kv) for name, kv in self.kv_caches.items()}
+
     def _backend_supports(self, question: str) -> bool:
         """The attention backend's answer to an optional `supports_dense_prefill` /
         `supports_dense_prefix` (steps of one prompt that may run dense attention), asked for
@@ -255,7 +259,7 @@ class ModelRunner:
                 self.layer_events.before_replay(connector)
             hidden = graphs.replay(size)  # [padded tokens, H]
             if connector is not None and connector.has_saves():
-                self.layer_events.after_replay(connector, self.kv_caches)
+                self.layer_events.after_replay(connector, self.connector_kv_caches())
         else:
             input_ids, positions, metadata = self.input_builder.eager_inputs(step)
             metadata.kv_hooks = connector  # the layers call its per-layer hooks (or None)

@@ -58,7 +58,7 @@ class Worker:
         spec = self.kv_cache_spec()
         if self.connector_factory is not None:
             self.connector = self.connector_factory(spec)
-            self.connector.register_kv_caches(runner.kv_caches)
+            self.connector.register_kv_caches(runner.connector_kv_caches())
             runner.kv_connector = self.connector
         return spec
 

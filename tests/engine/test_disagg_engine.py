@@ -159,6 +159,30 @@ def test_decode_continues_from_the_prefills_first_token_exactly_as_colocated(
     pair.assert_all_blocks_back()
 
 
+@pytest.mark.parametrize("backend", ["fake", "mooncake"])
+def test_an_fp8_cache_moves_as_bytes_and_decodes_exactly_as_colocated_fp8(
+        make_pair, qwen3_dir: str, backend: str) -> None:
+    """Both instances with 8-bit caches: the blocks move byte for byte (their values are not
+    what a float32 cache would hold), and the output is one fp8 engine's."""
+    require_backend(backend)
+    batch = prompts(11, [9, 37, 64])
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    colocated = LLM(model=qwen3_dir, **{**ENGINE, "kv_cache_dtype": "fp8"})
+    want = expected(colocated, batch, [params] * len(batch))
+    colocated.shutdown()
+    pair = make_pair(backend=backend, kv_cache_dtype="fp8",
+                     decode_engine={"kv_cache_dtype": "fp8"})
+    for i, prompt in enumerate(batch):
+        pair.add(f"r{i}", prompt, params)
+    got = pair.run()
+    for i in range(len(batch)):
+        assert got[f"r{i}"].outputs[0].token_ids == want[i].token_ids, f"request {i}"
+        assert pair.computed[f"r{i}"] == params.max_tokens - 1  # no prompt recomputed
+    assert pair.stats(pair.decode)["worker_received_blocks"] == sum(
+        -(-len(p) // BLOCK) for p in batch)
+    pair.assert_all_blocks_back()
+
+
 def test_a_tp1_prefill_feeds_a_tp2_decode_exactly_as_colocated(make_pair,
                                                               reference: LLM) -> None:
     batch = prompts(8, [5, 16, 37, 64])

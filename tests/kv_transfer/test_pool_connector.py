@@ -399,12 +399,18 @@ def test_local_hits_the_pool_lost_are_saved_again(
         assert_all_blocks_back(engine)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_pool_with_chunked_prefill_and_preemption_keeps_greedy_output(
-        qwen3_dir: str, reference: LLM, request: pytest.FixtureRequest) -> None:
+        qwen3_dir: str, reference: LLM, request: pytest.FixtureRequest,
+        kv_cache_dtype: str) -> None:
+    """Also with an 8-bit cache, whose blocks the pool holds as bytes (against an fp8
+    engine)."""
     batch = prompts(seed=4, count=4)
+    if kv_cache_dtype == "fp8":
+        reference = LLM(model=qwen3_dir, kv_cache_dtype="fp8", **ENGINE)
     expected = token_ids(reference.generate(batch, greedy(16), use_tqdm=False))
     engine = dict(ENGINE, max_num_batched_tokens=64, num_gpu_blocks_override=13,
-                  max_model_len=176)
+                  max_model_len=176, kv_cache_dtype=kv_cache_dtype)
     llm = LLM(model=qwen3_dir, kv_transfer_config=pool_config("local", request), **engine)
     # All four at once: chunked, and preempting for blocks (160 + 16 = max_model_len).
     for _ in range(2):
