@@ -70,6 +70,8 @@ CONFIGS = {
     "fp8_kv_enforce_eager": {"kv_cache_dtype": "fp8", "enforce_eager": True},
     "fp8_kv_chunks_of_64": {"kv_cache_dtype": "fp8", "max_num_batched_tokens": 64},
     "fp8_kv_no_prefix_caching": {"kv_cache_dtype": "fp8", "enable_prefix_caching": False},
+    # The CPU tier moves the 8-bit cache as bytes: saved, then loaded (as cpu_kv_tier).
+    "fp8_kv_cpu_kv_tier": {"kv_cache_dtype": "fp8", "kv_offloading_size": 0.05},
 }
 # The global KV pool: saves after graph replays and eager steps, then (the GPU prefix cache
 # emptied) every full block loaded from the pool; one setting per backend whose server is here.
@@ -363,13 +365,13 @@ def main() -> None:
                              + stats.num_steps_off_acceptance)
                 result[f"{arch}_{name}_steps_drafting_of_counted"] = (
                     f"{stats.num_steps_drafting}/{num_steps}")
-            if name.startswith("cpu_kv_tier"):
+            if name.startswith(("cpu_kv_tier", "fp8_kv_cpu_kv_tier")):
                 # Again, from the CPU tier: every full block of every prompt loads.
                 assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+                want = fp8_references[0] if name.startswith("fp8") else reference
                 with lagging_graph_replays() if lagging else contextlib.nullcontext(), \
                         lagging_loads() if lagging else contextlib.nullcontext():
-                    result[f"{arch}_{name}_loaded_equals_cpu"] = (
-                        greedy_ids(llm, prompts) == reference)
+                    result[f"{arch}_{name}_loaded_equals_cpu"] = greedy_ids(llm, prompts) == want
                 stats = llm.llm_engine.scheduler.connector.get_stats()
                 result[f"{arch}_{name}_loaded_blocks"] = stats["loaded_blocks"]
                 result[f"{arch}_{name}_loaded_some"] = stats["loaded_blocks"] > 0
