@@ -151,6 +151,7 @@ class ModelRunner:
         self._last_step: StepHandle | None = None
         # {layer_name: [2, num_blocks, block_size, KVH, D]} in layer order (kv_layout)
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self._connector_caches: dict[str, torch.Tensor] = {}
         self.num_blocks = 0
         # This rank's half of the KV connector, if one is configured (set by the Worker), and
         # the per-layer events its graphs were captured with.
@@ -166,6 +167,7 @@ class ModelRunner:
         self.spec = None
         self.requests.clear()
         self.kv_caches = {}
+        self._connector_caches = {}
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -190,6 +192,7 @@ class ModelRunner:
                                                               self.tp.size),
                                             hf.head_dim, self.kv_cache_dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches)
+        self._connector_caches = {name: kv_bytes(kv) for name, kv in self.kv_caches.items()}
         self.num_blocks = num_blocks
         self.input_builder.dense_prefill = self._backend_supports("supports_dense_prefill")
         self.input_builder.dense_prefix = self._backend_supports("supports_dense_prefix")
@@ -207,8 +210,9 @@ class ModelRunner:
             self.graph_runner.capture(self.model, self.layer_events)
 
     def connector_kv_caches(self) -> dict[str, torch.Tensor]:
-        """The caches as a KV connector is given them (an 8-bit cache as bytes: kv_bytes)."""
-        return {name: kv_bytes(kv) for name, kv in self.kv_caches.items()}
+        """The caches as a KV connector is given them (an 8-bit cache as bytes: kv_bytes),
+        made once with the cache (a graph replay with saves hands them over every step)."""
+        return self._connector_caches
 
     def _backend_supports(self, question: str) -> bool:
         """The attention backend's answer to an optional `supports_dense_prefill` /

@@ -124,6 +124,18 @@ def expected(reference: LLM, batch: list[list[int]], params: list[SamplingParams
             for p, sp in zip(batch, params)]
 
 
+def run_and_check(pair: Pair, batch: list[list[int]], params: SamplingParams,
+                  want: list) -> None:
+    """Each prompt through the pair: the decode's tokens are `want`'s, and it computed no
+    prompt token (only each later token's KV, one per step)."""
+    for i, prompt in enumerate(batch):
+        pair.add(f"r{i}", prompt, params)
+    got = pair.run()
+    for i in range(len(batch)):
+        assert got[f"r{i}"].outputs[0].token_ids == want[i].token_ids, f"request {i}"
+        assert pair.computed[f"r{i}"] == params.max_tokens - 1  # no prompt recomputed
+
+
 @pytest.mark.parametrize("backend", ["fake", "mooncake"])
 def test_decode_continues_from_the_prefills_first_token_exactly_as_colocated(
         make_pair, reference: LLM, backend: str) -> None:
@@ -172,12 +184,7 @@ def test_an_fp8_cache_moves_as_bytes_and_decodes_exactly_as_colocated_fp8(
     colocated.shutdown()
     pair = make_pair(backend=backend, kv_cache_dtype="fp8",
                      decode_engine={"kv_cache_dtype": "fp8"})
-    for i, prompt in enumerate(batch):
-        pair.add(f"r{i}", prompt, params)
-    got = pair.run()
-    for i in range(len(batch)):
-        assert got[f"r{i}"].outputs[0].token_ids == want[i].token_ids, f"request {i}"
-        assert pair.computed[f"r{i}"] == params.max_tokens - 1  # no prompt recomputed
+    run_and_check(pair, batch, params, want)
     assert pair.stats(pair.decode)["worker_received_blocks"] == sum(
         -(-len(p) // BLOCK) for p in batch)
     pair.assert_all_blocks_back()
@@ -190,12 +197,7 @@ def test_a_tp1_prefill_feeds_a_tp2_decode_exactly_as_colocated(make_pair,
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = expected(reference, [*batch, longer], [params] * 5)
     pair = make_pair(decode_engine={"tensor_parallel_size": 2})
-    for i, prompt in enumerate(batch):
-        pair.add(f"r{i}", prompt, params)
-    got = pair.run()
-    for i in range(len(batch)):
-        assert got[f"r{i}"].outputs[0].token_ids == want[i].token_ids, f"request {i}"
-        assert pair.computed[f"r{i}"] == params.max_tokens - 1  # no prompt recomputed
+    run_and_check(pair, batch, params, want)
     pair.add("longer", longer, params)
     assert pair.run()["longer"].outputs[0].token_ids == want[4].token_ids
     stats = pair.stats(pair.decode)
