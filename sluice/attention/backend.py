@@ -27,10 +27,10 @@ class AttentionBackend(Protocol):
         a cache (`kv_cache.numel() == 0`, a profiling run) attend over `key`/`value` directly."""
         ...
 
-    # Optional: `decode_plan(num_reqs, num_kv_heads, max_seq_len, device) -> Hashable`, what
-    # `forward` runs for a decode batch of that size whose longest context is max_seq_len
-    # (TritonBackend: its split count). Where the plan for short contexts differs from the one
-    # for max_model_len, the graph runner captures a decode graph for each.
+    # Optional: `decode_plan(num_reqs, num_kv_heads, max_seq_len, device, cache_dtype) ->
+    # Hashable`, what `forward` runs for a decode batch of that size whose longest context is
+    # max_seq_len (TritonBackend: its split count and tiles). Where the plan for short contexts
+    # differs from the one for max_model_len, the graph runner captures a decode graph for each.
     #
     # Optional: `supports_dense_prefill(device, dtype, num_heads, num_kv_heads, head_dim) ->
     # bool`: whether the runner should mark steps that are one fresh prompt

@@ -26,6 +26,7 @@ from sluice.attention.dense import (
     cudnn_prefix_attention_works,
     dense_prefill_attention,
 )
+from sluice.attention.kv_layout import is_fp8
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.triton import TileConfig, split_kv_attention, store_kv, unified_attention
 from sluice.attention.triton.decode_qkv import decode_from_qkv
@@ -55,6 +56,16 @@ SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 # the short tiles' mixed variant mid-run, stalling it 0.67 s on an H200).
 SHORT_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 SHORT_DECODE_MIN_REQS = 16
+# An 8-bit cache: decode batches of at least FP8_DECODE_MIN_PROGRAMS_PER_SM (request, KV head)
+# programs per SM take 64-key tiles in 5 stages, which Triton's pipeliner makes two K/V buffers
+# a program (3 stages give one: the block-table load ahead of each tile takes a stage). Half
+# the bytes a key, half the bytes in flight a tile: the 16-bit choice left the 8-bit kernel
+# short of bandwidth. Decode attention alone on an H100 (`fp8-kv-decode-tiles-h100.json`, every
+# request the same context), against the tiles the 16-bit rule picks: 256 x 1,000 keys 234 ->
+# 204 us, 256 x 700 176 -> 144, 64 x 1,000 63.7 -> 55.4, 48 x 300 18.5 -> 18.4; at 32 requests
+# (1.9 programs a SM) within 3% either way; at 8 and 16 slower, so those keep the 16-bit rule.
+FP8_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=5)
+FP8_DECODE_MIN_PROGRAMS_PER_SM = 2
 # Few programs: split so the GPU fills (about 4 programs per SM), keeping at least
 # MIN_KEYS_PER_SPLIT keys per split so the merge stays cheap next to the reads. With more
 # programs, splits measured slower or within noise on the workload's ragged decode batches
@@ -86,6 +97,9 @@ class TritonBackendConfig:
     # Decode tiles of a decode batch (one query a request) whose longest context is under
     # SHORT_DECODE_CONTEXT and which has at least SHORT_DECODE_MIN_REQS requests.
     short_decode_tiles: TileConfig = SHORT_DECODE_TILES
+    # Decode tiles of a decode batch over an 8-bit cache with at least
+    # FP8_DECODE_MIN_PROGRAMS_PER_SM programs per SM.
+    fp8_decode_tiles: TileConfig = FP8_DECODE_TILES
     prefill_tiles: TileConfig = PREFILL_TILES
     split_tiles: TileConfig = SPLIT_TILES
     num_splits: int | None = None  # fixed split count (tests, benchmarks); None = by the rule
@@ -191,7 +205,8 @@ class TritonBackend:
                 > FUSED_DECODE_MAX_PROGRAMS_PER_SM * self._sm_count(qkv.device)
                 or self._num_splits(metadata, num_kv_heads, qkv.device) > 0):
             return None
-        tiles = self._decode_tiles(metadata.num_reqs, metadata.max_seq_len, 1)
+        tiles = self._decode_tiles(metadata.num_reqs, metadata.max_seq_len, 1, num_kv_heads,
+                                   kv_cache.dtype, qkv.device)
         return decode_from_qkv(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
                                residual, residual_eps, num_heads, kv_cache, metadata, scale,
                                tiles)
@@ -224,7 +239,8 @@ class TritonBackend:
         speculative runs); else prefill tiles, and with several requests two launches: requests
         that fit a decode tile in decode tiles, the others in prefill tiles."""
         decode_tiles = self._decode_tiles(metadata.num_reqs, metadata.max_seq_len,
-                                          metadata.max_query_len)
+                                          metadata.max_query_len, key.shape[-2], key.dtype,
+                                          key.device)
         group_pad = triton.next_power_of_2(query.shape[1] // key.shape[-2])
         decode_query_len = max(decode_tiles.block_m, group_pad) // group_pad
         args = (output, query, key, value, metadata, scale)
@@ -238,7 +254,12 @@ class TritonBackend:
             *args, self.config.prefill_tiles, paged=paged, query_lens=prefill_lens
         )
 
-    def _decode_tiles(self, num_reqs: int, max_seq_len: int, max_query_len: int) -> TileConfig:
+    def _decode_tiles(self, num_reqs: int, max_seq_len: int, max_query_len: int,
+                      num_kv_heads: int, cache_dtype: torch.dtype,
+                      device: torch.device) -> TileConfig:
+        if (max_query_len == 1 and is_fp8(cache_dtype) and num_reqs * num_kv_heads
+                >= FP8_DECODE_MIN_PROGRAMS_PER_SM * self._sm_count(device)):
+            return self.config.fp8_decode_tiles
         if (max_query_len == 1 and max_seq_len < SHORT_DECODE_CONTEXT
                 and num_reqs >= SHORT_DECODE_MIN_REQS):
             return self.config.short_decode_tiles
@@ -260,14 +281,15 @@ class TritonBackend:
         return self._split_count(programs_per_head, num_kv_heads, metadata.max_seq_len, device)
 
     def decode_plan(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
-                    device: torch.device) -> tuple[int, TileConfig]:
+                    device: torch.device, cache_dtype: torch.dtype) -> tuple[int, TileConfig]:
         """The kernels a decode batch (one query token per request) of `num_reqs` requests
         whose longest context is `max_seq_len` gets: (0 for the unified kernel, else the split
         count of the split-KV path; the unified kernel's tiles). A CUDA graph captured with a
         `max_seq_len` keeps its plan for every batch it replays (sluice.worker.graph_runner
         captures a second decode set for short contexts where the plans differ)."""
         num_splits = self._split_count(num_reqs, num_kv_heads, max_seq_len, device)
-        return num_splits, self._decode_tiles(num_reqs, max_seq_len, 1)
+        return num_splits, self._decode_tiles(num_reqs, max_seq_len, 1, num_kv_heads,
+                                              cache_dtype, device)
 
     def _split_count(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
                      device: torch.device) -> int:

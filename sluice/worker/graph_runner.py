@@ -452,6 +452,6 @@ def _decode_plan(model: nn.Module) -> Callable[[int, int], object] | None:
     decode_plan = getattr(layer.backend, "decode_plan", None)
     if decode_plan is None:
         return None
-    device = layer.kv_cache.device
+    device, cache_dtype = layer.kv_cache.device, layer.kv_cache.dtype
     return lambda num_reqs, max_seq_len: decode_plan(num_reqs, layer.num_kv_heads, max_seq_len,
-                                                     device)
+                                                     device, cache_dtype)

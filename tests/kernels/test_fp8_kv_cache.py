@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from sluice.attention.kv_layout import (
     FP8_E4M3_MAX,
@@ -17,6 +19,7 @@ from sluice.attention.kv_layout import (
 )
 from sluice.attention.torch_ref import TorchRefBackend
 from sluice.attention.triton import store_kv
+from sluice.attention.triton.common import e4m3_to_16bit
 from sluice.attention.triton_backend import TritonBackend, TritonBackendConfig
 from sluice.model import layers, triton_ops
 from sluice.worker.compile import install_fused_ops
@@ -43,7 +46,9 @@ FP8 = torch.float8_e4m3fn
 # The values here are larger than the other kernel tests' (the cache's quantized contents are
 # scaled by 4): bfloat16 outputs within one ulp.
 FP8_TOLERANCE = {torch.float32: TOLERANCE[torch.float32],
-                 torch.bfloat16: dict(atol=2e-2, rtol=2**-7)}
+                 torch.bfloat16: dict(atol=2e-2, rtol=2**-7),
+                 torch.float16: dict(atol=4e-3, rtol=2**-10)}
+MODEL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def to_fp8_step(step: Step, loud_token: int | None = 0) -> Step:
@@ -82,7 +87,7 @@ def test_writes_saturate_rather_than_overflow():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=str)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_unified_kernel_over_an_fp8_cache_matches_reference(device, dtype, scenario):
     step = to_fp8_step(make_step(SCENARIOS[scenario], 4, 2, 16, dtype=dtype, device=device,
@@ -91,12 +96,33 @@ def test_unified_kernel_over_an_fp8_cache_matches_reference(device, dtype, scena
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=str)
 def test_split_kv_decode_over_an_fp8_cache_matches_reference(device, dtype):
     step = to_fp8_step(make_step(SCENARIOS["decode"], 8, 2, 16, dtype=dtype, device=device,
                                  seed=4))
     backend = TritonBackend(TritonBackendConfig(split_kv="always", num_splits=2))
     assert_fp8_matches_reference(step, backend)
+
+
+@triton.jit
+def _e4m3_to_16bit_kernel(in_ptr, out_ptr, DTYPE: tl.constexpr):
+    offsets = tl.arange(0, 256)
+    tl.store(out_ptr + offsets, e4m3_to_16bit(tl.load(in_ptr + offsets), DTYPE))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PTX: needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_e4m3_to_16bit_converts_every_byte_as_torch_does(dtype):
+    """The PTX conversion the kernels use for V on a GPU gives torch's value, bit for bit
+    (signed zeros and subnormals included), for all 254 non-NaN bytes; NaN reads as +-480."""
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).cuda()
+    out = torch.empty(256, dtype=dtype, device="cuda")
+    _e4m3_to_16bit_kernel[(1,)](every_byte.view(FP8), out, DTYPE=dtype)
+    expected = every_byte.view(FP8).to(dtype)
+    nan = torch.isnan(expected)
+    assert nan.sum() == 2
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    assert out[nan].tolist() == [480.0, -480.0]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -172,7 +198,7 @@ def test_qk_norm_rope_store_kv_writes_fp8_and_leaves_kv_as_cached(dtype):
                            as_cached(qkv[:, :num_heads * head_dim], FP8))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=str)
 def test_decode_from_qkv_over_an_fp8_cache(dtype):
     """The fused decode kernel stores k/v as the cache holds them and attends to the new key
     rounded the same way: what qk_norm_rope and the reference backend over the 8-bit cache
@@ -231,7 +257,8 @@ def test_qwen3_over_an_fp8_cache_gives_the_reference_hidden_states(monkeypatch, 
     assert decode_gap > 1e-3
 
 
-def test_a_float32_model_over_an_fp8_cache_sizes_its_tiles_as_float32(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_float32_model_over_an_fp8_cache_sizes_its_tiles_as_float32(monkeypatch, device):
     """Its K/V tiles enter the dots as float32: shared memory is planned for 4-byte elements
     (the prefill tiles of large heads shrink), not for the cache's 1-byte ones."""
     from sluice.attention.triton import split_kv, unified
@@ -242,6 +269,7 @@ def test_a_float32_model_over_an_fp8_cache_sizes_its_tiles_as_float32(monkeypatc
         monkeypatch.setattr(module, "fit_tiles", lambda *args, real=real, **kw: (
             sizes.append(args[3]) or real(*args, **kw)))
     for split in ("never", "always"):
-        step = to_fp8_step(make_step(SCENARIOS["decode"], 4, 2, 16, seed=5), loud_token=None)
+        step = to_fp8_step(make_step(SCENARIOS["decode"], 4, 2, 16, seed=5, device=device),
+                           loud_token=None)
         assert_fp8_matches_reference(step, TritonBackend(TritonBackendConfig(split_kv=split)))
     assert sizes and set(sizes) == {4}

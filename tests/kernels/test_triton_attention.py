@@ -306,11 +306,31 @@ def test_decode_plan_gives_short_contexts_their_own_tiles():
 
     backend, cpu = TritonBackend(), torch.device("cpu")  # 4 "SMs" off a GPU
     short, many = SHORT_DECODE_CONTEXT - 1, SHORT_DECODE_MIN_REQS
+    bf16 = torch.bfloat16
     assert SHORT_DECODE_TILES != DECODE_TILES
-    assert backend.decode_plan(many, 8, short, cpu) == (0, SHORT_DECODE_TILES)
-    assert backend.decode_plan(many, 8, SHORT_DECODE_CONTEXT, cpu) == (0, DECODE_TILES)
-    assert backend.decode_plan(many - 1, 8, short, cpu) == (0, DECODE_TILES)
-    assert backend.decode_plan(1, 2, 4096, cpu)[0] > 1
+    assert backend.decode_plan(many, 8, short, cpu, bf16) == (0, SHORT_DECODE_TILES)
+    assert backend.decode_plan(many, 8, SHORT_DECODE_CONTEXT, cpu, bf16) == (0, DECODE_TILES)
+    assert backend.decode_plan(many - 1, 8, short, cpu, bf16) == (0, DECODE_TILES)
+    assert backend.decode_plan(1, 2, 4096, cpu, bf16)[0] > 1
+
+
+def test_decode_plan_gives_wide_fp8_batches_their_own_tiles():
+    """Over an 8-bit cache, decode batches of FP8_DECODE_MIN_PROGRAMS_PER_SM programs per SM or
+    more take FP8_DECODE_TILES whatever their contexts; smaller ones the 16-bit rule."""
+    from sluice.attention.triton_backend import (
+        DECODE_TILES,
+        FP8_DECODE_MIN_PROGRAMS_PER_SM,
+        FP8_DECODE_TILES,
+        SHORT_DECODE_CONTEXT,
+    )
+
+    backend, cpu, fp8 = TritonBackend(), torch.device("cpu"), torch.float8_e4m3fn
+    wide = FP8_DECODE_MIN_PROGRAMS_PER_SM * 4 // 2  # requests of 2 KV heads on 4 "SMs"
+    assert FP8_DECODE_TILES not in (DECODE_TILES, TritonBackendConfig().short_decode_tiles)
+    for context in (SHORT_DECODE_CONTEXT - 1, 1000):
+        assert backend.decode_plan(wide, 2, context, cpu, fp8) == (0, FP8_DECODE_TILES)
+        assert backend.decode_plan(wide, 2, context, cpu, torch.bfloat16)[1] != FP8_DECODE_TILES
+    assert backend.decode_plan(wide - 1, 2, SHORT_DECODE_CONTEXT - 1, cpu, fp8) == (0, DECODE_TILES)
 
 
 @pytest.mark.parametrize("device", DEVICES)

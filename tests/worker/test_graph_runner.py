@@ -130,7 +130,8 @@ def test_short_contexts_replay_the_decode_graphs_captured_for_them(
     builder.graph_block_tables = torch.zeros_like(builder.buf_block_tables.cpu.view(4, -1))
     plans = []
 
-    def decode_plan(num_reqs: int, num_kv_heads: int, max_seq_len: int, device) -> str:
+    def decode_plan(num_reqs: int, num_kv_heads: int, max_seq_len: int, device,
+                    cache_dtype) -> str:
         plans.append((num_reqs, max_seq_len))
         long_context = max_seq_len >= graph_runner.SHORT_CONTEXT_TOKENS
         return "split" if num_reqs <= 2 and long_context else "unified"

@@ -76,13 +76,21 @@ class KernelDtypes:
     # float32 models: exact products rather than TF32, so float32 matches the reference
     # tightly (whatever the cache holds: an 8-bit cache's K/V enter the dots as float32).
     dot_precision: str
+    # An 8-bit cache under a 16-bit model on an NVIDIA GPU: values converted by
+    # `e4m3_to_16bit` as they are loaded (see there).
+    convert_v_first: bool
 
     @staticmethod
-    def of(compute_dtype: torch.dtype, device: torch.device) -> KernelDtypes:
-        """`compute_dtype`: the model's (the queries'), in which the dots run."""
+    def of(compute_dtype: torch.dtype, cache_dtype: torch.dtype,
+           device: torch.device) -> KernelDtypes:
+        """`compute_dtype`: the model's (the queries'), in which the dots run; `cache_dtype`:
+        the KV cache's (or the keys', unpaged)."""
         return KernelDtypes(
             upcast_dot=device.type == "cpu",
             dot_precision="ieee" if compute_dtype == torch.float32 else "tf32",
+            convert_v_first=(device.type == "cuda" and torch.version.hip is None
+                             and cache_dtype == torch.float8_e4m3fn
+                             and compute_dtype in (torch.bfloat16, torch.float16)),
         )
 
 
@@ -115,6 +123,53 @@ def _round_to_e4m3(x):
     subnormal = ((size * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
     subnormal = tl.where(bits < 0, subnormal * -1.0, subnormal)  # -x is 0 - x: +0
     return tl.where(size < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def e4m3_to_16bit(x, DTYPE: tl.constexpr):
+    """float8_e4m3fn `x` as bfloat16 or float16 (DTYPE), exactly: PTX on four packed values.
+    Each byte is moved to the top of a 16-bit lane; its exponent and mantissa bits are shifted
+    into the target's fields under the sign; one multiply by a power of two then corrects the
+    exponent bias (2**120 for bfloat16, 2**8 for float16), exact for every value, subnormals
+    included. The NaN bytes (0x7f, 0xff), which no write produces (writes saturate at
+    +-448), read as +-480.
+
+    Why not `x.to(DTYPE)`: Triton moves that conversion after the tile is staged in shared
+    memory for the dot, where the P @ V operand must be read transposed, and sm90 has no 8-bit
+    transposing ldmatrix, so an 8-bit V tile was read back one byte at a time (128 byte loads
+    per thread for a 128-key tile). This asm is declared impure, which keeps the conversion
+    where it is written, so the 16-bit tile is staged and read with ldmatrix as a 16-bit
+    cache's is. Decode attention on an H100 (`benchmarks/fp8-kv-convert-v-first-h100.json`):
+    256 requests x 600 keys 156 -> 136 us, 128 x 1,000 keys 129 -> 110 us (best tiles of
+    each). Keys need no such care: their operand is read untransposed."""
+    if DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [x.to(tl.int8, bitcast=True)],
+                                         dtype=tl.bfloat16, is_pure=False, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_E4M3_TO_F16, "=r,=r,r", [x.to(tl.int8, bitcast=True)],
+                                         dtype=tl.float16, is_pure=False, pack=4)
+
+
+def _e4m3_to_16bit_asm(shift: int, fields: int, scale: int, kind: str) -> str:
+    """PTX for e4m3_to_16bit: four bytes in $2 to two registers of two 16-bit values each.
+    `fields`: where the exponent and mantissa land in each lane once shifted right by `shift`
+    from the lane's top byte; `scale`: the power of two, twice, that fixes the bias."""
+    lanes = []
+    for i, selector in enumerate(("0x5040", "0x7060")):  # bytes 0, 1 then 2, 3 to lane tops
+        lanes.append(f"""
+        prmt.b32 a{i}, 0, $2, {selector};
+        shr.b32 b{i}, a{i}, {shift};
+        and.b32 b{i}, b{i}, {fields:#010x};
+        lop3.b32 b{i}, a{i}, 0x80008000, b{i}, 0xea;
+        fma.rn.{kind} ${i}, b{i}, s, z;""")
+    # lop3 0xea: (a & sign bits) | b; the fma adds -0 so a +0 stays +0 and -0 stays -0
+    return ("{\n.reg .b32 a<2>, b<2>, s, z;\n"
+            f"mov.b32 s, {scale:#010x};\nmov.b32 z, 0x80008000;" + "".join(lanes) + "\n}")
+
+
+# bfloat16: fields at bits 4..10 of each lane, bias 127 - 7 = 120; float16: bits 7..13, 15 - 7.
+_E4M3_TO_BF16: tl.constexpr = tl.constexpr(_e4m3_to_16bit_asm(4, 0x07F007F0, 0x7B807B80, "bf16x2"))
+_E4M3_TO_F16: tl.constexpr = tl.constexpr(_e4m3_to_16bit_asm(1, 0x3F803F80, 0x5C005C00, "f16x2"))
 
 
 @triton.jit
@@ -188,6 +243,7 @@ def attend_tile(
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,  # the model's dtype: q's, and that of k, v and p in the dots
+    CONVERT_V_FIRST: tl.constexpr,  # KernelDtypes.convert_v_first
 ):
     pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     in_seq = pos < seq_len
@@ -204,7 +260,10 @@ def attend_tile(
     v = load_rows(v_base + offsets, in_seq, dim_mask, MASK, MASK_DIMS)
     # An 8-bit cache's keys and values in the model dtype (exact); a no-op for any other.
     k = k.to(COMPUTE_DTYPE)
-    v = v.to(COMPUTE_DTYPE)
+    if CONVERT_V_FIRST:
+        v = e4m3_to_16bit(v, COMPUTE_DTYPE)
+    else:
+        v = v.to(COMPUTE_DTYPE)
     if UPCAST_DOT:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]

@@ -73,6 +73,7 @@ def _split_kv_partial_kernel(
     PAGE_SIZE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CONVERT_V_FIRST: tl.constexpr,  # KernelDtypes.convert_v_first
     USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
 ):
     pdl_wait(USE_PDL)  # first: before any read of an activation and any write
@@ -121,7 +122,7 @@ def _split_kv_partial_kernel(
             query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
             BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=True, MASK=True, CAUSAL=False,
             MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
-            COMPUTE_DTYPE=query_ptr.dtype.element_ty,
+            COMPUTE_DTYPE=query_ptr.dtype.element_ty, CONVERT_V_FIRST=CONVERT_V_FIRST,
         )
     stat = (token.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
     tl.store(partial_max_ptr + stat, m_i, mask=row_valid)
@@ -212,7 +213,7 @@ def split_kv_attention(
     tiles, block_m = fit_tiles(tiles, max(tiles.block_m, group_pad), head_dim_pad,
                                max(key_cache.element_size(), query.element_size()),
                                min_block_m=max(16, group_pad))
-    dtypes = KernelDtypes.of(query.dtype, query.device)
+    dtypes = KernelDtypes.of(query.dtype, key_cache.dtype, query.device)
     partial_acc = torch.empty(
         num_tokens, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device
     )
@@ -250,6 +251,7 @@ def split_kv_attention(
         PAGE_SIZE=key_cache.shape[1],
         UPCAST_DOT=dtypes.upcast_dot,
         DOT_PRECISION=dtypes.dot_precision,
+        CONVERT_V_FIRST=dtypes.convert_v_first,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         USE_PDL=pdl,
