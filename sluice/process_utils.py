@@ -7,6 +7,7 @@ nothing is pickled, not even at start-up; they find this checkout through PYTHON
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -29,16 +30,29 @@ def bind_local(socket: zmq.Socket, ipc_path: str) -> str:
     return socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+def local_address(ipc_path: str) -> str:
+    """An address for a socket not bound yet (another process binds it): the ipc:// path, or a
+    loopback TCP port free now if the path is too long."""
+    if len(ipc_path) <= _MAX_IPC_PATH:
+        return f"ipc://{ipc_path}"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
 def spawn_module(module: str, startup_json: str, env: dict[str, Any] | None = None,
-                 ) -> ChildProcess:
-    """Start `python -m module startup_json` with this checkout importable."""
+                 pass_fds: tuple[int, ...] = (), new_session: bool = False) -> ChildProcess:
+    """Start `python -m module startup_json` with this checkout importable. `pass_fds`: file
+    descriptors the child inherits; `new_session`: out of the terminal's process group, so a
+    Ctrl-C reaches it only through its parent."""
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(sluice.__file__)))
     child_env = dict(os.environ)
     child_env.update(env or {})
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (package_root, child_env.get("PYTHONPATH")) if p)
     popen = subprocess.Popen([sys.executable, "-m", module, startup_json], env=child_env,
-                             stdin=subprocess.DEVNULL)
+                             stdin=subprocess.DEVNULL, pass_fds=pass_fds,
+                             start_new_session=new_session)
     return ChildProcess(popen)
 
 
@@ -84,3 +98,38 @@ class ChildProcess:
 def parent_alive(parent_pid: int) -> bool:
     # A child whose parent died is re-parented, so its parent pid changes.
     return os.getppid() == parent_pid
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs; a zombie (exited, not yet reaped by its parent) does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the OS whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+class WatchedProcess:
+    """A process this one did not start and does not stop (the engine core, to an API server
+    of several): the ChildProcess operations the front end uses, by pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return None  # not our child: its status is its parent's to read
+
+    def is_alive(self) -> bool:
+        return pid_alive(self.pid)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Nothing: the process that started it stops it."""

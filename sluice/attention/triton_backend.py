@@ -63,7 +63,8 @@ SHORT_DECODE_MIN_REQS = 16
 # short of bandwidth. Decode attention alone on an H100 (`fp8-kv-decode-tiles-h100.json`, every
 # request the same context), against the tiles the 16-bit rule picks: 256 x 1,000 keys 234 ->
 # 204 us, 256 x 700 176 -> 144, 64 x 1,000 63.7 -> 55.4, 48 x 300 18.5 -> 18.4; at 32 requests
-# (1.9 programs a SM) within 3% either way; at 8 and 16 slower, so those keep the 16-bit rule.
+# (1.9 programs a SM) from 3% slower to 8% faster; at 8 and 16 requests 2-32% slower, so batches
+# under the threshold keep the 16-bit rule (their long contexts go to split-KV).
 FP8_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=5)
 FP8_DECODE_MIN_PROGRAMS_PER_SM = 2
 # Few programs: split so the GPU fills (about 4 programs per SM), keeping at least

@@ -33,7 +33,7 @@ import zmq.asyncio
 from sluice.channel import Encoder, WireError
 from sluice.config import EngineConfig
 from sluice.engine.arg_utils import EngineArgs
-from sluice.engine.core_proc import launch_engine_core
+from sluice.engine.core_proc import CoreAttachment, attach_engine_core, launch_engine_core
 from sluice.engine.output_stream import EngineDiedInFlight, RequestOutputStream
 from sluice.engine.processors import (
     InputProcessor,
@@ -95,10 +95,14 @@ def core_process_args(engine_args: EngineArgs, config: EngineConfig) -> dict[str
 
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, *, ready_timeout_s: float = 600.0,
-                 log_stats: bool = True, log_stats_interval_s: float = 5.0) -> None:
+                 log_stats: bool = True, log_stats_interval_s: float = 5.0,
+                 attach: CoreAttachment | None = None) -> None:
         """Start the engine core and wait for it. `ready_timeout_s`: how long the core may
         take to load the model; `log_stats`: log a throughput line every
-        `log_stats_interval_s` seconds while busy. ValueError for bad engine arguments."""
+        `log_stats_interval_s` seconds while busy; `attach`: instead of starting a core, be
+        one of the front ends of a core another process started (core_proc.
+        launch_shared_engine_core, with the same engine arguments). ValueError for bad engine
+        arguments."""
         config = engine_args.create_engine_config()
         model_config, scheduler_config = config.model_config, config.scheduler_config
         hf_config, cache_config = config.hf_config, config.cache_config
@@ -108,8 +112,13 @@ class AsyncLLM:
         self.scheduler_config = scheduler_config
         self.hf_config = hf_config
 
-        core_args = core_process_args(engine_args, config)
-        self._core = launch_engine_core(core_args, logger.getEffectiveLevel())
+        if attach is None:
+            core_args = core_process_args(engine_args, config)
+            self._core = launch_engine_core(core_args, logger.getEffectiveLevel())
+            self.client = 0
+        else:
+            self._core = attach_engine_core(attach)
+            self.client = attach.client
         self._finalizer = weakref.finalize(self, self._core.release)
         self._process = self._core.process
         self._input_socket = self._core.input_socket
@@ -182,8 +191,9 @@ class AsyncLLM:
             return None
         self._last_process_poll = now
         if not self._process.is_alive():
-            self._dead_error = (f"engine core process {self._process.pid} exited with status "
-                                f"{self._process.exitcode}")
+            status = self._process.exitcode
+            self._dead_error = (f"engine core process {self._process.pid} exited"
+                                + ("" if status is None else f" with status {status}"))
         return self._dead_error
 
     def _raise_if_dead(self) -> None:
@@ -222,7 +232,7 @@ class AsyncLLM:
         finished = False
         try:
             for child in children:
-                self._send(AddRequest(request=child))
+                self._send(AddRequest(request=child, client=self.client))
             while not finished:
                 try:
                     output = await stream.get()
@@ -276,7 +286,7 @@ class AsyncLLM:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = future
         try:
-            self._send(UtilityRequest(call_id=call_id, name=name))
+            self._send(UtilityRequest(call_id=call_id, name=name, client=self.client))
             return await future
         finally:
             self._utility_calls.pop(call_id, None)

@@ -4,12 +4,18 @@ Lifecycle: `launch_engine_core` (in the front end) binds two sockets, a PUSH for
 PULL for outputs (ipc:// in a temp dir, or loopback TCP on a free port), and starts
 `run_engine_core` in a child interpreter (`python -m sluice.engine.core_proc JSON`, see
 sluice/process_utils.py), so CUDA can initialize there and nothing is pickled.
+Several front ends (`sluice serve --api-server-count N`: sluice.entrypoints.openai.multi_server)
+each bind such a pair at addresses `launch_shared_engine_core` chose and attach to the core
+(`attach_engine_core`); the core reads every front end's requests from one PULL socket and
+sends each front end the outputs of its own requests (the client index in AddRequest), with
+the scheduler's state every step or at least every _IDLE_CLIENT_STATS_S.
 The process connects, builds the EngineCore from the engine arguments (a plain dict), sends
-`Ready`, then loops: take every waiting message (blocking in a short poll only while it has no
-work), apply adds / aborts / finishes / utility calls, run one step, send its outputs with the
-scheduler stats. A frame that does not decode is logged and dropped. Any other exception ends
-the loop: the process sends `EngineDead` with the error and exits with status 1. It exits
-quietly when its parent process is gone. SIGINT is ignored: the front end decides when to stop.
+`Ready` (to every front end), then loops: take every waiting message (blocking in a short poll
+only while it has no work), apply adds / aborts / finishes / utility calls, run one step, send
+its outputs with the scheduler stats. A frame that does not decode is logged and dropped. Any
+other exception ends the loop: the process sends `EngineDead` with the error and exits with
+status 1. It exits quietly when its parent process is gone. SIGINT is ignored: the front end
+(or the process that started it) decides when to stop.
 """
 
 from __future__ import annotations
@@ -48,7 +54,14 @@ from sluice.engine.wire import (
     UtilityRequest,
 )
 from sluice.errors import EngineDeadError
-from sluice.process_utils import ChildProcess, bind_local, parent_alive, spawn_module
+from sluice.process_utils import (
+    ChildProcess,
+    WatchedProcess,
+    bind_local,
+    local_address,
+    parent_alive,
+    spawn_module,
+)
 from sluice.worker.model_runner import resolve_device
 
 logger = logging.getLogger("sluice")
@@ -59,6 +72,9 @@ _IDLE_POLL_MS = 500
 _TRANSFER_POLL_MS = 2
 # How long (ms) a closing socket may keep trying to deliver the last frames (a dead notice).
 _CLOSE_LINGER_MS = 2000
+# With several front ends, one with no output in a step still gets the scheduler's state this
+# often (s), for its /metrics gauges.
+_IDLE_CLIENT_STATS_S = 0.1
 
 
 def _leave_a_cpu_to_the_front_end(device: str) -> None:
@@ -100,17 +116,21 @@ def make_scheduler_stats(engine_core: EngineCore) -> SchedulerStats:
 
 
 class EngineCoreProc:
-    """The busy loop around one EngineCore, reading and writing the given sockets."""
+    """The busy loop around one EngineCore, reading and writing the given sockets (one output
+    socket per front end)."""
 
     def __init__(self, engine_args: EngineArgs, input_socket: zmq.Socket,
-                 output_socket: zmq.Socket, parent_pid: int) -> None:
+                 output_sockets: list[zmq.Socket], parent_pid: int) -> None:
         config = engine_args.create_engine_config()
         _leave_a_cpu_to_the_front_end(config.model_config.device)
         self.engine_core = EngineCore(config)
         self.scheduler_config = config.scheduler_config
         self.cache_config = config.cache_config
         self.input_socket = input_socket
-        self.output_socket = output_socket
+        self.output_sockets = output_sockets
+        # With several front ends: each request's (AddRequest.client), until it ends.
+        self._client_of: dict[str, int] = {}
+        self._last_sent = [0.0] * len(output_sockets)  # time.monotonic() of each client's
         self.parent_pid = parent_pid
         self.encoder = Encoder()
         self.decoder = RequestDecoder()
@@ -118,7 +138,7 @@ class EngineCoreProc:
         self.poller.register(input_socket, zmq.POLLIN)
 
     def send_ready(self) -> None:
-        self._send(Ready(
+        self._broadcast(Ready(
             num_blocks=self.engine_core.kv_cache_manager.block_pool.num_blocks - 1,
             block_size=self.cache_config.block_size,
             max_model_len=self.scheduler_config.max_model_len,
@@ -141,17 +161,32 @@ class EngineCoreProc:
             if not has_work:
                 core.executor.check_health()  # a worker that died while idle ends us too
             if core.has_unfinished_requests():
-                outputs = core.step()
-                self._send(EngineCoreOutputs(
-                    outputs=outputs,
-                    scheduler_stats=make_scheduler_stats(core),
-                    timestamp=time.time(),
-                ))
+                self._send_outputs(core.step(), changed)
             elif changed:
                 # Idle after aborts or finishes: let the front end see the freed blocks.
-                self._send(EngineCoreOutputs(outputs=[],
-                                             scheduler_stats=make_scheduler_stats(core),
-                                             timestamp=time.time()))
+                self._send_outputs([], changed)
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput], changed: bool) -> None:
+        """A step's outputs, with the scheduler's state: to the one front end, or to each its
+        own requests' (and the state to the others when requests changed, or at least every
+        _IDLE_CLIENT_STATS_S)."""
+        stats = make_scheduler_stats(self.engine_core)
+        now = time.time()
+        if len(self.output_sockets) == 1:
+            self._send(EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=now))
+            return
+        per_client: list[list[EngineCoreOutput]] = [[] for _ in self.output_sockets]
+        for out in outputs:
+            client = self._client_of.get(out.req_id, 0)
+            if out.finish_reason is not None:
+                self._client_of.pop(out.req_id, None)
+            per_client[client].append(out)
+        clock = time.monotonic()
+        for client, its_outputs in enumerate(per_client):
+            if its_outputs or changed or clock - self._last_sent[client] >= _IDLE_CLIENT_STATS_S:
+                self._send(EngineCoreOutputs(outputs=its_outputs, scheduler_stats=stats,
+                                             timestamp=now), client)
+                self._last_sent[client] = clock
 
     def _process_input(self, block: bool, timeout_ms: int = 0) -> bool:
         """Apply every waiting message; with `block`, first wait up to `timeout_ms` for one.
@@ -173,6 +208,12 @@ class EngineCoreProc:
 
     def _handle(self, message: object) -> bool:
         core = self.engine_core
+        if isinstance(message, (AddRequest, UtilityRequest)) and not (
+                0 <= message.client < len(self.output_sockets)):
+            # Only a misconfigured front end sends this, and it cannot be answered.
+            logger.error("engine core dropped a %s from unknown client %d (%d clients)",
+                         type(message).__name__, message.client, len(self.output_sockets))
+            return False
         if isinstance(message, AddRequest):
             request = message.request
             try:
@@ -183,17 +224,22 @@ class EngineCoreProc:
                 self._send(EngineCoreOutputs(
                     outputs=[EngineCoreOutput(req_id=request.request_id, new_token_ids=[],
                                               finish_reason="abort")],
-                    scheduler_stats=make_scheduler_stats(core), timestamp=time.time()))
+                    scheduler_stats=make_scheduler_stats(core), timestamp=time.time()),
+                    message.client)
                 return False
+            if len(self.output_sockets) > 1:
+                self._client_of[request.request_id] = message.client
             return True
         if isinstance(message, AbortRequests):
             core.abort_requests(message.request_ids)
+            self._forget(message.request_ids)
             return True
         if isinstance(message, FinishRequests):
             core.finish_requests(message.request_ids, RequestStatus.FINISHED_STOPPED)
+            self._forget(message.request_ids)
             return True
         if isinstance(message, UtilityRequest):
-            self._send(self._call_utility(message))
+            self._send(self._call_utility(message), message.client)
             return False
         raise AssertionError(f"unhandled message {type(message).__name__}")
 
@@ -217,43 +263,58 @@ class EngineCoreProc:
             return UtilityReply(call_id=call.call_id, error=f"{call.name} failed: {exc}")
         return UtilityReply(call_id=call.call_id, result=result)
 
-    def _send(self, message: object) -> None:
-        self.output_socket.send(self.encoder.encode(message), copy=False)
+    def _forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._client_of.pop(request_id, None)
+
+    def _send(self, message: object, client: int = 0) -> None:
+        self.output_sockets[client].send(self.encoder.encode(message), copy=False)
+
+    def _broadcast(self, message: object) -> None:
+        frame = self.encoder.encode(message)
+        for socket in self.output_sockets:
+            socket.send(frame, copy=True)
 
     def _parent_alive(self) -> bool:
         return parent_alive(self.parent_pid)
 
 
-def run_engine_core(engine_args: dict[str, Any], input_address: str, output_address: str,
-                    parent_pid: int, log_level: int) -> None:
-    """The spawned process's entry point. Exits 0 when the parent is gone, 1 on an error."""
+def run_engine_core(engine_args: dict[str, Any], input_addresses: list[str],
+                    output_addresses: list[str], parent_pid: int, log_level: int) -> None:
+    """The spawned process's entry point: one (input, output) address pair per front end.
+    Exits 0 when the parent is gone, 1 on an error."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(format="%(asctime)s %(levelname)s [engine core] %(message)s")
     logger.setLevel(log_level)
     context = zmq.Context()
-    input_socket = context.socket(zmq.PULL)
-    output_socket = context.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
-    input_socket.connect(input_address)
-    output_socket.connect(output_address)
+    input_socket = context.socket(zmq.PULL)  # fair-queued over every front end's
+    for address in input_addresses:
+        input_socket.connect(address)
+    output_sockets = []
+    for address in output_addresses:
+        output_sockets.append(context.socket(zmq.PUSH))
+        output_sockets[-1].setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+        output_sockets[-1].connect(address)
     status = 0
     try:
-        proc = EngineCoreProc(EngineArgs(**engine_args), input_socket, output_socket,
+        proc = EngineCoreProc(EngineArgs(**engine_args), input_socket, output_sockets,
                               parent_pid)
         proc.send_ready()
         proc.run_busy_loop()
     except BaseException as exc:  # report anything, even SystemExit, before going
         status = 1
         logger.exception("engine core died")
-        dead = EngineDead(error=f"{type(exc).__name__}: {exc}",
-                          traceback="".join(traceback.format_exception(exc)))
-        try:
-            output_socket.send(Encoder().encode(dead))
-        except zmq.ZMQError:
-            pass
+        dead = Encoder().encode(EngineDead(error=f"{type(exc).__name__}: {exc}",
+                                           traceback="".join(traceback.format_exception(exc))))
+        for socket in output_sockets:
+            try:
+                socket.send(dead)
+            except zmq.ZMQError:
+                pass
     finally:
         input_socket.close(linger=0)
-        output_socket.close(linger=_CLOSE_LINGER_MS)
+        for socket in output_sockets:
+            socket.close(linger=_CLOSE_LINGER_MS)
         context.term()
     sys.exit(status)
 
@@ -262,15 +323,16 @@ def run_engine_core(engine_args: dict[str, Any], input_address: str, output_addr
 
 @dataclass(slots=True)
 class EngineCoreHandle:
-    """The front end's hold on a started engine-core process and its two sockets."""
+    """The front end's hold on an engine-core process and its two sockets: a process it
+    started (ChildProcess), or one another process started that it attached to."""
 
-    process: ChildProcess
+    process: ChildProcess | WatchedProcess
     context: zmq.Context
     input_socket: zmq.Socket  # PUSH, requests to the core; sends never block (no HWM)
     output_socket: zmq.Socket  # PULL, outputs from the core
     input_address: str
     output_address: str
-    ipc_dir: str
+    ipc_dir: str | None  # the sockets' temp dir, removed on release (None: not ours)
 
     def wait_for_ready(self, timeout_s: float) -> Ready:
         """Block until the core says Ready; EngineDeadError if it dies or is too slow."""
@@ -280,15 +342,25 @@ class EngineCoreHandle:
             if self.output_socket.poll(200):
                 message = decoder.decode(self.output_socket.recv())
                 if isinstance(message, Ready):
+                    self._wait_for_the_core_to_read(deadline)
                     return message
                 if isinstance(message, EngineDead):
                     raise EngineDeadError(f"the engine core failed to start: {message.error}\n"
                                           f"{message.traceback}")
                 logger.warning("engine core sent %s before ready", type(message).__name__)
             elif not self.process.is_alive():
-                raise EngineDeadError(f"the engine core exited with status "
-                                      f"{self.process.exitcode} while starting")
+                raise EngineDeadError(f"the engine core (pid {self.process.pid}) exited with "
+                                      f"status {self.process.exitcode} while starting")
         raise EngineDeadError(f"the engine core was not ready after {timeout_s} s")
+
+    def _wait_for_the_core_to_read(self, deadline: float) -> None:
+        """Until the core's input socket has connected to ours: a core shared by several front
+        ends connects to each one's in turn (ZMQ retrying until it is bound), and may send
+        Ready before, and the front end's sends never wait (a PUSH with no peer refuses)."""
+        while not self.input_socket.poll(200, zmq.POLLOUT):
+            if not self.process.is_alive() or time.monotonic() > deadline:
+                raise EngineDeadError("the engine core said it was ready but did not connect "
+                                      f"to {self.input_address}")
 
     def release(self) -> None:
         """Stop the process (SIGTERM, then SIGKILL) and free the sockets and the temp dir.
@@ -297,21 +369,27 @@ class EngineCoreHandle:
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         self.context.term()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def launch_engine_core(core_args: dict[str, Any], log_level: int) -> EngineCoreHandle:
-    """Bind the sockets and start the engine-core process (it is not ready yet)."""
-    ipc_dir = tempfile.mkdtemp(prefix="sluice-")
+def _front_end_sockets() -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
     context = zmq.Context()
     input_socket = context.socket(zmq.PUSH)
     input_socket.setsockopt(zmq.SNDHWM, 0)
     output_socket = context.socket(zmq.PULL)
     output_socket.setsockopt(zmq.RCVHWM, 0)
+    return context, input_socket, output_socket
+
+
+def launch_engine_core(core_args: dict[str, Any], log_level: int) -> EngineCoreHandle:
+    """Bind the sockets and start the engine-core process (it is not ready yet)."""
+    ipc_dir = tempfile.mkdtemp(prefix="sluice-")
+    context, input_socket, output_socket = _front_end_sockets()
     input_address = bind_local(input_socket, f"{ipc_dir}/input")
     output_address = bind_local(output_socket, f"{ipc_dir}/output")
-    startup = json.dumps({"engine_args": core_args, "input_address": input_address,
-                          "output_address": output_address, "parent_pid": os.getpid(),
+    startup = json.dumps({"engine_args": core_args, "input_addresses": [input_address],
+                          "output_addresses": [output_address], "parent_pid": os.getpid(),
                           "log_level": log_level})
     try:
         process = spawn_module("sluice.engine.core_proc", startup)
@@ -323,6 +401,69 @@ def launch_engine_core(core_args: dict[str, Any], log_level: int) -> EngineCoreH
         raise
     return EngineCoreHandle(process, context, input_socket, output_socket,
                             input_address, output_address, ipc_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class CoreAttachment:
+    """How one of several front ends reaches an engine core another process started: its
+    client index, the two addresses it binds (the core connects to them) and the core's pid."""
+
+    client: int
+    input_address: str
+    output_address: str
+    core_pid: int
+
+
+@dataclass(slots=True)
+class SharedEngineCore:
+    """An engine-core process started for several front ends (launch_shared_engine_core)."""
+
+    process: ChildProcess
+    attachments: list[CoreAttachment]  # one per front end, by client index
+    ipc_dir: str
+
+    def release(self) -> None:
+        self.process.stop()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def launch_shared_engine_core(core_args: dict[str, Any], num_clients: int,
+                              log_level: int) -> SharedEngineCore:
+    """Start an engine-core process for `num_clients` front ends, each to bind the addresses
+    of its CoreAttachment (the core connects, and ZMQ retries until they are bound)."""
+    if num_clients < 1:
+        raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+    ipc_dir = tempfile.mkdtemp(prefix="sluice-")
+    inputs = [local_address(f"{ipc_dir}/input-{i}") for i in range(num_clients)]
+    outputs = [local_address(f"{ipc_dir}/output-{i}") for i in range(num_clients)]
+    startup = json.dumps({"engine_args": core_args, "input_addresses": inputs,
+                          "output_addresses": outputs, "parent_pid": os.getpid(),
+                          "log_level": log_level})
+    try:
+        process = spawn_module("sluice.engine.core_proc", startup)
+    except BaseException:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise
+    attachments = [CoreAttachment(i, inputs[i], outputs[i], process.pid)
+                   for i in range(num_clients)]
+    return SharedEngineCore(process, attachments, ipc_dir)
+
+
+def attach_engine_core(attachment: CoreAttachment) -> EngineCoreHandle:
+    """Bind this front end's two sockets where the shared core connects (it is not ready
+    yet: wait_for_ready)."""
+    context, input_socket, output_socket = _front_end_sockets()
+    try:
+        input_socket.bind(attachment.input_address)
+        output_socket.bind(attachment.output_address)
+    except zmq.ZMQError:
+        input_socket.close(linger=0)
+        output_socket.close(linger=0)
+        context.term()
+        raise
+    return EngineCoreHandle(WatchedProcess(attachment.core_pid), context, input_socket,
+                            output_socket, attachment.input_address, attachment.output_address,
+                            ipc_dir=None)
 
 
 if __name__ == "__main__":

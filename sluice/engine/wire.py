@@ -35,6 +35,7 @@ class AddRequest(Message, tag="add"):
     """One sample to generate (a request with `n > 1` is sent as n of these)."""
 
     request: EngineCoreRequest
+    client: int = 0  # the front end that sent it (several API servers): gets its outputs
 
 
 class AbortRequests(Message, tag="abort"):
@@ -50,6 +51,7 @@ class FinishRequests(Message, tag="finish"):
 class UtilityRequest(Message, tag="utility"):
     call_id: int
     name: str
+    client: int = 0  # the front end the reply goes to
 
 
 # ---- engine core -> front end --------------------------------------------------------------

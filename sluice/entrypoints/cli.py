@@ -171,6 +171,11 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         chat_template_timeout_s=ns.chat_template_timeout,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
+    if ns.api_server_count != 1:
+        from sluice.entrypoints.openai.multi_server import run_multi_server
+
+        return run_multi_server(server_args, engine_args_from(ns), ns.api_server_count,
+                                model_name=ns.model)
     return run_server(server_args, engine_args_from(ns), model_name=ns.model)
 
 
@@ -216,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-log-requests", action="store_true")
     serve.add_argument("--max-log-len", type=int, default=None)
     serve.add_argument("--uvicorn-log-level", default="info")
+    serve.add_argument("--api-server-count", type=int, default=1,
+                       help="API-server processes sharing the port and one engine core "
+                            "(tokenizing, detokenizing and HTTP on N cores)")
     serve.add_argument("--max-request-body-bytes", type=int, default=32 << 20,
                        help="larger request bodies get a 413, unread (default: 32 MiB)")
     serve.add_argument("--shutdown-timeout", type=float, default=25.0,

@@ -596,3 +596,48 @@ def test_stats_logger_reports_throughput_only_while_busy(
                     "running 2 reqs, waiting 1 reqs, KV cache usage 25.0%, "
                     "prefix cache hit rate 25.0%")
     assert [r.getMessage() for r in caplog.records][0] == line
+
+
+def test_two_front_ends_attached_to_one_core_each_get_their_own_outputs(
+        qwen3_dir: str, reference: LLM) -> None:
+    """Several API servers' AsyncLLMs over one engine core (core_proc.launch_shared_engine_core):
+    concurrent requests from both, stop strings (FinishRequests) and an abort from one, and
+    utility calls from each reach the right front end; both see the other's freed blocks."""
+    from sluice.engine.async_llm import core_process_args
+    from sluice.engine.core_proc import launch_shared_engine_core
+
+    args = EngineArgs(model=qwen3_dir, **ENGINE_KWARGS)
+    core = launch_shared_engine_core(core_process_args(args, args.create_engine_config()), 2,
+                                     logging.WARNING)
+    front_ends: list[AsyncLLM] = []
+    try:
+        for attachment in core.attachments:
+            front_ends.append(AsyncLLM(args, ready_timeout_s=120.0, log_stats=False,
+                                       attach=attachment))
+        prompts = ["Hello world", {"prompt_token_ids": list(range(20, 45))},
+                   "The quick brown fox", {"prompt_token_ids": list(range(60, 90))}]
+        params = greedy(12, ignore_eos=True)
+        expected = reference.generate(prompts, params, use_tqdm=False)
+
+        async def main() -> list[list[RequestOutput]]:
+            victim = asyncio.create_task(collect(front_ends[1], "Abort me", greedy(
+                200, ignore_eos=True), "victim"))
+            streams = await asyncio.gather(*(
+                collect(front_ends[i % 2], prompt, params, f"req-{i}", FINAL_ONLY)
+                for i, prompt in enumerate(prompts)))
+            await front_ends[1].abort("victim")
+            assert (await victim)[-1].outputs[0].finish_reason == "abort"
+            for front_end in front_ends:
+                await assert_all_blocks_back(front_end)
+            return streams
+
+        streams = run(main())
+        for stream, want in zip(streams, expected):
+            assert stream[-1].outputs[0].token_ids == want.outputs[0].token_ids
+        assert front_ends[0].engine_core_pid == front_ends[1].engine_core_pid == core.process.pid
+    finally:
+        for front_end in front_ends:
+            front_end.shutdown()
+        assert core.process.is_alive()  # the front ends do not stop a core they attached to
+        core.release()
+    assert not core.process.is_alive()

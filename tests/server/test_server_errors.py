@@ -181,9 +181,9 @@ class StreamReader(threading.Thread):
     """Reads one streamed completion in the background: text, usage, and the error it ended
     with (if any)."""
 
-    def __init__(self, server: ServerProcess, **kwargs: Any) -> None:
+    def __init__(self, server: ServerProcess, api_key: str = "unused", **kwargs: Any) -> None:
         super().__init__(daemon=True)
-        self.client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
+        self.client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=api_key,
                                     max_retries=0, timeout=60)
         self.kwargs = kwargs
         self.first_chunk = threading.Event()

@@ -2,9 +2,9 @@
 
 Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /v1/models/{id}; POST /tokenize,
 /detokenize; GET /health (200 while the engine runs, else 503), /metrics (Prometheus text),
-/version, and /debug/engine (the engine-core and worker pids, the scheduler's state now and
-the KV cache's integrity check, asked of the core: for tests and operators;
-`num_free_blocks == num_blocks` once every request is done).
+/version, and /debug/engine (the engine-core and worker pids, which API server answered, the
+scheduler's state now and the KV cache's integrity check, asked of the core: for tests and
+operators; `num_free_blocks == num_blocks` once every request is done).
 
 A gate in front of every route counts requests in flight, checks `Authorization: Bearer KEY`
 on /v1 and /debug paths when an API key is set (401 otherwise), and, once draining, answers
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import signal
 import socket
@@ -38,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import sluice
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import AsyncLLM
+from sluice.engine.core_proc import CoreAttachment
 from sluice.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from sluice.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatsListener
 from sluice.entrypoints.openai.protocol import (
@@ -311,6 +313,7 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
     async def debug_engine() -> dict[str, Any]:
         info: dict[str, Any] = {"engine_core_pid": engine.engine_core_pid,
                                 "worker_pids": engine.worker_pids,
+                                "api_server": {"index": engine.client, "pid": os.getpid()},
                                 "dead_error": engine.dead_error, "num_blocks": engine.num_blocks,
                                 "scheduler": None, "in_flight": state.in_flight}
         if info["dead_error"] is None:
@@ -440,15 +443,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(server_args: ServerArgs, engine_args: EngineArgs,
-               model_name: str | None = None) -> int:
+               model_name: str | None = None, *, attach: CoreAttachment | None = None,
+               sock: socket.socket | None = None) -> int:
     """Serve until drained by SIGTERM / SIGINT; returns the exit status (0). `model_name`: the
-    model as the user named it (served under that name unless --served-model-name)."""
+    model as the user named it (served under that name unless --served-model-name). One of
+    several API servers (multi_server) passes the engine core to `attach` to and the
+    listening socket it shares with the others."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
-    sock = bind_socket(server_args.host, server_args.port)
+    if sock is None:
+        sock = bind_socket(server_args.host, server_args.port)
     try:
         engine = AsyncLLM.from_engine_args(engine_args,
-                                           log_stats=not server_args.disable_log_stats)
+                                           log_stats=not server_args.disable_log_stats,
+                                           attach=attach)
         try:
             app = build_app(engine, server_args, model_name)
             config = uvicorn.Config(app, log_level=server_args.uvicorn_log_level,
@@ -456,7 +464,8 @@ def run_server(server_args: ServerArgs, engine_args: EngineArgs,
             server = _DrainingServer(config, app.state.server_state,
                                      server_args.shutdown_timeout_s)
             host, port = sock.getsockname()[:2]
-            logger.info("serving %s (max_model_len %d) on http://%s:%d",
+            logger.info("%sserving %s (max_model_len %d) on http://%s:%d",
+                        "" if attach is None else f"API server {attach.client}: ",
                         list(server_args.served_model_name) or model_name
                         or engine.model_config.model,
                         engine.max_model_len, f"[{host}]" if ":" in host else host, port)

@@ -1,0 +1,182 @@
+"""`sluice serve --api-server-count 2`: two API-server processes on one port and one engine
+core, as users run it (a subprocess, the real openai client). Requests reach both API servers
+and give the offline engine's greedy output; a stream closed mid-way is aborted in the core;
+SIGTERM drains both and every process exits; an API server killed stops the whole server with
+status 1; a count under 1 is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from sluice import LLM, SamplingParams
+from sluice.process_utils import pid_alive
+from tests.server.conftest import ServerProcess, launch_server
+from tests.server.test_openai_server import wait_for_idle_engine
+from tests.server.test_server_errors import StreamReader
+
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello, my name is",
+           "The quick brown fox", "In the beginning", "def fibonacci(n):", "Water boils at"]
+
+
+def launch(qwen3_dir: str, log_path: Path, *extra: str) -> ServerProcess:
+    server = launch_server(qwen3_dir, log_path, "--api-server-count", "2", *extra)
+    deadline = time.monotonic() + 60
+    while server.log().count("API server") < 2 or "API server 1: serving" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-4000:]
+        time.sleep(0.1)
+    return server
+
+
+def processes(server: ServerProcess, **headers: str) -> list[int]:
+    """The engine core's and both API servers' pids (asked until both have answered)."""
+    api_servers: dict[int, int] = {}
+    for _ in range(200):
+        info = server.engine_info(**headers)
+        api_servers[info["api_server"]["index"]] = info["api_server"]["pid"]
+        if len(api_servers) == 2:
+            return [info["engine_core_pid"], *api_servers.values()]
+    raise AssertionError(f"only API servers {sorted(api_servers)} answered")
+
+
+def assert_all_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(pid_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, [pid for pid in pids if pid_alive(pid)]
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def two_api_servers(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[ServerProcess]:
+    server = launch(qwen3_dir, tmp_path_factory.mktemp("api-servers") / "server.log")
+    yield server
+    server.stop(10.0)
+
+
+def test_requests_spread_over_both_api_servers_and_equal_the_offline_output(
+        two_api_servers: ServerProcess, reference: LLM) -> None:
+    server = two_api_servers
+    assert len(set(processes(server))) == 3
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+
+    def complete(i: int) -> str:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 2:
+            stream = client.completions.create(model=server_model(server), prompt=prompt,
+                                               max_tokens=12, temperature=0, stream=True)
+            return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        return client.completions.create(model=server_model(server), prompt=prompt,
+                                         max_tokens=12, temperature=0).choices[0].text
+
+    # Each call its own connection (the openai client's pool is not shared across threads
+    # here), so the kernel deals them out to both API servers.
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(complete, range(16)))
+    offline = reference.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12),
+                                 use_tqdm=False)
+    assert texts == [offline[i % len(PROMPTS)].outputs[0].text for i in range(16)]
+    scheduler = wait_for_idle_engine(server)
+    assert scheduler["num_free_blocks"] == scheduler["num_blocks"]
+    assert server.engine_info()["integrity"] == "ok"
+
+
+def server_model(server: ServerProcess, **headers: str) -> str:
+    return httpx.get(f"{server.base_url}/v1/models", headers=headers,
+                     timeout=10).json()["data"][0]["id"]
+
+
+def test_a_stream_closed_mid_way_is_aborted_in_the_shared_core(
+        two_api_servers: ServerProcess) -> None:
+    server = two_api_servers
+    body = {"model": server_model(server), "prompt": "Keep going", "max_tokens": 1000,
+            "ignore_eos": True, "stream": True}
+    for _ in range(4):  # on fresh connections: both API servers, most likely
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                          timeout=60) as response:
+            lines = response.iter_lines()
+            assert sum(1 for line, _ in zip(lines, range(6)) if line.startswith("data: ")) == 3
+    scheduler = wait_for_idle_engine(server)
+    assert scheduler["num_running"] + scheduler["num_waiting"] == 0
+    assert scheduler["num_free_blocks"] == scheduler["num_blocks"]
+    assert server.engine_info()["integrity"] == "ok"
+
+
+def test_sigterm_drains_both_api_servers_then_every_process_exits(
+        two_api_servers: ServerProcess) -> None:
+    """Last in this module: it stops the shared server."""
+    server = two_api_servers
+    pids = processes(server)
+    body = {"model": server_model(server), "prompt": "Keep going", "max_tokens": 48,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in rest[-2] or '"finish_reason": "length"' in rest[-2]
+    assert server.proc.wait(60) == 0, server.log()[-4000:]
+    assert_all_gone(pids)
+
+
+def test_a_killed_api_server_stops_the_whole_server(qwen3_dir: str, tmp_path: Path) -> None:
+    server = launch(qwen3_dir, tmp_path / "server.log")
+    try:
+        core, first, second = processes(server)
+        subprocess.run(["kill", "-9", str(second)], check=True)
+        assert server.proc.wait(30) == 1
+        assert f"API server pid {second} exited" in server.log()
+        assert_all_gone([core, first, second])
+    finally:
+        server.stop(5.0)
+
+
+def test_a_killed_engine_core_ends_streams_with_an_error_and_stops_the_server(
+        qwen3_dir: str, tmp_path: Path) -> None:
+    """With an API key, which reaches the API servers outside their command lines."""
+    server = launch(qwen3_dir, tmp_path / "server.log", "--api-key", "sesame")
+    try:
+        assert httpx.get(f"{server.base_url}/v1/models", timeout=10).status_code == 401
+        core, first, second = processes(server, Authorization="Bearer sesame")
+        for pid in (first, second):
+            assert b"sesame" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        model = server_model(server, Authorization="Bearer sesame")
+        readers = [StreamReader(server, api_key="sesame", model=model, prompt=f"Victim {i}",
+                                max_tokens=1000, extra_body={"ignore_eos": True})
+                   for i in range(4)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            assert reader.first_chunk.wait(30)
+        os.kill(core, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for reader in readers:
+            reader.join(10)
+            assert isinstance(reader.error, openai.APIError), reader.error
+            assert reader.ended_at - killed_at < 5.0
+        assert server.proc.wait(30) == 1
+        assert f"the engine core (pid {core}) exited" in server.log()
+        assert_all_gone([core, first, second])
+    finally:
+        server.stop(5.0)
+
+
+def test_api_server_count_under_one_is_refused() -> None:
+    result = subprocess.run([sys.executable, "-m", "sluice", "serve", "--api-server-count",
+                             "0", "--device", "cpu"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert "api_server_count must be >= 1, got 0" in result.stderr
