@@ -6,6 +6,7 @@ at a bounded concurrency).
     sluice bench serve-vs-offline --num-prompts 256 --random-input-len 562 \\
         --random-output-len 562 --random-range-ratio 0.82 --temperature 0.6 \\
         --max-concurrency inf,32 --num-clients 1,4 --output benchmarks/serve-vs-offline.json
+        [--server-args '--api-server-count 2']
 
 The prompts are `sluice bench serve`'s random dataset (text of the asked token lengths, drawn
 with the model's tokenizer and `--seed`), each with its own output length and ignore_eos, as
@@ -142,7 +143,8 @@ def run_served(ns: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
 
     port = free_port()
     server = Instance("server", serve_argv(ns.model, port, "--served-model-name", "bench",
-                                           *_engine_flags(ns)), port, workdir)
+                                           *_engine_flags(ns), *shlex.split(ns.server_args)),
+                      port, workdir)
     runs = []
     start_instances([server], ns.start_timeout)
     try:
@@ -214,6 +216,7 @@ def main(ns: argparse.Namespace) -> int:
                   "workload": {k: getattr(ns, k) for k in (
                       "num_prompts", "random_input_len", "random_output_len",
                       "random_range_ratio", "temperature", "seed")},
+                  "server_args": ns.server_args,
                   "offline": offline, "served": runs}
         Path(ns.output).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.output).write_text(json.dumps(record, indent=1))
@@ -228,6 +231,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_served_model_args(parser, max_model_len=4096, gpu_memory_utilization=0.9)
     parser.add_argument("--engine-args", default="",
                         help="more engine flags for both halves, quoted")
+    parser.add_argument("--server-args", default="",
+                        help="flags for the server only, quoted (e.g. '--api-server-count 2')")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--random-input-len", type=int, default=562)
     parser.add_argument("--random-output-len", type=int, default=562)

@@ -1,6 +1,7 @@
 """`sluice bench serve-vs-offline` on the CPU with the tiny model: the same prompts through
-LLM.generate and through a real `sluice serve`, every request completed, the served runs'
-throughput reported as a fraction of the offline run's."""
+LLM.generate and through a real `sluice serve` (here with two API-server processes, given by
+--server-args), every request completed, the served runs' throughput reported as a fraction of
+the offline run's."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def test_bench_serve_vs_offline_reports_each_served_run_against_offline(
          "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
          "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "8",
          "--random-range-ratio", "0.5", "--max-concurrency", "inf,2", "--num-clients", "1",
-         "--num-warmups", "0", "--output", str(output)],
+         "--num-warmups", "0", "--server-args", "--api-server-count 2",
+         "--output", str(output)],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(output.read_text())
@@ -34,6 +36,7 @@ def test_bench_serve_vs_offline_reports_each_served_run_against_offline(
             s["output_throughput"] / offline["output_throughput"])
     assert "/offline" in run.stdout and result["command"].startswith(
         "sluice bench serve-vs-offline")
+    assert result["server_args"] == "--api-server-count 2"
 
 
 def test_bench_serve_vs_offline_refuses_bad_lists() -> None:
