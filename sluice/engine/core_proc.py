@@ -168,8 +168,8 @@ class EngineCoreProc:
 
     def _send_outputs(self, outputs: list[EngineCoreOutput], changed: bool) -> None:
         """A step's outputs, with the scheduler's state: to the one front end, or to each its
-        own requests' (and the state to the others when requests changed, or at least every
-        _IDLE_CLIENT_STATS_S)."""
+        own requests' (and the state to the others when requests came, went or finished, or
+        at least every _IDLE_CLIENT_STATS_S)."""
         stats = make_scheduler_stats(self.engine_core)
         now = time.time()
         if len(self.output_sockets) == 1:
@@ -180,6 +180,7 @@ class EngineCoreProc:
             client = self._client_of.get(out.req_id, 0)
             if out.finish_reason is not None:
                 self._client_of.pop(out.req_id, None)
+                changed = True
             per_client[client].append(out)
         clock = time.monotonic()
         for client, its_outputs in enumerate(per_client):

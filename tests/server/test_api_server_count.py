@@ -90,6 +90,30 @@ def test_requests_spread_over_both_api_servers_and_equal_the_offline_output(
     scheduler = wait_for_idle_engine(server)
     assert scheduler["num_free_blocks"] == scheduler["num_blocks"]
     assert server.engine_info()["integrity"] == "ok"
+    # Whichever API server answers the scrape, it counts both servers' requests, and the
+    # core's state once.
+    want = {"sluice:request_success_total": 16,
+            "sluice:prompt_tokens_total": sum(len(offline[i % 8].prompt_token_ids)
+                                              for i in range(16)),
+            "sluice:generation_tokens_total": sum(len(offline[i % 8].outputs[0].token_ids)
+                                                  for i in range(16)),
+            "sluice:num_requests_running": 0, "sluice:kv_cache_usage_perc": 0,
+            "sluice:time_to_first_token_seconds_count": 16}
+    for _ in range(6):
+        assert metric_sums(server, want) == want
+
+
+def metric_sums(server: ServerProcess, names: dict[str, float]) -> dict[str, float]:
+    """Each named sample summed over its labels, from one scrape of /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    sums = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in sums:
+                sums[sample.name] += sample.value
+    return sums
 
 
 def server_model(server: ServerProcess, **headers: str) -> str:

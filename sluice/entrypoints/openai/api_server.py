@@ -282,7 +282,8 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
     kv_transfer = engine.config.kv_transfer_config
     metrics = PrometheusStatsListener(
         names[0], 0 if spec is None else spec.num_speculative_tokens,
-        kv_pool=kv_transfer is not None and kv_transfer.kv_connector == "KVPoolConnector")
+        kv_pool=kv_transfer is not None and kv_transfer.kv_connector == "KVPoolConnector",
+        record_engine=engine.client == 0)
     engine.add_stats_listener(metrics)
     state = ServerState()
 

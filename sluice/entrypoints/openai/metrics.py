@@ -7,12 +7,23 @@
 totals since the engine core started, so they are exported as counters by adding each increase;
 the speculative acceptance rate and mean acceptance length are gauges over those totals. Each
 listener has its own registry, so several servers (or tests) in one process never share a metric.
+
+Several API-server processes (`--api-server-count`) run with PROMETHEUS_MULTIPROC_DIR set (by
+their parent, before prometheus_client is imported), so every process writes its values to
+files there and each one's /metrics reads them all back (prometheus_client's multiprocess
+mode): the request counters and histograms are summed over the processes. The engine core's
+state reaches every API server, but only API server 0 records it (`record_engine`), and its
+gauges are exported as the maximum over the processes (the others leave theirs at 0), so a
+scrape of any of them gives the one server's metrics.
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from sluice.engine.stats import IterationStats, SchedulerStats
 
@@ -25,20 +36,25 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's
 
 
 class PrometheusStatsListener:
     def __init__(self, model_name: str, num_speculative_tokens: int = 0,
-                 kv_pool: bool = False) -> None:
+                 kv_pool: bool = False, record_engine: bool = True) -> None:
         """`num_speculative_tokens` (k, 0 without speculation): the per-position counter shows
         positions 0..k-1 from the start (later positions appear when they first count).
         `kv_pool`: the global KV pool's metrics show from the start (else from its first
-        counters)."""
+        counters). `record_engine`: record the engine core's state (False: another API server
+        of several does; see the module doc)."""
         self.registry = CollectorRegistry()
+        self.record_engine = record_engine
         registry, labels = self.registry, ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"sluice:{name}", doc, labels, registry=registry).labels(model_name)
+            # multiprocess_mode: used only under PROMETHEUS_MULTIPROC_DIR (module doc)
+            return Gauge(f"sluice:{name}", doc, labels, registry=registry,
+                         multiprocess_mode="max").labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"sluice:{name}", doc, labels, registry=registry).labels(model_name)
@@ -106,7 +122,7 @@ class PrometheusStatsListener:
         self._kv_pool = _KVPoolMetrics(registry, model_name) if kv_pool else None
 
     def __call__(self, iteration: IterationStats, scheduler_stats: SchedulerStats | None) -> None:
-        if scheduler_stats is not None:
+        if scheduler_stats is not None and self.record_engine:
             self._record_scheduler(scheduler_stats)
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)
@@ -159,7 +175,13 @@ class PrometheusStatsListener:
         self.spec_mean_acceptance_length.set(stats.spec_mean_acceptance_length)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
+        """The Prometheus text exposition of every metric (of every API-server process, under
+        PROMETHEUS_MULTIPROC_DIR)."""
+        directory = os.environ.get(MULTIPROC_DIR_ENV)
+        if directory:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=directory)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
 
@@ -209,7 +231,7 @@ class _KVPoolMetrics:
         self._model_name = model_name
         self.available = Gauge("sluice:kv_pool_available",
                                "1 while the scheduler reaches the KV pool, else 0.", labels,
-                               registry=registry).labels(model_name)
+                               registry=registry, multiprocess_mode="max").labels(model_name)
         self.outages = Counter("sluice:kv_pool_outages",
                                "Times the scheduler lost the KV pool.", labels,
                                registry=registry).labels(model_name)

@@ -15,8 +15,9 @@ at once. When the core or an API server exits on its own, the parent stops the o
 returns 1: an API server without a core cannot answer, and a core that lost a front end would
 keep generating for requests nobody reads. An API server whose parent is gone stops itself.
 
-Each API server has its own /metrics counters (its requests; the scheduler's gauges come from
-the one core) and its own log lines.
+A scrape of /metrics, whichever API server answers, gives every API server's request counters
+summed and the core's state once (metrics.py: prometheus_client's multiprocess mode, in a temp
+dir the parent makes and removes). Each API server logs its own lines.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from types import FrameType
@@ -37,6 +40,7 @@ from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import core_process_args
 from sluice.engine.core_proc import CoreAttachment, SharedEngineCore, launch_shared_engine_core
 from sluice.entrypoints.openai.api_server import ServerArgs, bind_socket, run_server
+from sluice.entrypoints.openai.metrics import MULTIPROC_DIR_ENV
 from sluice.process_utils import ChildProcess, parent_alive, spawn_module
 
 logger = logging.getLogger("sluice")
@@ -61,6 +65,8 @@ def run_multi_server(server_args: ServerArgs, engine_args: EngineArgs, count: in
     sock = bind_socket(server_args.host, server_args.port)
     core: SharedEngineCore | None = None
     servers: list[ChildProcess] = []
+    # Where the API servers' Prometheus values meet (metrics.py: multiprocess mode).
+    metrics_dir = tempfile.mkdtemp(prefix="sluice-metrics-")
     supervisor = _Supervisor()
     try:
         # The API servers rebuild the configs from the core's arguments (the model folder
@@ -70,14 +76,16 @@ def run_multi_server(server_args: ServerArgs, engine_args: EngineArgs, count: in
         # The API key goes in the environment, which only its user can read, not in the
         # command line, which everyone's `ps` shows.
         public_args = dataclasses.replace(server_args, api_key=None)
-        key_env = {} if server_args.api_key is None else {_API_KEY_ENV: server_args.api_key}
+        env = {MULTIPROC_DIR_ENV: metrics_dir}
+        if server_args.api_key is not None:
+            env[_API_KEY_ENV] = server_args.api_key
         for attachment in core.attachments:
             startup = {"server_args": dataclasses.asdict(public_args),
                        "engine_args": core_args, "model_name": model_name,
                        "attach": dataclasses.asdict(attachment), "fd": sock.fileno(),
                        "parent_pid": os.getpid()}
             servers.append(spawn_module("sluice.entrypoints.openai.multi_server",
-                                        json.dumps(startup), env=key_env,
+                                        json.dumps(startup), env=env,
                                         pass_fds=(sock.fileno(),), new_session=True))
         host, port = sock.getsockname()[:2]
         logger.info("serving on http://%s:%d with %d API servers (pids %s), engine core pid %d",
@@ -90,6 +98,7 @@ def run_multi_server(server_args: ServerArgs, engine_args: EngineArgs, count: in
             server.stop(grace_s=2.0)
         if core is not None:
             core.release()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
         sock.close()
         logger.info("server stopped")
 
