@@ -1,6 +1,7 @@
 """`sluice serve --api-server-count 2`: two API-server processes on one port and one engine
 core, as users run it (a subprocess, the real openai client). Requests reach both API servers
-and give the offline engine's greedy output; a stream closed mid-way is aborted in the core;
+and give the offline engine's greedy output, and /metrics from either counts both servers'
+requests; a stream closed mid-way is aborted in the core;
 SIGTERM drains both and every process exits; an API server killed stops the whole server with
 status 1; a count under 1 is refused."""
 
