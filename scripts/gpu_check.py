@@ -11,7 +11,7 @@ loaded; through a prefill, a decode and a router (PD over the Mooncake Transfer 
 `--only pd`, where Mooncake is installed); and, on a
 machine of two or more GPUs, tensor parallelism (NCCL; the all-reduces inside the CUDA graphs,
 the fused ops and folded norms per rank), with graphs on and off; and with an 8-bit KV cache
-(`kv_cache_dtype="fp8"`) against the CPU reference with the same cache dtype.
+(`kv_cache_dtype="fp8"`, and "fp8_e5m2") against the CPU reference with the same cache dtype.
 Exits non-zero on any mismatch.
 
     PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR] [--only PREFIX,...]
@@ -72,6 +72,9 @@ CONFIGS = {
     "fp8_kv_no_prefix_caching": {"kv_cache_dtype": "fp8", "enable_prefix_caching": False},
     # The CPU tier moves the 8-bit cache as bytes: saved, then loaded (as cpu_kv_tier).
     "fp8_kv_cpu_kv_tier": {"kv_cache_dtype": "fp8", "kv_offloading_size": 0.05},
+    # The other 8-bit format, float8_e5m2 (its own CPU reference).
+    "fp8_e5m2_kv": {"kv_cache_dtype": "fp8_e5m2"},
+    "fp8_e5m2_kv_chunks_of_64": {"kv_cache_dtype": "fp8_e5m2", "max_num_batched_tokens": 64},
 }
 # The global KV pool: saves after graph replays and eager steps, then (the GPU prefix cache
 # emptied) every full block loaded from the pool; one setting per backend whose server is here.
@@ -272,6 +275,17 @@ def greedy_ids(llm: LLM, prompts: list[dict], max_tokens: int = 32,
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def cpu_greedy_ids(model: str, kv_cache_dtype: str,
+                   prompt_sets: list[tuple[list[dict], int]]) -> tuple[list[list[int]], ...]:
+    """The CPU engine's (float32) greedy ids over a cache of `kv_cache_dtype`, for each
+    (prompts, max_tokens)."""
+    cpu = LLM(model=model, dtype="float32", device="cpu", max_num_batched_tokens=64,
+              kv_cache_dtype=kv_cache_dtype)
+    ids = tuple(greedy_ids(cpu, prompts, max_tokens) for prompts, max_tokens in prompt_sets)
+    cpu.shutdown()
+    return ids
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", default="benchmarks")
@@ -309,13 +323,9 @@ def main() -> None:
                         for _ in range(24)]
         many_reference = greedy_ids(cpu, many_prompts)
         cpu.shutdown()
-        fp8_references = None
-        if not only or any(p.startswith("fp8") for p in only):
-            cpu = LLM(model=model, dtype="float32", device="cpu", max_num_batched_tokens=64,
-                      kv_cache_dtype="fp8")
-            fp8_references = (greedy_ids(cpu, prompts), greedy_ids(cpu, many_prompts),
-                              greedy_ids(cpu, long_prompts, max_tokens=64))
-            cpu.shutdown()
+        # The CPU engine's greedy ids per 8-bit cache dtype, made when a setting first needs
+        # them: (prompts, the 24 prompts, the long prompts).
+        fp8_references: dict[str, tuple[list[list[int]], ...]] = {}
         configs = {**CONFIGS, **pools}
         if arch == "qwen3" and "pd" in only:
             pd = (model, prompts, reference)
@@ -341,12 +351,17 @@ def main() -> None:
             if lagging:
                 with lagging_graph_replays():
                     result[f"{arch}_{name}_equals_cpu"] = greedy_ids(llm, prompts) == reference
-            elif name.startswith("fp8_kv"):
-                assert fp8_references is not None
-                result[f"{arch}_{name}_equals_cpu"] = greedy_ids(llm, prompts) == fp8_references[0]
-                if name == "fp8_kv":
+            elif name.startswith("fp8"):
+                kv_cache_dtype = kwargs["kv_cache_dtype"]
+                if kv_cache_dtype not in fp8_references:
+                    fp8_references[kv_cache_dtype] = cpu_greedy_ids(
+                        model, kv_cache_dtype, [(prompts, 32), (many_prompts, 32),
+                                                (long_prompts, 64)])
+                references = fp8_references[kv_cache_dtype]
+                result[f"{arch}_{name}_equals_cpu"] = greedy_ids(llm, prompts) == references[0]
+                if name in ("fp8_kv", "fp8_e5m2_kv"):
                     result[f"{arch}_{name}_24_prompts_equals_cpu"] = (
-                        greedy_ids(llm, many_prompts) == fp8_references[1])
+                        greedy_ids(llm, many_prompts) == references[1])
                     # Recorded, not checked: rounding to 8 bits turns a last-bit difference
                     # between the GPU's and the CPU's float32 K/V into a whole 8-bit step
                     # where a value lies at a rounding boundary, and over two 480-token
@@ -354,7 +369,7 @@ def main() -> None:
                     result[f"{arch}_{name}_across_512_keys_tokens_before_a_difference"] = [
                         next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(got))
                         for got, want in zip(greedy_ids(llm, long_prompts, max_tokens=64),
-                                             fp8_references[2])]
+                                             references[2])]
             else:
                 result[f"{arch}_{name}_equals_cpu"] = greedy_ids(llm, prompts) == reference
             stats = llm.get_spec_decoding_stats()
@@ -368,7 +383,7 @@ def main() -> None:
             if name.startswith(("cpu_kv_tier", "fp8_kv_cpu_kv_tier")):
                 # Again, from the CPU tier: every full block of every prompt loads.
                 assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
-                want = fp8_references[0] if name.startswith("fp8") else reference
+                want = fp8_references["fp8"][0] if name.startswith("fp8") else reference
                 with lagging_graph_replays() if lagging else contextlib.nullcontext(), \
                         lagging_loads() if lagging else contextlib.nullcontext():
                     result[f"{arch}_{name}_loaded_equals_cpu"] = greedy_ids(llm, prompts) == want

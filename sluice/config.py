@@ -30,7 +30,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # KV cache budget when running on the CPU.
     cpu_kv_cache_bytes: int = 4 << 30
-    # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn (sluice.attention.kv_layout)
+    # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn; "fp8_e5m2": float8_e5m2
+    # (sluice.attention.kv_layout)
     kv_cache_dtype: str = "auto"
 
 

@@ -45,10 +45,11 @@ def test_generate_without_a_model_uses_the_built_in_tiny_model(tmp_path: Path) -
 
 def test_an_fp8_kv_cache_from_the_command_line(tmp_path: Path) -> None:
     env = {"SLUICE_CACHE_DIR": str(tmp_path / "cache")}
-    out = run_sluice("generate", "--max-tokens", "4", "--ignore-eos", "--json", "--device",
-                     "cpu", "--kv-cache-dtype", "fp8", env=env)
-    assert out.returncode == 0, out.stderr
-    assert len(json.loads(out.stdout.splitlines()[0])["token_ids"]) == 4
+    for kv_cache_dtype in ("fp8", "fp8_e5m2"):
+        out = run_sluice("generate", "--max-tokens", "4", "--ignore-eos", "--json", "--device",
+                         "cpu", "--kv-cache-dtype", kv_cache_dtype, env=env)
+        assert out.returncode == 0, out.stderr
+        assert len(json.loads(out.stdout.splitlines()[0])["token_ids"]) == 4
     out = run_sluice("generate", "--device", "cpu", "--kv-cache-dtype", "fp4", env=env)
     assert out.returncode == 2
     assert "kv_cache_dtype" in out.stderr and "'fp4'" in out.stderr

@@ -13,14 +13,16 @@ model's or EAGLE head's cache is allocated the same way, addressed by the same b
 
 The cache holds K/V in the model's dtype, or with `kv_cache_dtype="fp8"` in float8_e4m3fn (one
 byte an element, no scale: what vLLM does for a checkpoint without KV scales), which halves a 16-bit
-model's KV bytes, so a decode step reads half as much and twice the tokens fit. Every write
-saturates at +-448 (`to_cache_dtype`) and every attention reads K/V as the cache holds them, the
-current step's too (the dense attention of a prompt included), so each path attends to the same
-values and chunked prefill, prefix hits and CUDA graphs leave greedy output as it is with the
-same cache dtype. The output differs from a 16-bit cache's: this is quantization, chosen by the
-user. KV connectors (the CPU tier, the pool, prefill/decode transfers) see an 8-bit cache as
-bytes (`kv_bytes`) and name its dtype in their keys and handshakes, so 8-bit and 16-bit
-instances never exchange blocks.
+model's KV bytes, so a decode step reads half as much and twice the tokens fit;
+`kv_cache_dtype="fp8_e5m2"` stores float8_e5m2 instead (2 mantissa bits rather than 3, range
++-57344 rather than +-448). Every write saturates at the format's largest finite value
+(`to_cache_dtype`) and rounds to nearest even, and every attention reads K/V as the cache
+holds them, the current step's too (the dense attention of a prompt included), so each path
+attends to the same values and chunked prefill, prefix hits and CUDA graphs leave greedy output
+as it is with the same cache dtype. The output differs from a 16-bit cache's: this is
+quantization, chosen by the user. KV connectors (the CPU tier, the pool, prefill/decode
+transfers) see an 8-bit cache as bytes (`kv_bytes`) and name its dtype in their keys and
+handshakes, so instances of different cache dtypes never exchange blocks.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from collections.abc import Sequence
 
 import torch
 
-# kv_cache_dtype values: "auto" (the model's dtype), "fp8" and its alias "fp8_e4m3".
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# kv_cache_dtype values: "auto" (the model's dtype), "fp8" and its alias "fp8_e4m3", "fp8_e5m2".
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 FP8_E4M3_MAX = 448.0
+FP8_E5M2_MAX = 57344.0
+_FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -40,19 +44,24 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
         return model_dtype
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return torch.float8_e4m3fn
+    if kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
     raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
                      f"got {kv_cache_dtype!r}")
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype == torch.float8_e4m3fn
+    return dtype in _FP8_MAX
 
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """`x` as a cache of `cache_dtype` stores it: saturated at +-448 for an 8-bit cache (the
-    Triton kernels' `to_cache_dtype` does the same), else a plain conversion."""
+    """`x` as a cache of `cache_dtype` stores it: for an 8-bit cache saturated at the format's
+    largest finite value (+-448, e5m2 +-57344; torch would make e5m2 infinite) and rounded to
+    nearest even (the Triton kernels' `to_cache_dtype` does the same), else a plain
+    conversion."""
     if is_fp8(cache_dtype):
-        x = x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        limit = _FP8_MAX[cache_dtype]
+        x = x.float().clamp(-limit, limit)
     return x.to(cache_dtype)
 
 

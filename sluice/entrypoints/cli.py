@@ -52,8 +52,9 @@ _ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
     ("long-prefill-token-threshold", int, "chunk size cap for long prompts (0: none)"),
     ("num-gpu-blocks-override", int, "number of KV cache blocks"),
     ("gpu-memory-utilization", float, "fraction of GPU memory to use"),
-    ("kv-cache-dtype", str, "auto (the model's dtype) | fp8 (float8_e4m3fn, saturating, no "
-                            "scales: half a 16-bit model's KV bytes; changes the output)"),
+    ("kv-cache-dtype", str, "auto (the model's dtype) | fp8 = fp8_e4m3 (float8_e4m3fn, "
+                            "saturating, no scales: half a 16-bit model's KV bytes; changes the "
+                            "output) | fp8_e5m2 (float8_e5m2, likewise)"),
     ("device", str, "auto | cpu | cuda"),
     ("enforce-eager", bool, "no CUDA graphs and no torch.compile (GPU)"),
     ("dense-prefill", bool, "cuDNN's dense attention for a lone prompt and a long prompt's "

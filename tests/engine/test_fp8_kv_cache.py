@@ -1,7 +1,8 @@
 """The engine with an 8-bit KV cache (`kv_cache_dtype="fp8"`): the cache is float8_e4m3fn and
 holds more blocks in the same budget; prefix caching, chunked prefill, preemption, async
 scheduling and n-gram speculation leave its greedy output as it is with the same cache dtype;
-a bad value is refused by name. (With KV connectors: the CPU tier's, the pool's and PD's tests.)"""
+the same for preemption and chunks with `"fp8_e5m2"`; a bad value is refused by name. (With KV
+connectors: the CPU tier's, the pool's and PD's tests.)"""
 
 from __future__ import annotations
 
@@ -68,6 +69,27 @@ def test_fp8_cache_holds_four_times_the_blocks_of_a_float32_one(qwen3_dir: str,
     # cache read wrongly would agree on the first token about once in the vocabulary's 600.
     agree = [a[0] == b[0] for a, b in zip(fp8_out, float32_out)]
     assert sum(agree) > len(prompts) // 2
+
+
+@pytest.mark.parametrize("name", ["forced_preemption", "small_chunks_two_partial"])
+def test_an_e5m2_cache_keeps_its_greedy_output_under_preemption_and_chunks(
+        qwen3_dir: str, fp8_reference, name: str) -> None:
+    """`kv_cache_dtype="fp8_e5m2"`: a float8_e5m2 cache, whose output the optimisations leave
+    as it is, and which is not the e4m3 cache's."""
+    prompts, e4m3_out = fp8_reference
+    e5m2 = {**BASE, "kv_cache_dtype": "fp8_e5m2"}
+    llm = LLM(model=qwen3_dir, **e5m2)
+    runner = llm.llm_engine.engine_core.executor.model_runner
+    assert {c.dtype for c in runner.kv_caches.values()} == {torch.float8_e5m2}
+    want, _ = sluice_greedy(llm, prompts, 24)
+    assert_integrity_and_all_free(llm)
+    assert want != [tokens[:24] for tokens in e4m3_out]
+    llm = LLM(model=qwen3_dir, **{**e5m2, **CONFIGS[name]})
+    got, _ = sluice_greedy(llm, prompts, 24)
+    assert got == want
+    if "preemption" in name:
+        assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    assert_integrity_and_all_free(llm)
 
 
 def test_a_bad_kv_cache_dtype_is_refused_by_name(qwen3_dir: str) -> None:

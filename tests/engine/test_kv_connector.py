@@ -98,13 +98,14 @@ def test_cpu_tier_serves_prefixes_evicted_from_the_gpu(qwen3_dir: str, reference
     assert_all_blocks_back(llm)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
 def test_cpu_tier_with_chunked_prefill_and_preemption_keeps_greedy_output(
         qwen3_dir: str, reference: LLM, kv_cache_dtype: str) -> None:
-    """Also with an 8-bit cache, which the tier holds as bytes (against an fp8 engine)."""
+    """Also with 8-bit caches, which the tier holds as bytes (against an engine of the same
+    cache dtype)."""
     batch = prompts(seed=2, count=4)
-    if kv_cache_dtype == "fp8":
-        reference = LLM(model=qwen3_dir, kv_cache_dtype="fp8", **ENGINE)
+    if kv_cache_dtype != "auto":
+        reference = LLM(model=qwen3_dir, kv_cache_dtype=kv_cache_dtype, **ENGINE)
     expected = token_ids(reference.generate(batch, greedy(24), use_tqdm=False))
     llm = LLM(model=qwen3_dir, kv_offloading_size=TIER_BYTES / 2**30,
               max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype, **ENGINE)

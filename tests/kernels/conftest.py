@@ -26,16 +26,19 @@ if not torch.cuda.is_available():
 
     # Its float8 conversions truncate the mantissa and flush subnormals, where a GPU (and
     # torch) rounds to nearest even and keeps them: an 8-bit KV cache's values would differ from
-    # the reference's by design. Conversions to and from float8_e4m3fn go through torch instead.
+    # the reference's by design. Conversions to and from the float8 types go through torch
+    # instead.
     import numpy as np
     import triton.language as tl
 
     _convert_float = interpreter._convert_float
     _TORCH_FLOATS = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16,
-                     tl.float16: torch.float16, tl.float8e4nv: torch.float8_e4m3fn}
+                     tl.float16: torch.float16, tl.float8e4nv: torch.float8_e4m3fn,
+                     tl.float8e5: torch.float8_e5m2}
+    _FLOAT8 = {tl.float8e4nv, tl.float8e5}
 
     def _convert_float_as_torch_does(input, input_dtype, output_dtype, rounding_mode):
-        if tl.float8e4nv in (input_dtype, output_dtype) and {
+        if _FLOAT8 & {input_dtype, output_dtype} and {
                 input_dtype, output_dtype} <= _TORCH_FLOATS.keys():
             bits = np.frombuffer(input.tobytes(), dtype=f"uint{input_dtype.primitive_bitwidth}")
             source = torch.from_numpy(bits.copy()).view(_TORCH_FLOATS[input_dtype])

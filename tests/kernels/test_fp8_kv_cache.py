@@ -13,7 +13,9 @@ import triton.language as tl
 
 from sluice.attention.kv_layout import (
     FP8_E4M3_MAX,
+    FP8_E5M2_MAX,
     as_cached,
+    is_fp8,
     resolve_kv_cache_dtype,
     to_cache_dtype,
 )
@@ -43,6 +45,12 @@ from tests.kernels.test_triton_attention import (
 )
 
 FP8 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FORMATS = pytest.mark.parametrize("fmt", [FP8, E5M2], ids=["e4m3", "e5m2"])
+LIMIT = {FP8: FP8_E4M3_MAX, E5M2: FP8_E5M2_MAX}
+# A key scaled this much passes the format's range (N(0, 1) entries; in a float16 model the
+# largest e5m2 ones become inf, which saturates the same way).
+LOUD = {FP8: 1000.0, E5M2: 1e5}
 # The values here are larger than the other kernel tests' (the cache's quantized contents are
 # scaled by 4): bfloat16 outputs within one ulp.
 FP8_TOLERANCE = {torch.float32: TOLERANCE[torch.float32],
@@ -51,12 +59,12 @@ FP8_TOLERANCE = {torch.float32: TOLERANCE[torch.float32],
 MODEL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def to_fp8_step(step: Step, loud_token: int | None = 0) -> Step:
-    """The step over an 8-bit cache (its random contents quantized); one token's key scaled
-    past the 8-bit range, so the stores must saturate."""
-    step.kv_cache = to_cache_dtype(step.kv_cache * 4, FP8)
+def to_fp8_step(step: Step, loud_token: int | None = 0, fmt: torch.dtype = FP8) -> Step:
+    """The step over an 8-bit cache of format `fmt` (its random contents quantized); one
+    token's key scaled past the 8-bit range, so the stores must saturate."""
+    step.kv_cache = to_cache_dtype(step.kv_cache * 4, fmt)
     if loud_token is not None:
-        step.key[loud_token] *= 1000
+        step.key[loud_token] *= LOUD[fmt]
     return step
 
 
@@ -65,7 +73,7 @@ def assert_fp8_matches_reference(step: Step, backend: TritonBackend) -> None:
     expected = TorchRefBackend().forward(step.query, step.key, step.value, ref_cache,
                                          step.metadata, 0.25)
     out = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25)
-    assert step.kv_cache.dtype == FP8 and out.dtype == step.query.dtype
+    assert is_fp8(step.kv_cache.dtype) and out.dtype == step.query.dtype
     assert torch.equal(step.kv_cache.view(torch.uint8), ref_cache.view(torch.uint8))
     assert not torch.isnan(step.kv_cache.float()).any()
     torch.testing.assert_close(out, expected, **FP8_TOLERANCE[step.query.dtype])
@@ -75,6 +83,7 @@ def test_the_setting_names_the_cache_dtype():
     assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16) == FP8
     assert resolve_kv_cache_dtype("fp8_e4m3", torch.float32) == FP8
+    assert resolve_kv_cache_dtype("fp8_e5m2", torch.float16) == E5M2
     with pytest.raises(ValueError, match="'int8'"):
         resolve_kv_cache_dtype("int8", torch.bfloat16)
 
@@ -82,6 +91,9 @@ def test_the_setting_names_the_cache_dtype():
 def test_writes_saturate_rather_than_overflow():
     x = torch.tensor([1000.0, -1e6, 447.0, 0.3, float("inf")])
     assert to_cache_dtype(x, FP8).float().tolist() == [448.0, -448.0, 448.0, 0.3125, 448.0]
+    x = torch.tensor([1e5, -1e9, 57000.0, 0.3, float("inf"), -float("inf")])
+    assert to_cache_dtype(x, E5M2).float().tolist() == [57344.0, -57344.0, 57344.0, 0.3125,
+                                                        57344.0, -57344.0]
     assert as_cached(x.to(torch.bfloat16), FP8).dtype == torch.bfloat16
     assert as_cached(x, torch.float32) is x
 
@@ -89,17 +101,19 @@ def test_writes_saturate_rather_than_overflow():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=str)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_unified_kernel_over_an_fp8_cache_matches_reference(device, dtype, scenario):
+@FORMATS
+def test_unified_kernel_over_an_fp8_cache_matches_reference(device, dtype, scenario, fmt):
     step = to_fp8_step(make_step(SCENARIOS[scenario], 4, 2, 16, dtype=dtype, device=device,
-                                 seed=3))
+                                 seed=3), fmt=fmt)
     assert_fp8_matches_reference(step, TritonBackend(TritonBackendConfig(split_kv="never")))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=str)
-def test_split_kv_decode_over_an_fp8_cache_matches_reference(device, dtype):
+@FORMATS
+def test_split_kv_decode_over_an_fp8_cache_matches_reference(device, dtype, fmt):
     step = to_fp8_step(make_step(SCENARIOS["decode"], 8, 2, 16, dtype=dtype, device=device,
-                                 seed=4))
+                                 seed=4), fmt=fmt)
     backend = TritonBackend(TritonBackendConfig(split_kv="always", num_splits=2))
     assert_fp8_matches_reference(step, backend)
 
@@ -126,28 +140,31 @@ def test_e4m3_to_16bit_converts_every_byte_as_torch_does(dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_store_kv_saturates_in_an_fp8_cache(device):
-    step = to_fp8_step(make_step([(10, 4), (3, 3)], 2, 2, 4, device=device), loud_token=1)
-    step.value[2] *= -1000
+@FORMATS
+def test_store_kv_saturates_in_an_fp8_cache(device, fmt):
+    step = to_fp8_step(make_step([(10, 4), (3, 3)], 2, 2, 4, device=device), loud_token=1,
+                       fmt=fmt)
+    step.value[2] *= -LOUD[fmt]
     expected = step.kv_cache.clone()
     real = step.metadata.slot_mapping >= 0
     slots = step.metadata.slot_mapping[real]
     flat = expected.view(2, -1, 2, 16)
-    flat[0, slots] = to_cache_dtype(step.key[real], FP8)
-    flat[1, slots] = to_cache_dtype(step.value[real], FP8)
+    flat[0, slots] = to_cache_dtype(step.key[real], fmt)
+    flat[1, slots] = to_cache_dtype(step.value[real], fmt)
     store_kv(step.key, step.value, step.kv_cache, step.metadata.slot_mapping)
     assert torch.equal(step.kv_cache.view(torch.uint8), expected.view(torch.uint8))
     by_slot = step.kv_cache.view(2, -1, 2, 16)
-    assert by_slot[0, slots[1]].float().abs().max() == FP8_E4M3_MAX
-    assert by_slot[1, slots[2]].float().abs().max() == FP8_E4M3_MAX
+    assert by_slot[0, slots[1]].float().abs().max() == LIMIT[fmt]
+    assert by_slot[1, slots[2]].float().abs().max() == LIMIT[fmt]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_dense_prefill_attends_to_the_prompt_as_an_fp8_cache_holds_it(device):
+@FORMATS
+def test_dense_prefill_attends_to_the_prompt_as_an_fp8_cache_holds_it(device, fmt):
     """The dense path's fresh K/V are rounded as the cache rounds them, so it equals paged
     attention over the 8-bit cache (the reference's)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    step = to_fp8_step(dense_step(37, 11, 4, 2, dtype, device), loud_token=None)
+    step = to_fp8_step(dense_step(37, 11, 4, 2, dtype, device), loud_token=None, fmt=fmt)
     ref_cache = step.kv_cache.clone()
     expected = TorchRefBackend().forward(step.query, step.key, step.value, ref_cache,
                                          step.metadata, 0.25)
@@ -163,18 +180,19 @@ def test_dense_prefill_attends_to_the_prompt_as_an_fp8_cache_holds_it(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_qk_norm_rope_store_kv_writes_fp8_and_leaves_kv_as_cached(dtype):
+@FORMATS
+def test_qk_norm_rope_store_kv_writes_fp8_and_leaves_kv_as_cached(dtype, fmt):
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 4
     num_tokens = 7
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = random(num_tokens, width, dtype=dtype, seed=30, scale=2.0)
-    qkv[2] *= 500  # past the 8-bit range before the k norm: v saturates
+    qkv[2] *= LOUD[fmt] / 2  # past the 8-bit range before the k norm: v saturates
     positions = torch.arange(num_tokens, device=qkv.device) * 3
     slot_mapping = torch.tensor([5, 9, 2, -1, 14, 0, 7], device=qkv.device)
     q_weight = random(head_dim, dtype=dtype, seed=31, scale=0.3) + 1
     k_weight = random(head_dim, dtype=dtype, seed=32, scale=0.3) + 1
     args = (positions, cos_sin_cache(head_dim), q_weight, k_weight, EPS, num_heads, num_kv_heads)
-    cache = torch.zeros(2, 4, block_size, num_kv_heads, head_dim, dtype=FP8, device=qkv.device)
+    cache = torch.zeros(2, 4, block_size, num_kv_heads, head_dim, dtype=fmt, device=qkv.device)
     expected_qkv = qkv.clone()
     _, k = layers.qk_norm_rope(expected_qkv, *args)
     v = expected_qkv[:, (num_heads + num_kv_heads) * head_dim:]
@@ -183,23 +201,24 @@ def test_qk_norm_rope_store_kv_writes_fp8_and_leaves_kv_as_cached(dtype):
     real = slot_mapping >= 0
     by_slot = cache.view(2, -1, num_kv_heads, head_dim)
     for which, rows in ((0, k), (1, v)):
-        expected = to_cache_dtype(rows.reshape(num_tokens, num_kv_heads, head_dim)[real], FP8)
+        expected = to_cache_dtype(rows.reshape(num_tokens, num_kv_heads, head_dim)[real], fmt)
         got = by_slot[which, slot_mapping[real]]
         # float32: the same values; bfloat16 k: torch and the kernel may round a few k values
         # one bfloat16 ulp apart, which may land one 8-bit step apart.
         torch.testing.assert_close(got.float(), expected.float(), rtol=2**-3, atol=2**-9)
         assert (got.view(torch.uint8) != expected.view(torch.uint8)).float().mean() < 0.02
-    assert by_slot[1, slot_mapping[2]].float().abs().max() == FP8_E4M3_MAX
+    assert by_slot[1, slot_mapping[2]].float().abs().max() == LIMIT[fmt]
     # qkv's k and v now hold what the cache holds (dense prefill reads them there); q does not.
     kv_columns = qkv[:, num_heads * head_dim:].reshape(num_tokens, 2, num_kv_heads, head_dim)
     for which in (0, 1):
         assert torch.equal(kv_columns[real, which], by_slot[which, slot_mapping[real]].to(dtype))
     assert not torch.equal(qkv[:, :num_heads * head_dim],
-                           as_cached(qkv[:, :num_heads * head_dim], FP8))
+                           as_cached(qkv[:, :num_heads * head_dim], fmt))
 
 
 @pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=str)
-def test_decode_from_qkv_over_an_fp8_cache(dtype):
+@FORMATS
+def test_decode_from_qkv_over_an_fp8_cache(dtype, fmt):
     """The fused decode kernel stores k/v as the cache holds them and attends to the new key
     rounded the same way: what qk_norm_rope and the reference backend over the 8-bit cache
     give."""
@@ -209,11 +228,11 @@ def test_decode_from_qkv_over_an_fp8_cache(dtype):
     num_heads, num_kv_heads, head_dim = 4, 2, 32
     seq_lens = [9, 0, 40, 16, 1, 23]
     metadata, cache = decode_step(seq_lens, num_kv_heads, head_dim, 4, dtype, seed=40)
-    cache = to_cache_dtype(cache, FP8)
+    cache = to_cache_dtype(cache, fmt)
     num_tokens = len(seq_lens)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = random(num_tokens, width, dtype=dtype, seed=41, scale=2.0)
-    qkv[0, (num_heads + num_kv_heads) * head_dim:] *= 1000  # a v past the 8-bit range
+    qkv[0, (num_heads + num_kv_heads) * head_dim:] *= LOUD[fmt]  # a v past the 8-bit range
     positions = torch.tensor([max(s - 1, 0) for s in seq_lens], device=qkv.device)
     q_weight = random(head_dim, dtype=dtype, seed=42, scale=0.3) + 1
     k_weight = random(head_dim, dtype=dtype, seed=43, scale=0.3) + 1
@@ -230,27 +249,29 @@ def test_decode_from_qkv_over_an_fp8_cache(dtype):
                           cache, metadata, scale, DECODE_TILES)
     torch.testing.assert_close(cache.float(), expected_cache.float(), rtol=2**-3, atol=2**-9)
     assert (cache.view(torch.uint8) != expected_cache.view(torch.uint8)).float().mean() < 0.01
-    assert cache.float().abs().max() == FP8_E4M3_MAX
+    assert cache.float().abs().max() == LIMIT[fmt]
     tolerance = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=3e-2, rtol=0)
     torch.testing.assert_close(out, expected.reshape(num_tokens, -1), **tolerance)
 
 
-@pytest.mark.parametrize("fused_decode", [False, True], ids=["two_launches", "one_launch"])
-def test_qwen3_over_an_fp8_cache_gives_the_reference_hidden_states(monkeypatch, fused_decode):
+@pytest.mark.parametrize("fused_decode,fmt", [(False, FP8), (True, FP8), (True, E5M2)],
+                         ids=["two_launches", "one_launch", "one_launch_e5m2"])
+def test_qwen3_over_an_fp8_cache_gives_the_reference_hidden_states(monkeypatch, fused_decode,
+                                                                   fmt):
     """A tiny Qwen3, prefill then decode, over 8-bit caches: with the Triton backend and the
     fused ops (norms folded; the decode step in decode_from_qkv or not) the hidden states and
     caches are the reference backend's with torch ops; and not those over a float32 cache."""
     from sluice.attention import triton_backend
 
     reference, config = build_tiny_model("qwen3", TorchRefBackend())
-    expected = prefill_then_decode(reference, config, cache_dtype=FP8)
+    expected = prefill_then_decode(reference, config, cache_dtype=fmt)
     unquantized = prefill_then_decode(reference, config)
     model, _ = build_tiny_model("qwen3", TritonBackend())
     install_fused_ops(model)
     model.model.folded_above_tokens = 0
     if fused_decode:
         monkeypatch.setattr(triton_backend, "FUSED_DECODE_MIN_REQS", 2)
-    got = prefill_then_decode(model, config, cache_dtype=FP8)
+    got = prefill_then_decode(model, config, cache_dtype=fmt)
     hidden = lambda steps: (steps[0], [c.float() for c in steps[1]])  # noqa: E731
     assert_same_steps(hidden(got), hidden(expected), tolerance=1e-3)
     decode_gap = (expected[0][1] - unquantized[0][1]).abs().max()

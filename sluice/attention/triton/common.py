@@ -13,10 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.attention.kv_layout import FP8_E4M3_MAX
+from sluice.attention.kv_layout import FP8_E4M3_MAX, FP8_E5M2_MAX
 
 LOG2_E = math.log2(math.e)
-_FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
+_E4M3_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
+_E5M2_MAX: tl.constexpr = tl.constexpr(FP8_E5M2_MAX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +104,12 @@ def group_padded(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
 @triton.jit
 def to_cache_dtype(x, CACHE_DTYPE: tl.constexpr):
     """`x` as the KV cache stores it (sluice.attention.kv_layout.to_cache_dtype): an 8-bit
-    (float8_e4m3fn) cache saturates at +-448 and rounds to nearest even, as torch converts;
-    any other cache dtype is a plain conversion."""
-    if CACHE_DTYPE.is_fp8():
-        x = _round_to_e4m3(tl.clamp(x.to(tl.float32), -_FP8_MAX, _FP8_MAX))
+    cache saturates at its largest finite value (float8_e4m3fn +-448, float8_e5m2 +-57344) and
+    rounds to nearest even, as torch converts; any other cache dtype is a plain conversion."""
+    if CACHE_DTYPE == tl.float8e4nv:
+        x = _round_to_e4m3(tl.clamp(x.to(tl.float32), -_E4M3_MAX, _E4M3_MAX))
+    elif CACHE_DTYPE == tl.float8e5:
+        x = _round_to_e5m2(tl.clamp(x.to(tl.float32), -_E5M2_MAX, _E5M2_MAX))
     return x.to(CACHE_DTYPE)
 
 
@@ -114,15 +117,39 @@ def to_cache_dtype(x, CACHE_DTYPE: tl.constexpr):
 def _round_to_e4m3(x):
     """float32 within +-448 rounded to the nearest float8_e4m3fn value (ties to even), still
     float32, so the conversion after it is exact whatever route the compiler takes for it."""
+    # normal values: 3 of the 23 mantissa bits kept; under 2**-6, steps of 2**-9
+    normal = _keep_mantissa_bits(x, 20)
+    return tl.where(tl.abs(x) < 0.015625, _round_to_step(x, 512.0, 0.001953125), normal)
+
+
+@triton.jit
+def _round_to_e5m2(x):
+    """float32 within +-57344 rounded to the nearest float8_e5m2 value (ties to even), still
+    float32 (see _round_to_e4m3)."""
+    # normal values: 2 of the 23 mantissa bits kept; under 2**-14, steps of 2**-16
+    normal = _keep_mantissa_bits(x, 21)
+    return tl.where(tl.abs(x) < 6.103515625e-05, _round_to_step(x, 65536.0, 1.52587890625e-05),
+                    normal)
+
+
+@triton.jit
+def _keep_mantissa_bits(x, DROPPED: tl.constexpr):
+    """float32 `x` with its lowest DROPPED mantissa bits rounded away (to nearest, ties to
+    even), for values whose rounding stays normal."""
     bits = x.to(tl.int32, bitcast=True)
-    # normal values: 3 of the 23 mantissa bits kept
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    # under 2**-6 (subnormal in e4m3): steps of 2**-9; adding and subtracting 1.5 * 2**23
-    # rounds to an integer, ties to even; the sign put back (-0 stays -0, as torch keeps it)
-    size = tl.abs(x)
-    subnormal = ((size * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-    subnormal = tl.where(bits < 0, subnormal * -1.0, subnormal)  # -x is 0 - x: +0
-    return tl.where(size < 0.015625, subnormal, normal)
+    half: tl.constexpr = (1 << (DROPPED - 1)) - 1
+    kept = (bits + half + ((bits >> DROPPED) & 1)) & -(1 << DROPPED)
+    return kept.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_step(x, INVERSE_STEP: tl.constexpr, STEP: tl.constexpr):
+    """`x` rounded to a multiple of STEP (a power of two), ties to even: the subnormal range of
+    an 8-bit format. Adding and subtracting 1.5 * 2**23 rounds to an integer, ties to even; the
+    sign is put back (-0 stays -0, as torch keeps it)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = ((tl.abs(x) * INVERSE_STEP + 12582912.0) - 12582912.0) * STEP
+    return tl.where(bits < 0, rounded * -1.0, rounded)  # -x is 0 - x: +0
 
 
 @triton.jit
