@@ -3,7 +3,9 @@ core, as users run it (a subprocess, the real openai client). Requests reach bot
 and give the offline engine's greedy output, and /metrics from either counts both servers'
 requests; a stream closed mid-way is aborted in the core;
 SIGTERM drains both and every process exits; an API server killed stops the whole server with
-status 1; a count under 1 is refused."""
+status 1, and so does a killed engine core (streams in flight end with an error); a prefill and
+a decode instance of two API servers each serve through the router as colocated; a count under
+1 is refused."""
 
 from __future__ import annotations
 
@@ -205,3 +207,27 @@ def test_api_server_count_under_one_is_refused() -> None:
                             timeout=60)
     assert result.returncode == 2
     assert "api_server_count must be >= 1, got 0" in result.stderr
+
+
+def test_prefill_and_decode_instances_of_two_api_servers_each_equal_colocated(
+        qwen3_dir: str, server: ServerProcess, tmp_path: Path) -> None:
+    """PD through the router with both instances running two API servers: a request's
+    kv_transfer_params go out from whichever prefill API server answered and come in at
+    whichever decode API server the router reached."""
+    from sluice.testing.pd_cluster import start_cluster, wait_blocks_back
+    from tests.server.test_disagg_serving import FLAGS, assert_same, calls, reference, run_calls
+
+    two = ["--api-server-count", "2"]
+    cluster = start_cluster(qwen3_dir, FLAGS, "fake", prefill_flags=two, decode_flags=two,
+                            workdir=tmp_path)
+    try:
+        batch = calls(16, seed=3)
+        want = reference(server, batch)
+        for i, (got, expected) in enumerate(zip(run_calls(cluster.router.url, batch), want)):
+            assert_same(got, expected, (i, batch[i]))
+        for instance in [*cluster.prefills, *cluster.decodes]:
+            assert wait_blocks_back(instance)["integrity"] == "ok"
+        decode = cluster.decodes[0].engine_info()["scheduler"]["kv_connector"]
+        assert decode["worker_rooms_received"] >= 16  # each request's KV came by transfer
+    finally:
+        cluster.stop()
