@@ -102,6 +102,9 @@ def test_requests_spread_over_both_api_servers_and_equal_the_offline_output(
                                                   for i in range(16)),
             "sluice:num_requests_running": 0, "sluice:kv_cache_usage_perc": 0,
             "sluice:time_to_first_token_seconds_count": 16}
+    deadline = time.monotonic() + 10  # until API server 0 has recorded the core's last state
+    while metric_sums(server, want) != want and time.monotonic() < deadline:
+        time.sleep(0.1)
     for _ in range(6):
         assert metric_sums(server, want) == want
 
