@@ -47,6 +47,7 @@ logger = logging.getLogger("sluice")
 
 # How often (s) the parent looks at its children, and an API server at its parent.
 _POLL_S = 0.2
+# Where an API server finds the --api-key (its environment: see run_multi_server).
 _API_KEY_ENV = "SLUICE_API_SERVER_KEY"
 # After the API servers' own drain limit (shutdown_timeout_s and their abort grace), how long
 # (s) the parent waits before it kills them.
