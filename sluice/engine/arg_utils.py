@@ -40,7 +40,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 4 << 30
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" | "fp8_e4m3"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" = "fp8_e4m3" | "fp8_e5m2"
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False

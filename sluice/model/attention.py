@@ -43,6 +43,7 @@ class Attention(nn.Module):
         # [2, num_blocks, block_size, num_kv_heads, head_dim] once bound; a plain attribute, not a
         # buffer, so it stays out of state_dict and `model.to()`.
         self.kv_cache: torch.Tensor = torch.empty(0)
+        self.kv_cache_bytes = self.kv_cache  # what KV connectors are given of it (kv_bytes)
 
     def forward(
         self,
@@ -72,7 +73,7 @@ class Attention(nn.Module):
             kv_stored,
         )
         if hooks is not None:
-            hooks.save_kv_layer(self.layer_name, kv_bytes(self.kv_cache), attn_metadata)
+            hooks.save_kv_layer(self.layer_name, self.kv_cache_bytes, attn_metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def decode_from_qkv(
@@ -125,3 +126,4 @@ def bind_kv_caches(model: nn.Module, kv_caches: dict[str, torch.Tensor]) -> None
     for name, layer in layers.items():
         assert layer.layer_name in ("", name), f"{layer.layer_name} was named in another model"
         layer.kv_cache = kv_caches[name]
+        layer.kv_cache_bytes = kv_bytes(layer.kv_cache)  # made once, not in every forward
