@@ -1,16 +1,18 @@
 """Compile the unified kernel's decode variant for sm90 without a GPU and count the PTX
 instructions that show how it reads its V tile (run by test_fp8_ptx.py in a process of its own:
-the kernel tests' interpreter would otherwise wrap the kernels). Prints one JSON line: per
-V-conversion setting, the counts of byte loads from shared memory and of ldmatrix."""
+the kernel tests' interpreter would otherwise wrap the kernels). Prints one JSON line: per cache
+format and V-conversion setting, the counts of byte loads from shared memory and of ldmatrix."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
 
 
-def compile_decode_kernel(convert_v_first: bool) -> str:
+def compile_decode_kernel(cache: str, convert_v_first: bool) -> str:
+    """`cache`: Triton's name for the 8-bit format (fp8e4nv, fp8e5)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -21,8 +23,8 @@ def compile_decode_kernel(convert_v_first: bool) -> str:
                      BLOCK_M=16, BLOCK_N=64, PAGE_SIZE=16, PAGED=True, UPCAST_DOT=False,
                      DOT_PRECISION="tf32", CONVERT_V_FIRST=convert_v_first, ONE_QUERY=True,
                      ORDERED=True, USE_PDL=True)
-    pointers = dict(out_ptr="*bf16", query_ptr="*bf16", key_ptr="*fp8e4nv",
-                    value_ptr="*fp8e4nv", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+    pointers = dict(out_ptr="*bf16", query_ptr="*bf16", key_ptr=f"*{cache}",
+                    value_ptr=f"*{cache}", block_tables_ptr="*i32", seq_lens_ptr="*i32",
                     query_start_loc_ptr="*i32", order_ptr="*i32")
     signature = {name: "constexpr" if name in constants else pointers.get(
         name, "fp32" if name == "qk_scale" else "i32") for name in kernel.arg_names}
@@ -38,9 +40,9 @@ def compile_decode_kernel(convert_v_first: bool) -> str:
 def main() -> None:
     try:
         counts = {}
-        for convert_v_first in (True, False):
-            ptx = compile_decode_kernel(convert_v_first)
-            counts[str(convert_v_first)] = {
+        for cache, convert_v_first in itertools.product(("fp8e4nv", "fp8e5"), (True, False)):
+            ptx = compile_decode_kernel(cache, convert_v_first)
+            counts[f"{cache} {convert_v_first}"] = {
                 "ld_shared_b8": len(re.findall(r"\bld\.shared\.b8\b", ptx)),
                 "ldmatrix": len(re.findall(r"\bldmatrix\.", ptx))}
     except (ImportError, FileNotFoundError, RuntimeError) as exc:

@@ -1,7 +1,7 @@
 """The 8-bit cache's decode kernel as the GPU runs it, checked without a GPU: compiled for sm90
 (Triton's bundled ptxas), its V tile is read from shared memory with ldmatrix, not a byte at a
 time. Triton moves a plain `.to()` conversion of V after V's staging for the dot, where the
-transposed 8-bit operand has no ldmatrix (common.e4m3_to_16bit); the check below sees that
+transposed 8-bit operand has no ldmatrix (common.fp8_to_16bit); the check below sees that
 too, so a Triton that stops doing it shows here as a failure to look at, not as a silent
 slowdown or a stale workaround."""
 
@@ -27,7 +27,8 @@ def test_the_fp8_decode_kernel_reads_v_with_ldmatrix_not_byte_loads() -> None:
     counts = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in counts:
         pytest.skip(counts["skip"])
-    converted_first, plain = counts["True"], counts["False"]
-    assert converted_first["ld_shared_b8"] == 0 and converted_first["ldmatrix"] > 0, counts
-    # The premise: without the early conversion, V comes back byte by byte.
-    assert plain["ld_shared_b8"] > 0, counts
+    for cache in ("fp8e4nv", "fp8e5"):  # e4m3 and e5m2
+        converted_first, plain = counts[f"{cache} True"], counts[f"{cache} False"]
+        assert converted_first["ld_shared_b8"] == 0 and converted_first["ldmatrix"] > 0, counts
+        # The premise: without the early conversion, V comes back byte by byte.
+        assert plain["ld_shared_b8"] > 0, counts

@@ -77,8 +77,8 @@ class KernelDtypes:
     # float32 models: exact products rather than TF32, so float32 matches the reference
     # tightly (whatever the cache holds: an 8-bit cache's K/V enter the dots as float32).
     dot_precision: str
-    # An 8-bit cache under a 16-bit model on an NVIDIA GPU: values converted by
-    # `e4m3_to_16bit` as they are loaded (see there).
+    # An 8-bit cache under a 16-bit model on an NVIDIA GPU: V converted by `fp8_to_16bit` as
+    # it is loaded (see there).
     convert_v_first: bool
 
     @staticmethod
@@ -90,7 +90,7 @@ class KernelDtypes:
             upcast_dot=device.type == "cpu",
             dot_precision="ieee" if compute_dtype == torch.float32 else "tf32",
             convert_v_first=(device.type == "cuda" and torch.version.hip is None
-                             and cache_dtype == torch.float8_e4m3fn
+                             and cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
                              and compute_dtype in (torch.bfloat16, torch.float16)),
         )
 
@@ -153,36 +153,50 @@ def _round_to_step(x, INVERSE_STEP: tl.constexpr, STEP: tl.constexpr):
 
 
 @triton.jit
-def e4m3_to_16bit(x, DTYPE: tl.constexpr):
-    """float8_e4m3fn `x` as bfloat16 or float16 (DTYPE), exactly: PTX on four packed values.
-    Each byte is moved to the top of a 16-bit lane; its exponent and mantissa bits are shifted
-    into the target's fields under the sign; one multiply by a power of two then corrects the
-    exponent bias (2**120 for bfloat16, 2**8 for float16), exact for every value, subnormals
-    included. The NaN bytes (0x7f, 0xff), which no write produces (writes saturate at
-    +-448), read as +-480.
+def fp8_to_16bit(x, DTYPE: tl.constexpr):
+    """float8_e4m3fn or float8_e5m2 `x` as bfloat16 or float16 (DTYPE), exactly: PTX on four
+    packed values. Each byte is moved to the top of a 16-bit lane. An e5m2 byte there is
+    already that value's float16; otherwise its exponent and mantissa bits are shifted into the
+    target's fields under the sign, and one multiply by a power of two corrects the exponent
+    bias (e4m3: 2**120 for bfloat16, 2**8 for float16; e5m2: 2**112 for bfloat16), exact for
+    every finite value, subnormals included. The bytes no write produces (writes saturate:
+    e4m3 at +-448, e5m2 at +-57344) read as finite values: e4m3's NaN as +-480, and under
+    bfloat16 e5m2's infinities and NaNs as +-65536 to +-114688.
 
     Why not `x.to(DTYPE)`: Triton moves that conversion after the tile is staged in shared
     memory for the dot, where the P @ V operand must be read transposed, and sm90 has no 8-bit
     transposing ldmatrix, so an 8-bit V tile was read back one byte at a time (128 byte loads
     per thread for a 128-key tile). This asm is declared impure, which keeps the conversion
     where it is written, so the 16-bit tile is staged and read with ldmatrix as a 16-bit
-    cache's is. Decode attention on an H100 (`benchmarks/fp8-kv-convert-v-first-h100.json`):
-    256 requests x 600 keys 156 -> 136 us, 128 x 1,000 keys 129 -> 110 us (best tiles of
-    each). Keys need no such care: their operand is read untransposed."""
-    if DTYPE == tl.bfloat16:
-        return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [x.to(tl.int8, bitcast=True)],
-                                         dtype=tl.bfloat16, is_pure=False, pack=4)
+    cache's is. Decode attention on an H100 (`benchmarks/fp8-kv-convert-v-first-h100.json`,
+    e4m3): 256 requests x 600 keys 156 -> 136 us, 128 x 1,000 keys 129 -> 110 us (best tiles
+    of each). Keys need no such care: their operand is read untransposed."""
+    bits = x.to(tl.int8, bitcast=True)
+    if x.dtype == tl.float8e5:
+        if DTYPE == tl.bfloat16:
+            return tl.inline_asm_elementwise(_E5M2_TO_BF16, "=r,=r,r", [bits],
+                                             dtype=tl.bfloat16, is_pure=False, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_E5M2_TO_F16, "=r,=r,r", [bits],
+                                             dtype=tl.float16, is_pure=False, pack=4)
+    elif DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [bits], dtype=tl.bfloat16,
+                                         is_pure=False, pack=4)
     else:
-        return tl.inline_asm_elementwise(_E4M3_TO_F16, "=r,=r,r", [x.to(tl.int8, bitcast=True)],
-                                         dtype=tl.float16, is_pure=False, pack=4)
+        return tl.inline_asm_elementwise(_E4M3_TO_F16, "=r,=r,r", [bits], dtype=tl.float16,
+                                         is_pure=False, pack=4)
 
 
-def _e4m3_to_16bit_asm(shift: int, fields: int, scale: int, kind: str) -> str:
-    """PTX for e4m3_to_16bit: four bytes in $2 to two registers of two 16-bit values each.
+# prmt selectors: bytes 0, 1 (then 2, 3) of $2 to the top bytes of a register's two lanes.
+_LANE_TOPS = ("0x5040", "0x7060")
+
+
+def _fp8_to_16bit_asm(shift: int, fields: int, scale: int, kind: str) -> str:
+    """PTX for fp8_to_16bit: four bytes in $2 to two registers of two 16-bit values each.
     `fields`: where the exponent and mantissa land in each lane once shifted right by `shift`
     from the lane's top byte; `scale`: the power of two, twice, that fixes the bias."""
     lanes = []
-    for i, selector in enumerate(("0x5040", "0x7060")):  # bytes 0, 1 then 2, 3 to lane tops
+    for i, selector in enumerate(_LANE_TOPS):
         lanes.append(f"""
         prmt.b32 a{i}, 0, $2, {selector};
         shr.b32 b{i}, a{i}, {shift};
@@ -194,9 +208,14 @@ def _e4m3_to_16bit_asm(shift: int, fields: int, scale: int, kind: str) -> str:
             f"mov.b32 s, {scale:#010x};\nmov.b32 z, 0x80008000;" + "".join(lanes) + "\n}")
 
 
-# bfloat16: fields at bits 4..10 of each lane, bias 127 - 7 = 120; float16: bits 7..13, 15 - 7.
-_E4M3_TO_BF16: tl.constexpr = tl.constexpr(_e4m3_to_16bit_asm(4, 0x07F007F0, 0x7B807B80, "bf16x2"))
-_E4M3_TO_F16: tl.constexpr = tl.constexpr(_e4m3_to_16bit_asm(1, 0x3F803F80, 0x5C005C00, "f16x2"))
+# e4m3 to bfloat16: fields at bits 4..10 of each lane, bias 127 - 7 = 120; to float16: bits
+# 7..13, 15 - 7. e5m2 to bfloat16: bits 5..11, 127 - 15 = 112; to float16: the byte in the top
+# of the lane is the value (e5m2 is float16's top byte).
+_E4M3_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_16bit_asm(4, 0x07F007F0, 0x7B807B80, "bf16x2"))
+_E4M3_TO_F16: tl.constexpr = tl.constexpr(_fp8_to_16bit_asm(1, 0x3F803F80, 0x5C005C00, "f16x2"))
+_E5M2_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_16bit_asm(3, 0x0FE00FE0, 0x77807780, "bf16x2"))
+_E5M2_TO_F16: tl.constexpr = tl.constexpr(
+    f"prmt.b32 $0, 0, $2, {_LANE_TOPS[0]};\nprmt.b32 $1, 0, $2, {_LANE_TOPS[1]};")
 
 
 @triton.jit
@@ -288,7 +307,7 @@ def attend_tile(
     # An 8-bit cache's keys and values in the model dtype (exact); a no-op for any other.
     k = k.to(COMPUTE_DTYPE)
     if CONVERT_V_FIRST:
-        v = e4m3_to_16bit(v, COMPUTE_DTYPE)
+        v = fp8_to_16bit(v, COMPUTE_DTYPE)
     else:
         v = v.to(COMPUTE_DTYPE)
     if UPCAST_DOT:
