@@ -67,6 +67,12 @@ SHORT_DECODE_MIN_REQS = 16
 # under the threshold keep the 16-bit rule (their long contexts go to split-KV).
 FP8_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=5)
 FP8_DECODE_MIN_PROGRAMS_PER_SM = 2
+# Split-KV decode over an 8-bit cache, for the same reason: 5 stages rather than SPLIT_TILES' 3.
+# H100, decode attention alone at the rule's split counts (`fp8-kv-split-tiles-h100.json`): 1 x
+# 4,000 keys 16.4 -> 15.7 us, 8 x 4,000 49.1 -> 43.7, 4 x 16,000 88.5 -> 73.6, 16 x 2,000 51.5
+# -> 46.4, 2 x 8,000 23.7 -> 21.9, 24 x 1,500 45.6 -> 41.0. (128-key tiles in 3 stages won
+# some of these and lost 24 x 1,500 by 15%; 32-key tiles won 8 x 4,000 and lost 1 x 4,000.)
+FP8_SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=5)
 # Few programs: split so the GPU fills (about 4 programs per SM), keeping at least
 # MIN_KEYS_PER_SPLIT keys per split so the merge stays cheap next to the reads. With more
 # programs, splits measured slower or within noise on the workload's ragged decode batches
@@ -103,6 +109,7 @@ class TritonBackendConfig:
     fp8_decode_tiles: TileConfig = FP8_DECODE_TILES
     prefill_tiles: TileConfig = PREFILL_TILES
     split_tiles: TileConfig = SPLIT_TILES
+    fp8_split_tiles: TileConfig = FP8_SPLIT_TILES  # split-KV over an 8-bit cache
     num_splits: int | None = None  # fixed split count (tests, benchmarks); None = by the rule
     # Mixed batches: decodes and prefills in separate launches with their own tiles.
     split_mixed_batches: bool = True
@@ -170,7 +177,8 @@ class TritonBackend:
                                            scale, kv_as_cached=kv_stored)
         num_splits = self._num_splits(metadata, key.shape[1], query.device)
         if num_splits > 0:
-            tiles = self.config.split_tiles
+            tiles = (self.config.fp8_split_tiles if is_fp8(key_cache.dtype)
+                     else self.config.split_tiles)
             return split_kv_attention(
                 output, query, key_cache, value_cache, metadata, scale, num_splits, tiles
             )

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.attention import triton_backend
 from sluice.attention.kv_layout import (
     FP8_E4M3_MAX,
     FP8_E5M2_MAX,
@@ -111,11 +112,21 @@ def test_unified_kernel_over_an_fp8_cache_matches_reference(device, dtype, scena
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=str)
 @FORMATS
-def test_split_kv_decode_over_an_fp8_cache_matches_reference(device, dtype, fmt):
+def test_split_kv_decode_over_an_fp8_cache_matches_reference(device, dtype, fmt, monkeypatch):
+    """... with its own tiles (FP8_SPLIT_TILES), as a 16-bit cache takes SPLIT_TILES."""
+    launched = []
+
+    def recording(*args):
+        launched.append(args[-1])  # the tiles
+        return split_kv(*args)
+
+    split_kv = triton_backend.split_kv_attention
+    monkeypatch.setattr(triton_backend, "split_kv_attention", recording)
     step = to_fp8_step(make_step(SCENARIOS["decode"], 8, 2, 16, dtype=dtype, device=device,
                                  seed=4), fmt=fmt)
     backend = TritonBackend(TritonBackendConfig(split_kv="always", num_splits=2))
     assert_fp8_matches_reference(step, backend)
+    assert launched == [triton_backend.FP8_SPLIT_TILES] != [triton_backend.SPLIT_TILES]
 
 
 @triton.jit
@@ -134,7 +145,9 @@ def test_fp8_to_16bit_converts_every_byte_as_torch_does(dtype, fmt):
     under bfloat16 they read as finite values of the largest binade and beyond)."""
     every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).cuda()
     out = torch.empty(256, dtype=dtype, device="cuda")
-    _fp8_to_16bit_kernel[(1,)](every_byte.view(fmt), out, DTYPE=dtype)
+    # (a torch dtype would not equal tl.bfloat16 inside the kernel: the float16 branch)
+    _fp8_to_16bit_kernel[(1,)](every_byte.view(fmt), out,
+                               DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
     expected = every_byte.view(fmt).to(dtype)
     finite = torch.isfinite(expected)
     assert (~finite).sum() == (2 if fmt == FP8 else 8)
@@ -147,7 +160,7 @@ def test_fp8_to_16bit_converts_every_byte_as_torch_does(dtype, fmt):
                                              "nan"]
     else:  # 0x7c..0x7f and 0xfc..0xff: 2**16 * (1, 1.25, 1.5, 1.75), signed
         magnitudes = [65536.0, 81920.0, 98304.0, 114688.0]
-        assert special == magnitudes + [-m for m in magnitudes]
+        assert special == magnitudes + [-m for m in magnitudes], special
 
 
 @pytest.mark.parametrize("device", DEVICES)
