@@ -11,9 +11,11 @@ the same run.
   half of QK^T and PV), next to torch's scaled_dot_product_attention on the same shapes.
 
 Shapes are Qwen3-0.6B's attention: 16 query heads, 8 KV heads, head_dim 128, bf16, block size 16.
-`--sweep` also times a grid of tile shapes for each kernel.
+`--sweep` also times a grid of tile shapes for each kernel. `--kv-cache-dtype fp8` (or
+fp8_e5m2) puts the decode and ragged cases' caches in 8 bits (bytes/s then counts one byte a
+value); the prefill and mixed cases stay 16-bit.
 
-    python -m sluice.bench.kernels --output kernels.json [--sweep]
+    python -m sluice.bench.kernels --output kernels.json [--sweep] [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import triton
 
 from sluice.attention.dense import dense_causal_attention
+from sluice.attention.kv_layout import KV_CACHE_DTYPES, resolve_kv_cache_dtype, to_cache_dtype
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.torch_ref import TorchRefBackend
 from sluice.attention.triton import TileConfig
@@ -51,7 +54,7 @@ DECODE_SWEEP = [
     TileConfig(16, n, w, s)
     for n, w, s in [
         (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (64, 2, 3),
-        (128, 4, 3), (128, 4, 4), (128, 8, 3),
+        (64, 4, 5), (128, 4, 3), (128, 4, 4), (128, 8, 3),
     ]
 ]  # fmt: skip
 PREFILL_SWEEP = [
@@ -74,7 +77,8 @@ RAGGED_SWEEP = [TileConfig(16, n, w, s) for n, w, s in [(64, 2, 2), (64, 4, 5), 
                                                         (128, 8, 2), (256, 8, 2)]]
 SPLIT_SWEEP = [
     TileConfig(16, n, w, s)
-    for n, w, s in [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3)]
+    for n, w, s in [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 4, 5),
+                    (128, 4, 3)]
 ]
 
 
@@ -128,11 +132,11 @@ def copy_bandwidth(device: torch.device, iters: int) -> float:
 
 def make_step(
     seq_lens: list[int], query_lens: list[int], device: torch.device, seed: int = 0,
-    shuffle: bool = True,
+    shuffle: bool = True, cache_dtype: torch.dtype = DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Random q/k/v, a cache whose blocks are shuffled over the whole pool (a served cache; with
-    shuffle=False each request's blocks are consecutive, as an offline run's first requests get
-    them), and the metadata of one step."""
+    """Random q/k/v, a cache of `cache_dtype` whose blocks are shuffled over the whole pool (a
+    served cache; with shuffle=False each request's blocks are consecutive, as an offline run's
+    first requests get them), and the metadata of one step."""
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_req = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + 1
@@ -166,7 +170,8 @@ def make_step(
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device, dtype=DTYPE)
 
-    kv_cache = randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    kv_cache = to_cache_dtype(randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM),
+                              cache_dtype)
     query = randn(num_tokens, NUM_HEADS, HEAD_DIM)
     key, value = (
         randn(num_tokens, NUM_KV_HEADS, HEAD_DIM),
@@ -181,9 +186,10 @@ def run_decode(
     batch: int,
     context: int,
     configs: dict[str, TritonBackendConfig],
+    cache_dtype: torch.dtype = DTYPE,
 ) -> dict[str, Any]:
     device = timer.flush.device
-    step = make_step([context] * batch, [1] * batch, device)
+    step = make_step([context] * batch, [1] * batch, device, cache_dtype=cache_dtype)
     query, key, value, kv_cache, metadata = step
     elsize = kv_cache.element_size()
     bytes_moved = (2 * batch * context * NUM_KV_HEADS + 2 * batch * NUM_HEADS) * HEAD_DIM * elsize
@@ -217,11 +223,13 @@ def workload_contexts(step: int) -> list[int]:
 
 
 def run_ragged(timer: GraphTimer, copy_bps: float, step: int,
-               configs: dict[str, TritonBackendConfig], shuffle: bool = True) -> dict[str, Any]:
+               configs: dict[str, TritonBackendConfig], shuffle: bool = True,
+               cache_dtype: torch.dtype = DTYPE) -> dict[str, Any]:
     """A decode batch of the real workload's ragged contexts (see workload_contexts)."""
     device = timer.flush.device
     contexts = workload_contexts(step)
-    step_inputs = make_step(contexts, [1] * len(contexts), device, shuffle=shuffle)
+    step_inputs = make_step(contexts, [1] * len(contexts), device, shuffle=shuffle,
+                            cache_dtype=cache_dtype)
     query, key, value, kv_cache, metadata = step_inputs
     elsize = kv_cache.element_size()
     batch = len(contexts)
@@ -242,7 +250,8 @@ def run_ragged(timer: GraphTimer, copy_bps: float, step: int,
                                              bytes_moved)
     # The same number of requests, uniform at the mean context: what raggedness alone costs.
     mean = round(sum(contexts) / batch)
-    uniform = make_step([mean] * batch, [1] * batch, device, shuffle=shuffle)
+    uniform = make_step([mean] * batch, [1] * batch, device, shuffle=shuffle,
+                        cache_dtype=cache_dtype)
     uniform_bytes = (2 * mean * batch * NUM_KV_HEADS + 2 * batch * NUM_HEADS) * HEAD_DIM * elsize
     results["unified_uniform_mean_context"] = timed(TritonBackendConfig(split_kv="never"),
                                                     uniform, uniform_bytes)
@@ -325,6 +334,18 @@ def _describe(config: TritonBackendConfig) -> dict[str, Any]:
     return asdict(config)
 
 
+def _unified_tiles(tiles: TileConfig) -> TritonBackendConfig:
+    """The unified kernel with `tiles` for every decode batch, whatever the cache dtype."""
+    return TritonBackendConfig(split_kv="never", decode_tiles=tiles, short_decode_tiles=tiles,
+                               fp8_decode_tiles=tiles)
+
+
+def _split_tiles(tiles: TileConfig, num_splits: int) -> TritonBackendConfig:
+    """The split-KV path with `tiles` and `num_splits`, whatever the cache dtype."""
+    return TritonBackendConfig(split_kv="always", split_tiles=tiles, fp8_split_tiles=tiles,
+                               num_splits=num_splits)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sluice.bench.kernels",
@@ -348,15 +369,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-ragged", action="store_true", help="skip the other cases")
     parser.add_argument("--consecutive-blocks", action="store_true",
                         help="ragged batches: each request's blocks consecutive, not shuffled")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="the decode and ragged cases' cache (auto: bf16)")
     ns = parser.parse_args(argv)
     if ns.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {ns.iters}")
+    cache_dtype = resolve_kv_cache_dtype(ns.kv_cache_dtype, DTYPE)
     if not torch.cuda.is_available():
         print("sluice.bench.kernels needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
-    command = shlex.join([sys.executable, "-m", "sluice.bench.kernels", *sys.argv[1:]])
+    command = shlex.join([sys.executable, "-m", "sluice.bench.kernels",
+                          *(sys.argv[1:] if argv is None else argv)])
     print(f"command: {command}")
     print(f"gpu: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
     timer = GraphTimer(device, ns.iters)
@@ -367,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": props.name,
         "num_sms": props.multi_processor_count,
         "copy_bytes_per_s": copy_bps,
+        "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
         "decode": [],
         "prefill": [],
     }
@@ -379,9 +405,9 @@ def main(argv: list[str] | None = None) -> int:
             configs[f"split_{n}"] = TritonBackendConfig(split_kv="always", num_splits=n)
         if ns.sweep:
             for tiles in DECODE_SWEEP + RAGGED_SWEEP:
-                configs[_sweep_name(tiles)] = TritonBackendConfig(
-                    split_kv="never", decode_tiles=tiles, short_decode_tiles=tiles)
-        record = run_ragged(timer, copy_bps, step, configs, shuffle=not ns.consecutive_blocks)
+                configs[_sweep_name(tiles)] = _unified_tiles(tiles)
+        record = run_ragged(timer, copy_bps, step, configs, shuffle=not ns.consecutive_blocks,
+                            cache_dtype=cache_dtype)
         report["ragged_decode"].append(record)
         _write(ns.output, report)
         for label, run in record["runs"].items():
@@ -411,14 +437,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         if ns.sweep:
             for tiles in DECODE_SWEEP:
-                configs["unified_" + _sweep_name(tiles)] = TritonBackendConfig(
-                    split_kv="never", decode_tiles=tiles, short_decode_tiles=tiles)
+                configs["unified_" + _sweep_name(tiles)] = _unified_tiles(tiles)
             if max(num_splits, captured) > 1:
                 for tiles in SPLIT_SWEEP:  # at the captured graphs' split count
-                    configs["split_" + _sweep_name(tiles)] = TritonBackendConfig(
-                        split_kv="always", split_tiles=tiles,
-                        num_splits=max(num_splits, captured))
-        record = run_decode(timer, copy_bps, batch, context, configs)
+                    configs["split_" + _sweep_name(tiles)] = _split_tiles(
+                        tiles, max(num_splits, captured))
+        record = run_decode(timer, copy_bps, batch, context, configs, cache_dtype)
         report["decode"].append(record)
         _write(ns.output, report)
         for label, run in record["runs"].items():
