@@ -68,10 +68,12 @@ SHORT_DECODE_MIN_REQS = 16
 FP8_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=5)
 FP8_DECODE_MIN_PROGRAMS_PER_SM = 2
 # Split-KV decode over an 8-bit cache, for the same reason: 5 stages rather than SPLIT_TILES' 3.
-# H100, decode attention alone at the rule's split counts (`fp8-kv-split-tiles-h100.json`): 1 x
-# 4,000 keys 16.4 -> 15.7 us, 8 x 4,000 49.1 -> 43.7, 4 x 16,000 88.5 -> 73.6, 16 x 2,000 51.5
-# -> 46.4, 2 x 8,000 23.7 -> 21.9, 24 x 1,500 45.6 -> 41.0. (128-key tiles in 3 stages won
-# some of these and lost 24 x 1,500 by 15%; 32-key tiles won 8 x 4,000 and lost 1 x 4,000.)
+# H100, `python -m sluice.bench.kernels --kv-cache-dtype fp8 --sweep` (L2 flushed before each
+# call; `kernels-fp8-split-h100.json`, `kernels-fp8-split-2-h100.json`), at the split count a
+# decode graph captures: 3 -> 5 stages took 4 x 16,000 keys 101.9 -> 91.4 us, 16 x 2,000 63.2 ->
+# 59.9, 8 x 4,000 60.3 -> 58.3, 24 x 1,500 55.8 -> 51.4, 32 x 1,000 61.9 -> 58.8, and 1 x 1,000,
+# 1 x 4,000, 2 x 8,000 within 1%. (128-key tiles in 3 stages won five of these eight by up to
+# 10% more and lost 24 x 1,500 by 13%.)
 FP8_SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=5)
 # Few programs: split so the GPU fills (about 4 programs per SM), keeping at least
 # MIN_KEYS_PER_SPLIT keys per split so the merge stays cheap next to the reads. With more
