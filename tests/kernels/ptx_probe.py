@@ -21,7 +21,7 @@ def compile_decode_kernel(cache: str, convert_v_first: bool) -> str:
 
     constants = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_Q=8,
                      BLOCK_M=16, BLOCK_N=64, PAGE_SIZE=16, PAGED=True, UPCAST_DOT=False,
-                     DOT_PRECISION="tf32", CONVERT_V_FIRST=convert_v_first, ONE_QUERY=True,
+                     DOT_PRECISION="tf32", FP16_DOTS=convert_v_first, ONE_QUERY=True,
                      ORDERED=True, USE_PDL=True)
     pointers = dict(out_ptr="*bf16", query_ptr="*bf16", key_ptr=f"*{cache}",
                     value_ptr=f"*{cache}", block_tables_ptr="*i32", seq_lens_ptr="*i32",

@@ -22,7 +22,7 @@ from sluice.attention.kv_layout import (
 )
 from sluice.attention.torch_ref import TorchRefBackend
 from sluice.attention.triton import store_kv
-from sluice.attention.triton.common import fp8_to_16bit
+from sluice.attention.triton.common import fp8_to_fp16
 from sluice.attention.triton_backend import TritonBackend, TritonBackendConfig
 from sluice.model import layers, triton_ops
 from sluice.worker.compile import install_fused_ops
@@ -130,37 +130,26 @@ def test_split_kv_decode_over_an_fp8_cache_matches_reference(device, dtype, fmt,
 
 
 @triton.jit
-def _fp8_to_16bit_kernel(in_ptr, out_ptr, DTYPE: tl.constexpr):
+def _fp8_to_fp16_kernel(in_ptr, out_ptr):
     offsets = tl.arange(0, 256)
-    tl.store(out_ptr + offsets, fp8_to_16bit(tl.load(in_ptr + offsets), DTYPE))
+    tl.store(out_ptr + offsets, fp8_to_fp16(tl.load(in_ptr + offsets)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PTX: needs an NVIDIA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @FORMATS
-def test_fp8_to_16bit_converts_every_byte_as_torch_does(dtype, fmt):
-    """The PTX conversion the kernels use for V on a GPU gives torch's value, bit for bit
+def test_fp8_to_fp16_converts_every_byte_as_torch_does(fmt):
+    """The PTX conversion the kernels use for V on a GPU gives torch's float16, bit for bit
     (signed zeros and subnormals included), for every finite byte; the bytes no write produces
-    read as documented (e4m3's NaN as +-480; under float16 e5m2's specials stay inf and NaN,
-    under bfloat16 they read as finite values of the largest binade and beyond)."""
+    stay inf and NaN (torch quiets the NaNs' payloads)."""
     every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).cuda()
-    out = torch.empty(256, dtype=dtype, device="cuda")
-    # (a torch dtype would not equal tl.bfloat16 inside the kernel: the float16 branch)
-    _fp8_to_16bit_kernel[(1,)](every_byte.view(fmt), out,
-                               DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
-    expected = every_byte.view(fmt).to(dtype)
+    out = torch.empty(256, dtype=torch.float16, device="cuda")
+    _fp8_to_fp16_kernel[(1,)](every_byte.view(fmt), out)
+    expected = every_byte.view(fmt).to(torch.float16)
     finite = torch.isfinite(expected)
     assert (~finite).sum() == (2 if fmt == FP8 else 8)
     assert torch.equal(out[finite].view(torch.int16), expected[finite].view(torch.int16))
-    special = out[~finite].tolist()
-    if fmt == FP8:
-        assert special == [480.0, -480.0]
-    elif dtype == torch.float16:  # the same specials (torch quiets the NaNs' payloads)
-        assert [str(v) for v in special] == ["inf", "nan", "nan", "nan", "-inf", "nan", "nan",
-                                             "nan"]
-    else:  # 0x7c..0x7f and 0xfc..0xff: 2**16 * (1, 1.25, 1.5, 1.75), signed
-        magnitudes = [65536.0, 81920.0, 98304.0, 114688.0]
-        assert special == magnitudes + [-m for m in magnitudes], special
+    assert [str(v) for v in out[~finite].tolist()] == [
+        str(v) for v in expected[~finite].tolist()]
 
 
 @pytest.mark.parametrize("device", DEVICES)

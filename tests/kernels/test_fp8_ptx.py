@@ -1,7 +1,7 @@
 """The 8-bit cache's decode kernel as the GPU runs it, checked without a GPU: compiled for sm90
 (Triton's bundled ptxas), its V tile is read from shared memory with ldmatrix, not a byte at a
 time. Triton moves a plain `.to()` conversion of V after V's staging for the dot, where the
-transposed 8-bit operand has no ldmatrix (common.fp8_to_16bit); the check below sees that
+transposed 8-bit operand has no ldmatrix (common.fp8_to_fp16); the check below sees that
 too, so a Triton that stops doing it shows here as a failure to look at, not as a silent
 slowdown or a stale workaround."""
 

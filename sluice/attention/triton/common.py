@@ -77,9 +77,9 @@ class KernelDtypes:
     # float32 models: exact products rather than TF32, so float32 matches the reference
     # tightly (whatever the cache holds: an 8-bit cache's K/V enter the dots as float32).
     dot_precision: str
-    # An 8-bit cache under a 16-bit model on an NVIDIA GPU: V converted by `fp8_to_16bit` as
-    # it is loaded (see there).
-    convert_v_first: bool
+    # An 8-bit cache under a 16-bit model on an NVIDIA GPU: the dots run in float16 (see
+    # attend_tile), V converted by `fp8_to_fp16` as it is loaded.
+    fp16_dots: bool
 
     @staticmethod
     def of(compute_dtype: torch.dtype, cache_dtype: torch.dtype,
@@ -89,7 +89,7 @@ class KernelDtypes:
         return KernelDtypes(
             upcast_dot=device.type == "cpu",
             dot_precision="ieee" if compute_dtype == torch.float32 else "tf32",
-            convert_v_first=(device.type == "cuda" and torch.version.hip is None
+            fp16_dots=(device.type == "cuda" and torch.version.hip is None
                              and cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
                              and compute_dtype in (torch.bfloat16, torch.float16)),
         )
@@ -153,69 +153,36 @@ def _round_to_step(x, INVERSE_STEP: tl.constexpr, STEP: tl.constexpr):
 
 
 @triton.jit
-def fp8_to_16bit(x, DTYPE: tl.constexpr):
-    """float8_e4m3fn or float8_e5m2 `x` as bfloat16 or float16 (DTYPE), exactly: PTX on four
-    packed values. Each byte is moved to the top of a 16-bit lane. An e5m2 byte there is
-    already that value's float16; otherwise its exponent and mantissa bits are shifted into the
-    target's fields under the sign, and one multiply by a power of two corrects the exponent
-    bias (e4m3: 2**120 for bfloat16, 2**8 for float16; e5m2: 2**112 for bfloat16), exact for
-    every finite value, subnormals included. The bytes no write produces (writes saturate:
-    e4m3 at +-448, e5m2 at +-57344) read as finite values: e4m3's NaN as +-480, and under
-    bfloat16 e5m2's infinities and NaNs as +-65536 to +-114688.
+def fp8_to_fp16(x):
+    """float8_e4m3fn or float8_e5m2 `x` as float16, exactly (every 8-bit value is a float16
+    one), in PTX on four packed values: e4m3 by sm89's conversion instruction (two values
+    each); e5m2 by moving each byte to the top of a 16-bit lane, where it is its float16.
 
-    Why not `x.to(DTYPE)`: Triton moves that conversion after the tile is staged in shared
+    Why not `x.to(tl.float16)`: Triton moves that conversion after the tile is staged in shared
     memory for the dot, where the P @ V operand must be read transposed, and sm90 has no 8-bit
     transposing ldmatrix, so an 8-bit V tile was read back one byte at a time (128 byte loads
     per thread for a 128-key tile). This asm is declared impure, which keeps the conversion
     where it is written, so the 16-bit tile is staged and read with ldmatrix as a 16-bit
     cache's is. Decode attention on an H100 (`benchmarks/fp8-kv-convert-v-first-h100.json`,
-    e4m3): 256 requests x 600 keys 156 -> 136 us, 128 x 1,000 keys 129 -> 110 us (best tiles
-    of each). Keys need no such care: their operand is read untransposed."""
+    e4m3, V then converted to bfloat16): 256 requests x 600 keys 156 -> 136 us, 128 x 1,000 keys
+    129 -> 110 us (best tiles of each). Keys need no such care: their operand is read
+    untransposed."""
     bits = x.to(tl.int8, bitcast=True)
     if x.dtype == tl.float8e5:
-        if DTYPE == tl.bfloat16:
-            return tl.inline_asm_elementwise(_E5M2_TO_BF16, "=r,=r,r", [bits],
-                                             dtype=tl.bfloat16, is_pure=False, pack=4)
-        else:
-            return tl.inline_asm_elementwise(_E5M2_TO_F16, "=r,=r,r", [bits],
-                                             dtype=tl.float16, is_pure=False, pack=4)
-    elif DTYPE == tl.bfloat16:
-        return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [bits], dtype=tl.bfloat16,
+        return tl.inline_asm_elementwise(_E5M2_TO_F16, "=r,=r,r", [bits], dtype=tl.float16,
                                          is_pure=False, pack=4)
     else:
         return tl.inline_asm_elementwise(_E4M3_TO_F16, "=r,=r,r", [bits], dtype=tl.float16,
                                          is_pure=False, pack=4)
 
 
-# prmt selectors: bytes 0, 1 (then 2, 3) of $2 to the top bytes of a register's two lanes.
-_LANE_TOPS = ("0x5040", "0x7060")
-
-
-def _fp8_to_16bit_asm(shift: int, fields: int, scale: int, kind: str) -> str:
-    """PTX for fp8_to_16bit: four bytes in $2 to two registers of two 16-bit values each.
-    `fields`: where the exponent and mantissa land in each lane once shifted right by `shift`
-    from the lane's top byte; `scale`: the power of two, twice, that fixes the bias."""
-    lanes = []
-    for i, selector in enumerate(_LANE_TOPS):
-        lanes.append(f"""
-        prmt.b32 a{i}, 0, $2, {selector};
-        shr.b32 b{i}, a{i}, {shift};
-        and.b32 b{i}, b{i}, {fields:#010x};
-        lop3.b32 b{i}, a{i}, 0x80008000, b{i}, 0xea;
-        fma.rn.{kind} ${i}, b{i}, s, z;""")
-    # lop3 0xea: (a & sign bits) | b; the fma adds -0 so a +0 stays +0 and -0 stays -0
-    return ("{\n.reg .b32 a<2>, b<2>, s, z;\n"
-            f"mov.b32 s, {scale:#010x};\nmov.b32 z, 0x80008000;" + "".join(lanes) + "\n}")
-
-
-# e4m3 to bfloat16: fields at bits 4..10 of each lane, bias 127 - 7 = 120; to float16: bits
-# 7..13, 15 - 7. e5m2 to bfloat16: bits 5..11, 127 - 15 = 112; to float16: the byte in the top
-# of the lane is the value (e5m2 is float16's top byte).
-_E4M3_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_16bit_asm(4, 0x07F007F0, 0x7B807B80, "bf16x2"))
-_E4M3_TO_F16: tl.constexpr = tl.constexpr(_fp8_to_16bit_asm(1, 0x3F803F80, 0x5C005C00, "f16x2"))
-_E5M2_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_16bit_asm(3, 0x0FE00FE0, 0x77807780, "bf16x2"))
+# Four bytes in $2 to two registers of two float16 values each ($0: bytes 0, 1; $1: 2, 3).
+_E4M3_TO_F16: tl.constexpr = tl.constexpr(
+    "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\n"
+    "cvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n}")
+# prmt selectors 0x5040 and 0x7060: bytes 0, 1 (then 2, 3) to the tops of the two lanes.
 _E5M2_TO_F16: tl.constexpr = tl.constexpr(
-    f"prmt.b32 $0, 0, $2, {_LANE_TOPS[0]};\nprmt.b32 $1, 0, $2, {_LANE_TOPS[1]};")
+    "prmt.b32 $0, 0, $2, 0x5040;\nprmt.b32 $1, 0, $2, 0x7060;")
 
 
 @triton.jit
@@ -289,7 +256,7 @@ def attend_tile(
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,  # the model's dtype: q's, and that of k, v and p in the dots
-    CONVERT_V_FIRST: tl.constexpr,  # KernelDtypes.convert_v_first
+    FP16_DOTS: tl.constexpr,  # KernelDtypes.fp16_dots: the dots in float16 instead
 ):
     pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     in_seq = pos < seq_len
@@ -304,11 +271,22 @@ def attend_tile(
     offsets = rows[:, None] + dims[None, :]
     k = load_rows(k_base + offsets, in_seq, dim_mask, MASK, MASK_DIMS)  # [BLOCK_N, D_PAD]
     v = load_rows(v_base + offsets, in_seq, dim_mask, MASK, MASK_DIMS)
-    # An 8-bit cache's keys and values in the model dtype (exact); a no-op for any other.
-    k = k.to(COMPUTE_DTYPE)
-    if CONVERT_V_FIRST:
-        v = fp8_to_16bit(v, COMPUTE_DTYPE)
+    if FP16_DOTS:
+        # An 8-bit cache under a 16-bit model on a GPU: both dots in float16, which holds every
+        # 8-bit value exactly and takes e4m3 in one instruction per two values (bfloat16 needs
+        # three). q in float16's range converts exactly (saturated past +-65504; bfloat16
+        # values under 2**-14 lose low bits, nothing next to the other products), so the scores
+        # are the bfloat16 dot's; P in [0, 1] keeps 11 significant bits rather than 8. sm90
+        # PTX, bfloat16 model, 64-key tiles: the loop's instructions from 11.7 to 7.5 a key. On
+        # an H100 (`fp8-kv-fp16-dots-h100.json`, against V converted to bfloat16): 1 request x
+        # 192 keys 6.42 -> 5.50 us (bfloat16's cache: 5.59), 256 x 600 134.3 -> 131.1, 128 x
+        # 1,000 107.2 -> 105.7. q's conversion is loop-invariant (hoisted).
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        k = k.to(tl.float16)
+        v = fp8_to_fp16(v)
     else:
+        # An 8-bit cache's keys and values in the model dtype (exact); a no-op for any other.
+        k = k.to(COMPUTE_DTYPE)
         v = v.to(COMPUTE_DTYPE)
     if UPCAST_DOT:
         k = k.to(tl.float32)

@@ -119,7 +119,7 @@ def _decode_from_qkv_kernel(
     ORDERED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    CONVERT_V_FIRST: tl.constexpr,  # KernelDtypes.convert_v_first
+    FP16_DOTS: tl.constexpr,  # KernelDtypes.fp16_dots
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # first: before any read of an activation and any write
@@ -196,7 +196,7 @@ def _decode_from_qkv_kernel(
             query_pos, stride_kv_block, stride_kv_slot, dims, dims < HEAD_DIM, qk_scale,
             BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=True, MASK=True, CAUSAL=False,
             MASK_DIMS=False, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
-            COMPUTE_DTYPE=dtype, CONVERT_V_FIRST=CONVERT_V_FIRST,
+            COMPUTE_DTYPE=dtype, FP16_DOTS=FP16_DOTS,
         )
     # A padding request (seq_len 0) saw no key: l = 0, acc = 0, zeros written.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -280,7 +280,7 @@ def decode_from_qkv(
         ORDERED=ordered,
         UPCAST_DOT=dtypes.upcast_dot,
         DOT_PRECISION=dtypes.dot_precision,
-        CONVERT_V_FIRST=dtypes.convert_v_first,
+        FP16_DOTS=dtypes.fp16_dots,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         USE_PDL=pdl,

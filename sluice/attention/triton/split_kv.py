@@ -73,7 +73,7 @@ def _split_kv_partial_kernel(
     PAGE_SIZE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    CONVERT_V_FIRST: tl.constexpr,  # KernelDtypes.convert_v_first
+    FP16_DOTS: tl.constexpr,  # KernelDtypes.fp16_dots
     USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
 ):
     pdl_wait(USE_PDL)  # first: before any read of an activation and any write
@@ -122,7 +122,7 @@ def _split_kv_partial_kernel(
             query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
             BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=True, MASK=True, CAUSAL=False,
             MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
-            COMPUTE_DTYPE=query_ptr.dtype.element_ty, CONVERT_V_FIRST=CONVERT_V_FIRST,
+            COMPUTE_DTYPE=query_ptr.dtype.element_ty, FP16_DOTS=FP16_DOTS,
         )
     stat = (token.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
     tl.store(partial_max_ptr + stat, m_i, mask=row_valid)
@@ -251,7 +251,7 @@ def split_kv_attention(
         PAGE_SIZE=key_cache.shape[1],
         UPCAST_DOT=dtypes.upcast_dot,
         DOT_PRECISION=dtypes.dot_precision,
-        CONVERT_V_FIRST=dtypes.convert_v_first,
+        FP16_DOTS=dtypes.fp16_dots,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         USE_PDL=pdl,

@@ -78,7 +78,7 @@ def _unified_attention_kernel(
     PAGED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    CONVERT_V_FIRST: tl.constexpr,  # KernelDtypes.convert_v_first
+    FP16_DOTS: tl.constexpr,  # KernelDtypes.fp16_dots
     ONE_QUERY: tl.constexpr,  # every request in this launch has one query token
     ORDERED: tl.constexpr,  # ONE_QUERY, no padding tokens, programs follow order_ptr
     USE_PDL: tl.constexpr,  # programmatic dependent launch (sluice.model.pdl)
@@ -158,7 +158,7 @@ def _unified_attention_kernel(
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASK=True, CAUSAL=False,
                 MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT,
                 DOT_PRECISION=DOT_PRECISION,
-                COMPUTE_DTYPE=query_ptr.dtype.element_ty, CONVERT_V_FIRST=CONVERT_V_FIRST,
+                COMPUTE_DTYPE=query_ptr.dtype.element_ty, FP16_DOTS=FP16_DOTS,
             )
         num_tiles = 0
     for t in range(0, num_full):
@@ -167,7 +167,7 @@ def _unified_attention_kernel(
             query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
             BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASK=False, CAUSAL=True,
             MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
-            COMPUTE_DTYPE=query_ptr.dtype.element_ty, CONVERT_V_FIRST=CONVERT_V_FIRST,
+            COMPUTE_DTYPE=query_ptr.dtype.element_ty, FP16_DOTS=FP16_DOTS,
         )
     for t in tl.range(num_full, num_tiles, num_stages=1):  # few tiles: no smem to pipeline
         m_i, l_i, acc = attend_tile(
@@ -175,7 +175,7 @@ def _unified_attention_kernel(
             query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
             BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=PAGED, MASK=True, CAUSAL=True,
             MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
-            COMPUTE_DTYPE=query_ptr.dtype.element_ty, CONVERT_V_FIRST=CONVERT_V_FIRST,
+            COMPUTE_DTYPE=query_ptr.dtype.element_ty, FP16_DOTS=FP16_DOTS,
         )
     # Rows that saw no key (seq_len 0) have l = 0 and acc = 0: write zeros.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -254,7 +254,7 @@ def unified_attention(
         PAGED=paged,
         UPCAST_DOT=dtypes.upcast_dot,
         DOT_PRECISION=dtypes.dot_precision,
-        CONVERT_V_FIRST=dtypes.convert_v_first,
+        FP16_DOTS=dtypes.fp16_dots,
         ONE_QUERY=one_query,
         ORDERED=ordered,
         num_warps=tiles.num_warps,
