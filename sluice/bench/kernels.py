@@ -13,7 +13,7 @@ the same run.
 Shapes are Qwen3-0.6B's attention: 16 query heads, 8 KV heads, head_dim 128, bf16, block size 16.
 `--sweep` also times a grid of tile shapes for each kernel. `--kv-cache-dtype fp8` (or
 fp8_e5m2) puts the decode and ragged cases' caches in 8 bits (bytes/s then counts one byte a
-value); the prefill and mixed cases stay 16-bit.
+cached value); the prefill and mixed cases stay 16-bit.
 
     python -m sluice.bench.kernels --output kernels.json [--sweep] [--kv-cache-dtype fp8]
 """
@@ -180,6 +180,13 @@ def make_step(
     return query, key, value, kv_cache, metadata
 
 
+def decode_bytes(contexts: list[int], kv_cache: torch.Tensor) -> int:
+    """Bytes a decode step of these contexts moves: its K/V read in the cache's dtype, its
+    queries read and outputs written in the model's."""
+    kv = 2 * sum(contexts) * NUM_KV_HEADS * HEAD_DIM * kv_cache.element_size()
+    return kv + 2 * len(contexts) * NUM_HEADS * HEAD_DIM * DTYPE.itemsize
+
+
 def run_decode(
     timer: GraphTimer,
     copy_bps: float,
@@ -191,8 +198,7 @@ def run_decode(
     device = timer.flush.device
     step = make_step([context] * batch, [1] * batch, device, cache_dtype=cache_dtype)
     query, key, value, kv_cache, metadata = step
-    elsize = kv_cache.element_size()
-    bytes_moved = (2 * batch * context * NUM_KV_HEADS + 2 * batch * NUM_HEADS) * HEAD_DIM * elsize
+    bytes_moved = decode_bytes([context] * batch, kv_cache)
     expected = TorchRefBackend().forward(query, key, value, kv_cache, metadata, SCALE)
     results = {}
     for label, config in configs.items():
@@ -231,9 +237,8 @@ def run_ragged(timer: GraphTimer, copy_bps: float, step: int,
     step_inputs = make_step(contexts, [1] * len(contexts), device, shuffle=shuffle,
                             cache_dtype=cache_dtype)
     query, key, value, kv_cache, metadata = step_inputs
-    elsize = kv_cache.element_size()
     batch = len(contexts)
-    bytes_moved = (2 * sum(contexts) * NUM_KV_HEADS + 2 * batch * NUM_HEADS) * HEAD_DIM * elsize
+    bytes_moved = decode_bytes(contexts, kv_cache)
 
     def timed(config: TritonBackendConfig, inputs: tuple, num_bytes: int) -> dict[str, Any]:
         backend = TritonBackend(config)
@@ -252,7 +257,7 @@ def run_ragged(timer: GraphTimer, copy_bps: float, step: int,
     mean = round(sum(contexts) / batch)
     uniform = make_step([mean] * batch, [1] * batch, device, shuffle=shuffle,
                         cache_dtype=cache_dtype)
-    uniform_bytes = (2 * mean * batch * NUM_KV_HEADS + 2 * batch * NUM_HEADS) * HEAD_DIM * elsize
+    uniform_bytes = decode_bytes([mean] * batch, uniform[3])
     results["unified_uniform_mean_context"] = timed(TritonBackendConfig(split_kv="never"),
                                                     uniform, uniform_bytes)
     return {"step": step, "batch": batch, "mean_context": sum(contexts) / batch,

@@ -90,8 +90,8 @@ class KernelDtypes:
             upcast_dot=device.type == "cpu",
             dot_precision="ieee" if compute_dtype == torch.float32 else "tf32",
             fp16_dots=(device.type == "cuda" and torch.version.hip is None
-                             and cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-                             and compute_dtype in (torch.bfloat16, torch.float16)),
+                       and cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                       and compute_dtype in (torch.bfloat16, torch.float16)),
         )
 
 
