@@ -275,8 +275,9 @@ def attend_tile(
         # An 8-bit cache under a 16-bit model on a GPU: both dots in float16, which holds every
         # 8-bit value exactly and takes e4m3 in one instruction per two values (bfloat16 needs
         # three). q in float16's range converts exactly (saturated past +-65504; bfloat16
-        # values under 2**-14 lose low bits, nothing next to the other products), so the scores
-        # are the bfloat16 dot's; P in [0, 1] keeps 11 significant bits rather than 8. sm90
+        # values under 2**-14 lose low bits, nothing next to the other products), so each
+        # product in the scores is the bfloat16 dot's (exact in both; the hardware's sums may
+        # differ in order); P in [0, 1] keeps 11 significant bits rather than 8. sm90
         # PTX, bfloat16 model, 64-key tiles: the loop's instructions from 11.7 to 7.5 a key. On
         # an H100 (`fp8-kv-fp16-dots-h100.json`, against V converted to bfloat16): 1 request x
         # 192 keys 6.42 -> 5.50 us (bfloat16's cache: 5.59), 256 x 600 134.3 -> 131.1, 128 x
