@@ -1,9 +1,9 @@
 """The 8-bit cache's decode kernel as the GPU runs it, checked without a GPU: compiled for sm90
 (Triton's bundled ptxas), its V tile is read from shared memory with ldmatrix, not a byte at a
-time. Triton moves a plain `.to()` conversion of V after V's staging for the dot, where the
-transposed 8-bit operand has no ldmatrix (common.fp8_to_fp16); the check below sees that
-too, so a Triton that stops doing it shows here as a failure to look at, not as a silent
-slowdown or a stale workaround."""
+time, and its main loop converts nothing to bfloat16 (the float16 dots). Triton moves a plain
+`.to()` conversion of V after V's staging for the dot, where the transposed 8-bit operand has
+no ldmatrix (common.fp8_to_fp16); the check below sees that too, so a Triton that stops doing
+it shows here as a failure to look at, not as a silent slowdown or a stale workaround."""
 
 from __future__ import annotations
 
@@ -18,17 +18,39 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_fp8_decode_kernel_reads_v_with_ldmatrix_not_byte_loads() -> None:
+def _run(*args: str) -> subprocess.CompletedProcess:
+    """A process that compiles for sm90 (not the interpreter)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "ptx_probe.py")],
-                         capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+
+
+def test_the_fp8_decode_kernel_reads_v_with_ldmatrix_and_dots_in_fp16() -> None:
+    run = _run(str(ROOT / "tests" / "kernels" / "ptx_probe.py"))
     assert run.returncode == 0, run.stderr[-3000:]
     counts = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in counts:
         pytest.skip(counts["skip"])
     for cache in ("fp8e4nv", "fp8e5"):  # e4m3 and e5m2
-        converted_first, plain = counts[f"{cache} True"], counts[f"{cache} False"]
-        assert converted_first["ld_shared_b8"] == 0 and converted_first["ldmatrix"] > 0, counts
-        # The premise: without the early conversion, V comes back byte by byte.
-        assert plain["ld_shared_b8"] > 0, counts
+        fp16_dots, plain = counts[f"{cache} True"], counts[f"{cache} False"]
+        assert fp16_dots["ld_shared_b8"] == 0 and fp16_dots["ldmatrix"] > 0, counts
+        assert fp16_dots["loop_to_bf16"] == 0, counts
+        # The premises: with plain conversions V comes back byte by byte, and K and V are
+        # converted to the model's bfloat16 in the loop.
+        assert plain["ld_shared_b8"] > 0 and plain["loop_to_bf16"] > 0, counts
+
+
+def test_the_decode_ptx_report_describes_a_kernel_and_refuses_bad_tiles() -> None:
+    run = _run("-m", "sluice.bench.decode_ptx", "--caches", "fp8e4nv", "--tiles", "64x4x5")
+    if run.returncode != 0 and "ptxas" in run.stderr and "No such file" in run.stderr:
+        pytest.skip("no ptxas bundled with this Triton")
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = [json.loads(line) for line in run.stdout.splitlines()]
+    assert row["cache"] == "fp8e4nv" and row["tiles"] == [64, 4, 5] and row["fp16_dots"]
+    assert row["registers"] > 0 and row["shared_bytes"] > 0 and row["ld_shared_b8"] == 0
+    assert row["loop_instructions"] == round(row["loop_instructions_a_key"] * 64)
+    assert any(op.startswith("mma.sync") and "f16.f16" in op for op in row["top_opcodes"])
+    bad = _run("-m", "sluice.bench.decode_ptx", "--tiles", "64x4")
+    assert bad.returncode == 2 and "BLOCK_NxWARPSxSTAGES" in bad.stderr
+
