@@ -1,6 +1,7 @@
 """The attention-kernel benchmark's inputs and byte counts (the benchmark itself needs a GPU):
 an 8-bit case's cache holds the quantized values, and its bytes count one byte a cached value
-and two a query or output value."""
+and two a query or output value. Here, not in tests/bench: the benchmark imports the kernels,
+which must first be imported after this directory's conftest has chosen the interpreter."""
 
 from __future__ import annotations
 
