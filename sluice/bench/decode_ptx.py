@@ -32,9 +32,15 @@ from typing import Any
 from sluice.attention.triton import TileConfig
 
 _16_BIT = ("bf16", "fp16")
+_8_BIT = ("fp8e4nv", "fp8e5")
 # What the PTX test compiles (tests/kernels/ptx_probe.py): SHORT_DECODE_TILES' shape.
 PROBE_TILES = TileConfig(16, 64, 4, 3)
-_8_BIT = ("fp8e4nv", "fp8e5")
+
+
+def gpu_fp16_dots(cache: str, model_dtype: str) -> bool:
+    """Whether a GPU runs this cache under this model with the float16 dots
+    (KernelDtypes.fp16_dots), in Triton's dtype names."""
+    return cache in _8_BIT and model_dtype in _16_BIT
 
 
 def compile_decode_kernel(cache: str, model_dtype: str = "bf16",
@@ -49,7 +55,7 @@ def compile_decode_kernel(cache: str, model_dtype: str = "bf16",
     from sluice.attention.triton.unified import _unified_attention_kernel as kernel
 
     if fp16_dots is None:
-        fp16_dots = cache in _8_BIT and model_dtype in _16_BIT
+        fp16_dots = gpu_fp16_dots(cache, model_dtype)
     constants = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_Q=8,
                      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PAGE_SIZE=16, PAGED=True,
                      UPCAST_DOT=False,
@@ -110,7 +116,7 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
 def describe(cache: str, model_dtype: str, tiles: TileConfig,
              fp16_dots: bool | None = None) -> dict[str, Any]:
     if fp16_dots is None:
-        fp16_dots = cache in _8_BIT and model_dtype in _16_BIT
+        fp16_dots = gpu_fp16_dots(cache, model_dtype)
     compiled = compile_decode_kernel(cache, model_dtype, tiles, fp16_dots)
     ptx = compiled.asm["ptx"]
     loop = main_loop(ptx)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.attention.kv_layout import FP8_E4M3_MAX, FP8_E5M2_MAX
+from sluice.attention.kv_layout import FP8_E4M3_MAX, FP8_E5M2_MAX, is_fp8
 
 LOG2_E = math.log2(math.e)
 _E4M3_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
@@ -90,7 +90,7 @@ class KernelDtypes:
             upcast_dot=device.type == "cpu",
             dot_precision="ieee" if compute_dtype == torch.float32 else "tf32",
             fp16_dots=(device.type == "cuda" and torch.version.hip is None
-                       and cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                       and is_fp8(cache_dtype)
                        and compute_dtype in (torch.bfloat16, torch.float16)),
         )
 
