@@ -8,7 +8,7 @@ the drafting policy switching drafting on and off);
 with the model in a worker process; with the CPU KV tier and the global KV pool (in-process,
 Redis and Mooncake Store where their servers are installed: started on loopback), saved and then
 loaded; through a prefill, a decode and a router (PD over the Mooncake Transfer Engine, TCP,
-`--only pd`, where Mooncake is installed); and, on a
+`--only pd`, where Mooncake is installed); the pool and PD with an 8-bit cache too; and, on a
 machine of two or more GPUs, tensor parallelism (NCCL; the all-reduces inside the CUDA graphs,
 the fused ops and folded norms per rank), with graphs on and off; and with an 8-bit KV cache
 (`kv_cache_dtype="fp8"`, and "fp8_e5m2") against the CPU reference with the same cache dtype.
@@ -97,22 +97,35 @@ def pool_configs(stack: contextlib.ExitStack) -> dict[str, dict]:
             master = stack.enter_context(servers.start_mooncake_master())
             stack.enter_context(servers.start_mooncake_segment_owner(master.address, 256 << 20))
             extra.update(url=master.url, global_segment_size=0)
-        configs[f"pool_{backend}"] = {"kv_transfer_config": {
-            "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": extra}}
+        transfer = {"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra}
+        configs[f"pool_{backend}"] = {"kv_transfer_config": transfer}
+        # The same pool server holds both caches' blocks: the dtype is in every key.
+        configs[f"fp8_kv_pool_{backend}"] = {"kv_cache_dtype": "fp8",
+                                             "kv_transfer_config": transfer}
     return configs
 
 
-def pd_equals_cpu(model: str, prompts: list[dict], reference: list[list[int]]) -> dict:
+def wants_pools(only: tuple[str, ...]) -> bool:
+    """Whether a setting of pool_configs is among `only` (then its servers are started)."""
+    names = ("pool_", "fp8_kv_pool_")
+    return not only or any(n.startswith(p) or p.startswith(n) for p in only for n in names)
+
+
+def pd_equals_cpu(model: str, prompts: list[dict], reference: list[list[int]],
+                  kv_cache_dtype: str = "auto") -> dict:
     """A prefill, a decode and a router (sluice serve processes on this GPU, KV over the
-    Mooncake Transfer Engine on TCP): the completions' text equals the CPU reference's."""
+    Mooncake Transfer Engine on TCP): the completions' text equals the CPU reference's
+    (made with the same `kv_cache_dtype`)."""
     import httpx
     from transformers import AutoTokenizer
 
     from sluice.testing.pd_cluster import start_cluster
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    flags = ["--device", "cuda", "--dtype", "float32", "--gpu-memory-utilization", "0.2"]
+    flags = ["--device", "cuda", "--dtype", "float32", "--gpu-memory-utilization", "0.2",
+             "--kv-cache-dtype", kv_cache_dtype]
+    key = "pd_mooncake" if kv_cache_dtype == "auto" else f"pd_mooncake_{kv_cache_dtype}"
     cluster = start_cluster(model, flags, backend="mooncake", one_at_a_time=True)
     try:
         texts = []
@@ -123,14 +136,14 @@ def pd_equals_cpu(model: str, prompts: list[dict], reference: list[list[int]]) -
             if response.status_code != 200:
                 for instance in cluster.instances:
                     print(f"--- {instance.name} log:\n{instance.log_tail(4000)}", flush=True)
-                return {"pd_mooncake_equals_cpu": False,
-                        "pd_mooncake_error": f"{response.status_code} {response.text[:1000]}"}
+                return {f"{key}_equals_cpu": False,
+                        f"{key}_error": f"{response.status_code} {response.text[:1000]}"}
             texts.append(response.json()["choices"][0]["text"])
         expected = [tokenizer.decode(ids) for ids in reference]
         decode = cluster.decodes[0].engine_info()
-        return {"pd_mooncake_equals_cpu": texts == expected,
-                "pd_mooncake_decode_integrity": decode["integrity"],
-                "pd_mooncake_prefill_integrity": cluster.prefills[0].engine_info()["integrity"]}
+        return {f"{key}_equals_cpu": texts == expected,
+                f"{key}_decode_integrity": decode["integrity"],
+                f"{key}_prefill_integrity": cluster.prefills[0].engine_info()["integrity"]}
     finally:
         cluster.close()
 
@@ -302,7 +315,7 @@ def main() -> None:
     rng = random.Random(0)
     pd = None
     stack = contextlib.ExitStack()
-    pools = pool_configs(stack) if not only or any(p.startswith("pool") for p in only) else {}
+    pools = pool_configs(stack) if wants_pools(only) else {}
     for arch in ("qwen3", "llama", "qwen2"):
         model = make_tiny_model(os.path.join(work, arch), arch=arch)
         prompts = [{"prompt_token_ids": [rng.randrange(3, 600) for _ in range(n)]}
@@ -406,12 +419,13 @@ def main() -> None:
                 result[f"{arch}_{name}_loaded_accepted_all"] = drafted > 0 and accepted == drafted
                 loaded = llm.llm_engine.scheduler.connector.get_stats()["loaded_blocks"]
                 result[f"{arch}_{name}_loaded_some"] = loaded > 0
-            if name.startswith("pool_"):
+            if name.startswith(("pool_", "fp8_kv_pool_")):
                 # Again, from the pool: every full block of every prompt loads.
                 worker = llm.llm_engine.engine_core.executor.worker.connector
                 assert worker.wait_for_pending_saves(120.0)
                 assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
-                result[f"{arch}_{name}_loaded_equals_cpu"] = greedy_ids(llm, prompts) == reference
+                want = fp8_references["fp8"][0] if name.startswith("fp8") else reference
+                result[f"{arch}_{name}_loaded_equals_cpu"] = greedy_ids(llm, prompts) == want
                 stats = llm.llm_engine.scheduler.connector.get_stats()
                 result[f"{arch}_{name}_hit_blocks"] = stats.get("pool_hit_blocks", 0)
                 result[f"{arch}_{name}_loaded_some"] = stats.get("pool_hit_blocks", 0) > 0
@@ -448,6 +462,9 @@ def main() -> None:
 
         if mooncake_missing() is None:
             result.update(pd_equals_cpu(*pd))
+            model, prompts, _ = pd
+            fp8_reference = cpu_greedy_ids(model, "fp8", [(prompts, 32)])[0]
+            result.update(pd_equals_cpu(model, prompts, fp8_reference, "fp8"))
     print(json.dumps(result, indent=1), flush=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
