@@ -8,12 +8,17 @@ the same run.
   second, and its fraction of the copy bandwidth (target >= 0.7 at batch 256 x context 1k); the
   few-long-sequence cases (batch 1 and 8 at 8k) run both the split-KV path and the unified kernel;
 - prefill: one fresh causal prompt of 1k and 8k tokens, TFLOP/s (2 * S^2 * H * D for the causal
-  half of QK^T and PV), next to torch's scaled_dot_product_attention on the same shapes.
+  half of QK^T and PV), next to torch's scaled_dot_product_attention on the same shapes;
+- fused decode (`--fused-cases`, default 64 requests x 192 keys): a decode layer's attention work
+  from its raw q/k/v projection (the input norm folded, as the CUDA path runs it), in the one
+  launch that batches of 16 to 4 x SMs / KV heads requests take
+  (sluice.attention.triton.decode_qkv) against the two it replaces (qk_norm_rope with the KV
+  store, then the decode kernel), with the largest difference between their outputs.
 
 Shapes are Qwen3-0.6B's attention: 16 query heads, 8 KV heads, head_dim 128, bf16, block size 16.
 `--sweep` also times a grid of tile shapes for each kernel. `--kv-cache-dtype fp8` (or
-fp8_e5m2) puts the decode and ragged cases' caches in 8 bits (bytes/s then counts one byte a
-cached value); the prefill and mixed cases stay 16-bit.
+fp8_e5m2) puts the decode, ragged and fused cases' caches in 8 bits (bytes/s then counts one
+byte a cached value); the prefill and mixed cases stay 16-bit.
 
     python -m sluice.bench.kernels --output kernels.json [--sweep] [--kv-cache-dtype fp8]
 """
@@ -38,13 +43,17 @@ from sluice.attention.kv_layout import KV_CACHE_DTYPES, resolve_kv_cache_dtype, 
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.torch_ref import TorchRefBackend
 from sluice.attention.triton import TileConfig
+from sluice.attention.triton.decode_qkv import decode_from_qkv
 from sluice.attention.triton_backend import (
     TritonBackend,
     TritonBackendConfig,
     choose_num_splits,
 )
+from sluice.model.layers import RotaryEmbedding
+from sluice.model.triton_ops import qk_norm_rope
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+HIDDEN_SIZE, RMS_EPS, ROPE_THETA = 1024, 1e-6, 1e6  # Qwen3-0.6B's
 DTYPE = torch.bfloat16
 SCALE = HEAD_DIM**-0.5
 DECODE_CASES = [(256, 1024), (1, 8192), (8, 8192), (32, 2048)]  # (batch, context)
@@ -305,6 +314,88 @@ def run_prefill(
     return {"prompt_len": prompt_len, "flops": flops, "runs": results}
 
 
+@dataclasses.dataclass
+class FusedStep:
+    """A decode layer's attention inputs from its q/k/v projection (see run_fused)."""
+
+    qkv: torch.Tensor  # [T, (H + 2 * KVH) * D]: the projection of the raw residual rows
+    residual: torch.Tensor  # [T, hidden]
+    positions: torch.Tensor  # [T] int64
+    cos_sin_cache: torch.Tensor  # [max_pos, D] float32
+    q_norm_weight: torch.Tensor  # [D]
+    k_norm_weight: torch.Tensor
+    kv_cache: torch.Tensor
+    metadata: AttentionMetadata
+
+    def fused(self, tiles: TileConfig) -> torch.Tensor:
+        """One launch: norm, RoPE, KV store and attention (reads qkv, writes the cache)."""
+        return decode_from_qkv(self.qkv, self.positions, self.cos_sin_cache,
+                               self.q_norm_weight, self.k_norm_weight, RMS_EPS, self.residual,
+                               RMS_EPS, NUM_HEADS, self.kv_cache, self.metadata, SCALE, tiles)
+
+    def two_launches(self, backend: TritonBackend, qkv: torch.Tensor) -> torch.Tensor:
+        """qk_norm_rope storing k and v, then the backend's decode attention. Rewrites `qkv`'s
+        q, k and v columns in place, as the model's layers do (a timed loop re-rotates them,
+        which changes no kernel's work)."""
+        q, k = qk_norm_rope(qkv, self.positions, self.cos_sin_cache, self.q_norm_weight,
+                            self.k_norm_weight, RMS_EPS, NUM_HEADS, NUM_KV_HEADS, self.kv_cache,
+                            self.metadata.slot_mapping, self.residual, RMS_EPS)
+        num_tokens, kv_size = qkv.shape[0], NUM_KV_HEADS * HEAD_DIM
+        v = qkv[:, NUM_HEADS * HEAD_DIM + kv_size:]
+        return backend.forward(
+            q.view(num_tokens, NUM_HEADS, HEAD_DIM), k.view(num_tokens, NUM_KV_HEADS, HEAD_DIM),
+            v.view(num_tokens, NUM_KV_HEADS, HEAD_DIM), self.kv_cache, self.metadata, SCALE,
+            kv_stored=True).view(num_tokens, NUM_HEADS * HEAD_DIM)
+
+
+def make_fused_step(batch: int, context: int, device: torch.device,
+                    cache_dtype: torch.dtype = DTYPE) -> FusedStep:
+    """Random projection rows, residual rows and head-norm weights, a cache of `cache_dtype`
+    and the metadata of a decode step of `batch` requests of `context` keys (the new one
+    included)."""
+    _, _, _, kv_cache, metadata = make_step([context] * batch, [1] * batch, device,
+                                            cache_dtype=cache_dtype)
+    gen = torch.Generator(device=device).manual_seed(1)
+    width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(batch, width, generator=gen, device=device, dtype=DTYPE)
+    residual = torch.randn(batch, HIDDEN_SIZE, generator=gen, device=device, dtype=DTYPE)
+    weights = 0.5 + torch.rand(2, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
+    rope = RotaryEmbedding(HEAD_DIM, context + 1, ROPE_THETA)
+    return FusedStep(qkv, residual, metadata.seq_lens.long() - 1,
+                     rope.cos_sin_cache.to(device), weights[0], weights[1], kv_cache, metadata)
+
+
+def run_fused(timer: GraphTimer, copy_bps: float, batch: int, context: int,
+              tiles: dict[str, TileConfig], cache_dtype: torch.dtype = DTYPE) -> dict[str, Any]:
+    """A decode layer's attention from its projection: the one launch with each of `tiles`,
+    and the two launches it replaces with the backend's rules (`two_launches`); each with the
+    largest difference from the two launches' output on the same inputs."""
+    device = timer.flush.device
+    step = make_fused_step(batch, context, device, cache_dtype)
+    bytes_moved = decode_bytes([context] * batch, step.kv_cache)
+    backend = TritonBackend()
+    expected = step.two_launches(backend, step.qkv.clone()).float()
+    work = step.qkv.clone()
+    runs: dict[str, Callable[[], torch.Tensor]] = {
+        "two_launches": lambda: step.two_launches(backend, work)}
+    for label, config in tiles.items():
+        runs[label] = lambda c=config: step.fused(c)
+    results = {}
+    for label, fn in runs.items():
+        try:
+            seconds = timer(fn)
+        except triton.runtime.errors.OutOfResources as e:
+            results[label] = {"error": str(e)}
+            continue
+        out = (step.two_launches(backend, step.qkv.clone()) if label == "two_launches"
+               else fn())
+        results[label] = {"us": seconds * 1e6, "bytes_per_s": bytes_moved / seconds,
+                          "fraction_of_copy": bytes_moved / seconds / copy_bps,
+                          "max_abs_diff_vs_two_launches": (out.float() - expected).abs().max()
+                          .item()}
+    return {"batch": batch, "context": context, "bytes": bytes_moved, "runs": results}
+
+
 def run_mixed(timer: GraphTimer, decodes: int, context: int, chunk: int) -> dict[str, Any]:
     """A chunked-prefill step (decodes plus one prompt chunk), in two launches (the default) and
     in one (decode rows in prefill tiles), against the same work as two separate steps."""
@@ -351,6 +442,17 @@ def _split_tiles(tiles: TileConfig, num_splits: int) -> TritonBackendConfig:
                                num_splits=num_splits)
 
 
+def _cases(text: str) -> list[tuple[int, int]]:
+    """'BATCHxCONTEXT,...' as (batch, context) pairs."""
+    cases = []
+    for case in filter(None, (c.strip() for c in text.split(","))):
+        batch, _, context = case.partition("x")
+        if not (batch.isdigit() and context.isdigit() and int(batch) > 0 and int(context) > 0):
+            raise ValueError(f"a case must be BATCHxCONTEXT of positive integers, got {case!r}")
+        cases.append((int(batch), int(context)))
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sluice.bench.kernels",
@@ -375,10 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--consecutive-blocks", action="store_true",
                         help="ragged batches: each request's blocks consecutive, not shuffled")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                        help="the decode and ragged cases' cache (auto: bf16)")
+                        help="the decode, ragged and fused cases' cache (auto: bf16)")
+    parser.add_argument("--fused-cases", default="64x192",
+                        help="fused decode batches as BATCHxCONTEXT, comma-separated ('' for "
+                             "none)")
     ns = parser.parse_args(argv)
     if ns.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {ns.iters}")
+    decode_cases, fused_cases = _cases(ns.decode_cases), _cases(ns.fused_cases)
     cache_dtype = resolve_kv_cache_dtype(ns.kv_cache_dtype, DTYPE)
     if not torch.cuda.is_available():
         print("sluice.bench.kernels needs a CUDA GPU", file=sys.stderr)
@@ -423,8 +529,6 @@ def main(argv: list[str] | None = None) -> int:
     if ns.only_ragged:
         return 0
 
-    decode_cases = [tuple(int(v) for v in case.split("x"))
-                    for case in ns.decode_cases.split(",") if case.strip()]
     for batch, context in decode_cases:
         configs = {"auto": TritonBackendConfig(), "unified": TritonBackendConfig(split_kv="never")}
         num_splits = choose_num_splits(batch, NUM_KV_HEADS, context, props.multi_processor_count)
@@ -459,6 +563,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"{run['bytes_per_s'] / 1e12:5.2f} TB/s  {run['fraction_of_copy']:5.1%} of copy  "
                 f"max|diff| {run['max_abs_diff_vs_torch_ref']:.1e}"
             )
+
+    backend = TritonBackend()
+    for batch, context in fused_cases:
+        # The tiles the backend's rules give this batch, and with --sweep the decode grid.
+        tiles = {"fused": backend.decode_plan(batch, NUM_KV_HEADS, context, device,
+                                              cache_dtype)[1]}
+        if ns.sweep:
+            tiles.update(("fused_" + _sweep_name(t), t) for t in DECODE_SWEEP)
+        record = run_fused(timer, copy_bps, batch, context, tiles, cache_dtype)
+        report.setdefault("fused_decode", []).append(record)
+        _write(ns.output, report)
+        for label, run in record["runs"].items():
+            if "error" in run:
+                print(f"fused decode batch {batch:4d} ctx {context:5d} {label:24s} "
+                      f"{run['error']}")
+                continue
+            print(f"fused decode batch {batch:4d} ctx {context:5d} {label:24s} "
+                  f"{run['us']:9.1f} us {run['bytes_per_s'] / 1e12:5.2f} TB/s  "
+                  f"{run['fraction_of_copy']:5.1%} of copy  "
+                  f"max|diff| {run['max_abs_diff_vs_two_launches']:.1e}")
 
     for prompt_len in [int(n) for n in ns.prefill_lens.split(",") if n.strip()]:
         configs = {"auto": TritonBackendConfig()}

@@ -1,7 +1,8 @@
 """The attention-kernel benchmark's inputs and byte counts (the benchmark itself needs a GPU):
 an 8-bit case's cache holds the quantized values, and its bytes count one byte a cached value
-and two a query or output value. Here, not in tests/bench: the benchmark imports the kernels,
-which must first be imported after this directory's conftest has chosen the interpreter."""
+and two a query or output value; its fused decode case's two paths compute the same thing.
+Here, not in tests/bench: the benchmark imports the kernels, which must first be imported after
+this directory's conftest has chosen the interpreter."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import pytest
 import torch
 
 from sluice.attention.kv_layout import to_cache_dtype
-from sluice.bench.kernels import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, decode_bytes, main, make_step
+from sluice.attention.triton_backend import TritonBackend
+from sluice.bench.kernels import (
+    HEAD_DIM,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    decode_bytes,
+    main,
+    make_fused_step,
+    make_step,
+)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2],
@@ -30,3 +40,25 @@ def test_an_unknown_cache_dtype_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         main(["--output", "/dev/null", "--kv-cache-dtype", "int4"])
     assert "'int4'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_the_fused_decode_case_computes_what_its_two_launches_do(cache_dtype):
+    """The fused case's one launch and the two it replaces, on the benchmark's inputs: the same
+    outputs (but for float32 summation order) and the same K/V bytes stored in the cache."""
+    cpu = torch.device("cpu")
+    step = make_fused_step(2, 40, cpu, cache_dtype)
+    fused_step = make_fused_step(2, 40, cpu, cache_dtype)
+    two = step.two_launches(TritonBackend(), step.qkv.clone())
+    tiles = TritonBackend().decode_plan(2, NUM_KV_HEADS, 40, cpu, cache_dtype)[1]
+    fused = fused_step.fused(tiles)
+    assert fused.shape == two.shape == (2, NUM_HEADS * HEAD_DIM)
+    torch.testing.assert_close(fused.float(), two.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(fused_step.kv_cache.view(torch.uint8), step.kv_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("flag", ["--fused-cases", "--decode-cases"])
+@pytest.mark.parametrize("bad", ["64", "0x192", "64x", "ax192"])
+def test_a_malformed_case_is_refused_by_name(flag, bad):
+    with pytest.raises(ValueError, match=repr(bad)):
+        main(["--output", "/dev/null", flag, bad])
