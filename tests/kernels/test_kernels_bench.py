@@ -19,6 +19,7 @@ from sluice.bench.kernels import (
     main,
     make_fused_step,
     make_step,
+    run_fused,
 )
 
 
@@ -62,3 +63,28 @@ def test_the_fused_decode_case_computes_what_its_two_launches_do(cache_dtype):
 def test_a_malformed_case_is_refused_by_name(flag, bad):
     with pytest.raises(ValueError, match=repr(bad)):
         main(["--output", "/dev/null", flag, bad])
+
+
+class _CallTwice:
+    """Stands in for GraphTimer where no GPU is (its CUDA graphs and events need one): runs
+    the function as the timer's warm-up and capture would, and reports a fixed time."""
+
+    def __init__(self) -> None:
+        self.flush = torch.empty(1)
+
+    def __call__(self, fn) -> float:
+        fn()
+        fn()
+        return 1e-5
+
+
+def test_the_fused_decode_case_reports_each_path_against_the_two_launches():
+    tiles = {"fused": TritonBackend().decode_plan(2, NUM_KV_HEADS, 40, torch.device("cpu"),
+                                                  torch.bfloat16)[1]}
+    record = run_fused(_CallTwice(), 1e12, 2, 40, tiles)
+    assert record["batch"] == 2 and record["context"] == 40
+    assert set(record["runs"]) == {"two_launches", "fused"}
+    for run in record["runs"].values():
+        assert run["us"] == 10.0 and run["bytes_per_s"] == record["bytes"] / 1e-5
+        assert run["max_abs_diff_vs_two_launches"] < 2e-2
+    assert record["runs"]["two_launches"]["max_abs_diff_vs_two_launches"] == 0.0
