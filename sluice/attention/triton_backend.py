@@ -95,6 +95,16 @@ MAX_SPLITS = 64
 # 8 requests the two were within their run-to-run spread.
 FUSED_DECODE_MIN_REQS = 16
 FUSED_DECODE_MAX_PROGRAMS_PER_SM = 4
+# The fused kernel's own tiles, at any context: its prologue holds registers the unified
+# kernel's loop does not, and the unified kernel's tiles starved it. On an H200
+# (`python -m sluice.bench.kernels --fused-cases ... --sweep`, `fused-decode-tiles-h200.json`),
+# us a layer, the unified kernel's tiles -> these, the two launches in brackets: bfloat16, 64
+# requests x 512 keys 55.4 -> 48.9 (55.4), x 1,024 90.7 -> 79.4 (92.4), x 192 unchanged (the short
+# tiles: 26.1; 28.0); an 8-bit cache, whose 5-stage FP8_DECODE_TILES made the fused kernel
+# slower than the two launches: 64 x 192 27.1 -> 20.3 (23.0), 64 x 512 49.4 -> 37.4 (38.4),
+# 64 x 1,024 84.0 -> 61.0 (60.3), 128 x 192 40.1 -> 34.7 (35.4).
+FUSED_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+FP8_FUSED_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 # No context under this is split (see choose_num_splits): short_decode_tiles take such batches.
 SHORT_DECODE_CONTEXT = 2 * MIN_KEYS_PER_SPLIT
 
@@ -112,6 +122,8 @@ class TritonBackendConfig:
     prefill_tiles: TileConfig = PREFILL_TILES
     split_tiles: TileConfig = SPLIT_TILES
     fp8_split_tiles: TileConfig = FP8_SPLIT_TILES  # split-KV over an 8-bit cache
+    fused_decode_tiles: TileConfig = FUSED_DECODE_TILES  # decode_from_qkv
+    fp8_fused_decode_tiles: TileConfig = FP8_FUSED_DECODE_TILES  # ... over an 8-bit cache
     num_splits: int | None = None  # fixed split count (tests, benchmarks); None = by the rule
     # Mixed batches: decodes and prefills in separate launches with their own tiles.
     split_mixed_batches: bool = True
@@ -216,11 +228,14 @@ class TritonBackend:
                 > FUSED_DECODE_MAX_PROGRAMS_PER_SM * self._sm_count(qkv.device)
                 or self._num_splits(metadata, num_kv_heads, qkv.device) > 0):
             return None
-        tiles = self._decode_tiles(metadata.num_reqs, metadata.max_seq_len, 1, num_kv_heads,
-                                   kv_cache.dtype, qkv.device)
         return decode_from_qkv(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
                                residual, residual_eps, num_heads, kv_cache, metadata, scale,
-                               tiles)
+                               self.fused_decode_tiles(kv_cache.dtype))
+
+    def fused_decode_tiles(self, cache_dtype: torch.dtype) -> TileConfig:
+        """The tiles of decode_from_qkv over a cache of this dtype."""
+        return (self.config.fp8_fused_decode_tiles if is_fp8(cache_dtype)
+                else self.config.fused_decode_tiles)
 
     def supports_dense_prefill(self, device: torch.device, dtype: torch.dtype,
                                num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -566,9 +566,12 @@ def main(argv: list[str] | None = None) -> int:
 
     backend = TritonBackend()
     for batch, context in fused_cases:
-        # The tiles the backend's rules give this batch, and with --sweep the decode grid.
-        tiles = {"fused": backend.decode_plan(batch, NUM_KV_HEADS, context, device,
-                                              cache_dtype)[1]}
+        # The tiles the backend gives the fused kernel, the unified kernel's for this batch
+        # (which the fused kernel took until the sixteenth session), and with --sweep the
+        # decode grid.
+        tiles = {"fused": backend.fused_decode_tiles(cache_dtype),
+                 "fused_unified_tiles": backend.decode_plan(batch, NUM_KV_HEADS, context,
+                                                            device, cache_dtype)[1]}
         if ns.sweep:
             tiles.update(("fused_" + _sweep_name(t), t) for t in DECODE_SWEEP)
         record = run_fused(timer, copy_bps, batch, context, tiles, cache_dtype)

@@ -638,3 +638,41 @@ def test_decode_from_qkv_rule_takes_decode_batches_of_about_one_wave():
         assert not fused(16, 2)  # 32 programs: more than a wave
         assert not fused(16, 1, max_query_len=2)  # a verification step
         assert not fused(16, 1, dense_prefill=True)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
+def test_decode_from_qkv_takes_the_fused_kernels_own_tiles(monkeypatch, cache_dtype):
+    """The fused kernel runs with the backend's fused tiles for the cache's dtype (8-bit: 2
+    stages), not the unified kernel's tiles for the batch, and gives the same output with
+    them."""
+    from sluice.attention.triton.common import TileConfig
+
+    chosen = []
+    real = triton_backend.decode_from_qkv
+
+    def recording(*args):
+        chosen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(triton_backend, "decode_from_qkv", recording)
+    head_dim, num_heads, num_kv_heads, num_reqs = 16, 2, 1, 16
+    table = cos_sin_cache(head_dim)
+    outs = []
+    for config in (triton_backend.TritonBackendConfig(),
+                   triton_backend.TritonBackendConfig(
+                       fused_decode_tiles=TileConfig(16, 32, 4, 2),
+                       fp8_fused_decode_tiles=TileConfig(16, 32, 4, 2))):
+        backend = TritonBackend(config)
+        metadata, cache = decode_step([70] * num_reqs, num_kv_heads, head_dim, 4, torch.float32,
+                                      seed=30)
+        cache = cache.to(cache_dtype)
+        qkv = random(num_reqs, (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.float32,
+                     seed=31)
+        positions = torch.full((num_reqs,), 69, device=DEVICE)
+        outs.append(backend.decode_from_qkv(qkv, positions, table, None, None, EPS, None, EPS,
+                                            num_heads, cache, metadata, 0.25))
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    assert chosen[0] == (triton_backend.FP8_FUSED_DECODE_TILES if fp8
+                         else triton_backend.FUSED_DECODE_TILES)
+    assert chosen[1] == TileConfig(16, 32, 4, 2)
+    torch.testing.assert_close(outs[0], outs[1], atol=3e-5, rtol=1e-5)
