@@ -95,16 +95,20 @@ MAX_SPLITS = 64
 # 8 requests the two were within their run-to-run spread.
 FUSED_DECODE_MIN_REQS = 16
 FUSED_DECODE_MAX_PROGRAMS_PER_SM = 4
-# The fused kernel's own tiles, at any context: its prologue holds registers the unified
-# kernel's loop does not, and the unified kernel's tiles starved it. On an H200
-# (`python -m sluice.bench.kernels --fused-cases ... --sweep`, `fused-decode-tiles-h200.json`),
-# us a layer, the unified kernel's tiles -> these, the two launches in brackets: bfloat16, 64
-# requests x 512 keys 55.4 -> 48.9 (55.4), x 1,024 90.7 -> 79.4 (92.4), x 192 unchanged (the short
-# tiles: 26.1; 28.0); an 8-bit cache, whose 5-stage FP8_DECODE_TILES made the fused kernel
-# slower than the two launches: 64 x 192 27.1 -> 20.3 (23.0), 64 x 512 49.4 -> 37.4 (38.4),
-# 64 x 1,024 84.0 -> 61.0 (60.3), 128 x 192 40.1 -> 34.7 (35.4).
+# The fused kernel's own tiles, at any context, for batches of at least
+# FUSED_TILES_MIN_PROGRAMS_PER_SM (request, KV head) programs per SM: its prologue holds
+# registers the unified kernel's loop does not, and with several programs an SM the unified
+# kernel's tiles starved it. On an H200 (`python -m sluice.bench.kernels --fused-cases ...
+# --sweep`, `fused-decode-tiles-h200.json`), us a layer, the unified kernel's tiles -> these,
+# the two launches in brackets: bfloat16, 64 requests x 512 keys 55.4 -> 48.9 (55.4), x 1,024
+# 90.7 -> 79.4 (92.4), x 192 unchanged (the short tiles: 26.1; 28.0); an 8-bit cache, whose
+# 5-stage FP8_DECODE_TILES made the fused kernel slower than the two launches: 64 x 192 27.1 ->
+# 20.3 (23.0), 64 x 512 49.4 -> 37.4 (38.4), 64 x 1,024 84.0 -> 61.0 (60.3), 128 x 192 40.1 ->
+# 34.7 (35.4). Fewer programs keep the unified kernel's tiles: there deeper pipelines pay (8-bit,
+# 32 x 1,024: 39.5 with 128-key tiles, 48.7 with these); at 16 and 32 x 192 all were within 1 us.
 FUSED_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 FP8_FUSED_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+FUSED_TILES_MIN_PROGRAMS_PER_SM = 2
 # No context under this is split (see choose_num_splits): short_decode_tiles take such batches.
 SHORT_DECODE_CONTEXT = 2 * MIN_KEYS_PER_SPLIT
 
@@ -230,10 +234,16 @@ class TritonBackend:
             return None
         return decode_from_qkv(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
                                residual, residual_eps, num_heads, kv_cache, metadata, scale,
-                               self.fused_decode_tiles(kv_cache.dtype))
+                               self.fused_decode_tiles(metadata.num_reqs, metadata.max_seq_len,
+                                                       num_kv_heads, kv_cache.dtype,
+                                                       qkv.device))
 
-    def fused_decode_tiles(self, cache_dtype: torch.dtype) -> TileConfig:
-        """The tiles of decode_from_qkv over a cache of this dtype."""
+    def fused_decode_tiles(self, num_reqs: int, max_seq_len: int, num_kv_heads: int,
+                           cache_dtype: torch.dtype, device: torch.device) -> TileConfig:
+        """The tiles of decode_from_qkv for a decode batch (see FUSED_DECODE_TILES)."""
+        if num_reqs * num_kv_heads < FUSED_TILES_MIN_PROGRAMS_PER_SM * self._sm_count(device):
+            return self._decode_tiles(num_reqs, max_seq_len, 1, num_kv_heads, cache_dtype,
+                                      device)
         return (self.config.fp8_fused_decode_tiles if is_fp8(cache_dtype)
                 else self.config.fused_decode_tiles)
 

@@ -569,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         # The tiles the backend gives the fused kernel, the unified kernel's for this batch
         # (which the fused kernel took until the sixteenth session), and with --sweep the
         # decode grid.
-        tiles = {"fused": backend.fused_decode_tiles(cache_dtype),
+        tiles = {"fused": backend.fused_decode_tiles(batch, context, NUM_KV_HEADS, cache_dtype,
+                                                     device),
                  "fused_unified_tiles": backend.decode_plan(batch, NUM_KV_HEADS, context,
                                                             device, cache_dtype)[1]}
         if ns.sweep:

@@ -642,9 +642,10 @@ def test_decode_from_qkv_rule_takes_decode_batches_of_about_one_wave():
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
 def test_decode_from_qkv_takes_the_fused_kernels_own_tiles(monkeypatch, cache_dtype):
-    """The fused kernel runs with the backend's fused tiles for the cache's dtype (8-bit: 2
+    """Where its programs fill FUSED_TILES_MIN_PROGRAMS_PER_SM per SM (4 SMs stand in for a
+    CPU), the fused kernel runs with the backend's fused tiles for the cache's dtype (8-bit: 2
     stages), not the unified kernel's tiles for the batch, and gives the same output with
-    them."""
+    them; fewer programs keep the unified kernel's tiles."""
     from sluice.attention.triton.common import TileConfig
 
     chosen = []
@@ -676,3 +677,9 @@ def test_decode_from_qkv_takes_the_fused_kernels_own_tiles(monkeypatch, cache_dt
                          else triton_backend.FUSED_DECODE_TILES)
     assert chosen[1] == TileConfig(16, 32, 4, 2)
     torch.testing.assert_close(outs[0], outs[1], atol=3e-5, rtol=1e-5)
+    if DEVICE == "cpu":  # 16 programs on 4 SMs: 4 a SM; 7 requests: under 2 a SM
+        backend = TritonBackend()
+        assert backend.fused_decode_tiles(8, 70, 1, cache_dtype, torch.device("cpu")) == (
+            chosen[0])
+        assert backend.fused_decode_tiles(7, 70, 1, cache_dtype, torch.device("cpu")) == (
+            backend.decode_plan(7, 1, 70, torch.device("cpu"), cache_dtype)[1])
