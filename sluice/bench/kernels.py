@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = TritonBackend()
     for batch, context in fused_cases:
         # The tiles the backend gives the fused kernel, the unified kernel's for this batch
-        # (which the fused kernel took until the sixteenth session), and with --sweep the
+        # (what the fused kernel ran with before db6d40c), and with --sweep the
         # decode grid.
         tiles = {"fused": backend.fused_decode_tiles(batch, context, NUM_KV_HEADS, cache_dtype,
                                                      device),
