@@ -96,16 +96,19 @@ MAX_SPLITS = 64
 FUSED_DECODE_MIN_REQS = 16
 FUSED_DECODE_MAX_PROGRAMS_PER_SM = 4
 # The fused kernel's own tiles, at any context, for batches of at least
-# FUSED_TILES_MIN_PROGRAMS_PER_SM (request, KV head) programs per SM: its prologue holds
-# registers the unified kernel's loop does not, and with several programs an SM the unified
-# kernel's tiles starved it. On an H200 (`python -m sluice.bench.kernels --fused-cases ...
-# --sweep`, `fused-decode-tiles-h200.json`), us a layer, the unified kernel's tiles -> these,
-# the two launches in brackets: bfloat16, 64 requests x 512 keys 55.4 -> 48.9 (55.4), x 1,024
-# 90.7 -> 79.4 (92.4), x 192 unchanged (the short tiles: 26.1; 28.0); an 8-bit cache, whose
-# 5-stage FP8_DECODE_TILES made the fused kernel slower than the two launches: 64 x 192 27.1 ->
-# 20.3 (23.0), 64 x 512 49.4 -> 37.4 (38.4), 64 x 1,024 84.0 -> 61.0 (60.3), 128 x 192 40.1 ->
-# 34.7 (35.4). Fewer programs keep the unified kernel's tiles: there deeper pipelines pay (8-bit,
-# 32 x 1,024: 39.5 with 128-key tiles, 48.7 with these); at 16 and 32 x 192 all were within 1 us.
+# FUSED_TILES_MIN_PROGRAMS_PER_SM (request, KV head) programs per SM. Its prologue holds registers
+# the unified kernel's does not, so the unified kernel's tiles could not keep
+# FUSED_DECODE_MAX_PROGRAMS_PER_SM programs resident and a batch ran in two waves (sm90, ptxas: the
+# 8-bit cache's 5-stage tiles 140 registers a thread, 3 programs an SM; the 128-key bf16 tiles 137;
+# these 105-108 and 39 KB, 4 an SM: tests/kernels/test_fp8_ptx.py). On an H200 (`python -m
+# sluice.bench.kernels --fused-cases ... --sweep`, `fused-decode-tiles-h200.json`), us a layer, the
+# unified kernel's tiles -> these, the two launches in brackets: bfloat16, 64 requests x 512 keys
+# 55.4 -> 48.9 (55.4), x 1,024 90.7 -> 79.4 (92.4), x 192 unchanged (the short tiles: 26.1; 28.0);
+# an 8-bit cache, whose 5-stage FP8_DECODE_TILES made the fused kernel slower than the two launches:
+# 64 x 192 27.1 -> 20.3 (23.0), 64 x 512 49.4 -> 37.4 (38.4), 64 x 1,024 84.0 -> 61.0 (60.3), 128 x
+# 192 40.1 -> 34.7 (35.4). Fewer programs keep the unified kernel's tiles: there deeper pipelines
+# pay (8-bit, 32 x 1,024: 39.5 with 128-key tiles, 48.7 with these); at 16 and 32 x 192 all were
+# within 1 us.
 FUSED_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 FP8_FUSED_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 FUSED_TILES_MIN_PROGRAMS_PER_SM = 2

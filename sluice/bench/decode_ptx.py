@@ -74,6 +74,40 @@ def compile_decode_kernel(cache: str, model_dtype: str = "bf16",
                           options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
 
 
+def compile_fused_decode_kernel(cache: str, tiles: TileConfig,
+                                model_dtype: str = "bf16") -> Any:
+    """The fused decode kernel (sluice.attention.triton.decode_qkv: q/k norm, RoPE, the KV
+    store and attention in one launch) as Qwen3-0.6B's layers run it (q/k norms, the input
+    norm folded, ordered, PDL), compiled for sm90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sluice.attention.triton.decode_qkv import _decode_from_qkv_kernel as kernel
+
+    constants = dict(NUM_HEADS=16, GROUP=2, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                     HEAD_DIM=128, PAGE_SIZE=16, HAS_NORM=True, ROW_RMS=True, HIDDEN_PAD=1024,
+                     ORDERED=True, UPCAST_DOT=False,
+                     DOT_PRECISION="ieee" if model_dtype == "fp32" else "tf32",
+                     FP16_DOTS=gpu_fp16_dots(cache, model_dtype), USE_PDL=True)
+    pointers = dict(out_ptr=f"*{model_dtype}", qkv_ptr=f"*{model_dtype}",
+                    positions_ptr="*i64", cos_sin_ptr="*fp32", q_weight_ptr=f"*{model_dtype}",
+                    k_weight_ptr=f"*{model_dtype}", residual_ptr=f"*{model_dtype}",
+                    slot_mapping_ptr="*i64", key_cache_ptr=f"*{cache}",
+                    value_cache_ptr=f"*{cache}", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                    order_ptr="*i32")
+    floats = ("qk_scale", "eps", "residual_eps")
+    signature = {name: "constexpr" if name in constants else pointers.get(
+        name, "fp32" if name in floats else "i32") for name in kernel.arg_names}
+    aligned = [*pointers, "stride_qkv_token", "stride_position", "stride_residual",
+               "stride_out_token", "stride_out_head", "stride_kv_block", "stride_kv_slot",
+               "stride_kv_head"]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(ASTSource(kernel, signature, constants, attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+
+
 def main_loop(ptx: str) -> list[str]:
     """The instructions of the kernel's largest loop (the body between a label and the
     furthest backward branch to it), inline asm included, one string each."""

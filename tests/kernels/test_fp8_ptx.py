@@ -54,3 +54,35 @@ def test_the_decode_ptx_report_describes_a_kernel_and_refuses_bad_tiles() -> Non
     bad = _run("-m", "sluice.bench.decode_ptx", "--tiles", "64x4")
     assert bad.returncode == 2 and "BLOCK_NxWARPSxSTAGES" in bad.stderr
 
+
+
+# An H100 / H200 SM: 65,536 registers (a thread's count rounded up to 8), 228 KiB of shared
+# memory, of which each resident block also reserves 1 KiB.
+_SM_REGISTERS = 65536
+_SM_SHARED = 228 * 1024
+_BLOCK_RESERVED_SHARED = 1024
+
+
+def test_the_fused_decode_kernels_tiles_fit_four_programs_an_sm() -> None:
+    """The fused decode kernel takes batches of up to FUSED_DECODE_MAX_PROGRAMS_PER_SM (4)
+    programs an SM, so its tiles must let 4 be resident at once (registers and shared
+    memory), or the batch runs in two waves: what the unified kernel's 8-bit tiles did (140
+    registers a thread: 3 programs an SM), the fifteenth session's finding on the H200."""
+    from sluice.attention.triton_backend import FUSED_DECODE_MAX_PROGRAMS_PER_SM
+
+    run = _run(str(ROOT / "tests" / "kernels" / "fused_ptx_probe.py"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in report:
+        pytest.skip(report["skip"])
+
+    def resident(case: dict) -> int:
+        registers = -(-case["registers"] // 8) * 8
+        by_registers = _SM_REGISTERS // (registers * case["threads"])
+        return min(by_registers,
+                   _SM_SHARED // (case["shared_bytes"] + _BLOCK_RESERVED_SHARED))
+
+    for name in ("bf16 fused", "fp8e4nv fused", "fp8e5 fused"):
+        assert resident(report[name]) >= FUSED_DECODE_MAX_PROGRAMS_PER_SM, report
+    # The premise: the unified kernel's 8-bit tiles do not fit four of the fused kernel.
+    assert resident(report["fp8e4nv unified tiles"]) < FUSED_DECODE_MAX_PROGRAMS_PER_SM, report
