@@ -1,7 +1,8 @@
 """The decode attention kernel as an H100 would run it, read on any machine: the unified kernel's
 decode variant compiled for sm90 by Triton (with its bundled ptxas, no GPU needed), and what
 its code says about the cost of a key: the shared memory a program takes, the registers a
-thread uses, and the PTX instructions a key of its main loop issues, by opcode.
+thread uses, how many programs an SM holds at once, and the PTX instructions a key of its main
+loop issues, by opcode.
 
 This is how the 8-bit cache's costs were found: its V read back from shared memory a byte at a
 time (`ld.shared.b8`, twelfth session), and its conversions to bfloat16 taking 11.7
@@ -147,12 +148,28 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
     return {"registers": int(registers.group(1)) if registers else -1}
 
 
+# An H100 / H200 SM: 65,536 registers (a thread's count rounded up to 8), 228 KiB of shared
+# memory, of which each resident block also reserves 1 KiB.
+SM_REGISTERS = 65536
+SM_SHARED_BYTES = 228 * 1024
+BLOCK_RESERVED_SHARED_BYTES = 1024
+
+
+def programs_per_sm(registers: int, threads: int, shared_bytes: int) -> int:
+    """How many programs (thread blocks) of a kernel an sm90 SM holds at once, by its registers
+    and its shared memory (the 32-block and 2,048-thread limits are never the binding ones
+    here)."""
+    by_registers = SM_REGISTERS // (-(-registers // 8) * 8 * threads)
+    return min(by_registers, SM_SHARED_BYTES // (shared_bytes + BLOCK_RESERVED_SHARED_BYTES))
+
+
 def describe(cache: str, model_dtype: str, tiles: TileConfig,
              fp16_dots: bool | None = None) -> dict[str, Any]:
     if fp16_dots is None:
         fp16_dots = gpu_fp16_dots(cache, model_dtype)
     compiled = compile_decode_kernel(cache, model_dtype, tiles, fp16_dots)
     ptx = compiled.asm["ptx"]
+    usage = ptxas_usage(ptx)
     loop = main_loop(ptx)
     opcodes = collections.Counter(_opcode(i) for i in loop)
     return {
@@ -160,7 +177,9 @@ def describe(cache: str, model_dtype: str, tiles: TileConfig,
         "tiles": [tiles.block_n, tiles.num_warps, tiles.num_stages],
         "fp16_dots": fp16_dots,
         "shared_bytes": compiled.metadata.shared,
-        **ptxas_usage(ptx),
+        **usage,
+        "programs_per_sm": programs_per_sm(usage["registers"], 32 * tiles.num_warps,
+                                           compiled.metadata.shared),
         "loop_instructions": len(loop),
         "loop_instructions_a_key": round(len(loop) / tiles.block_n, 2),
         "ld_shared_b8": sum(1 for i in loop if re.search(r"\bld\.shared\.b8\b", i)),

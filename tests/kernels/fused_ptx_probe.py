@@ -1,6 +1,7 @@
 """Compile the fused decode kernel for sm90 without a GPU (sluice.bench.decode_ptx) with the
 backend's fused tiles and with the unified kernel's 8-bit tiles, and print one JSON line: per
-case, the registers a thread uses (ptxas) and the shared memory a program takes. Run by
+case, the registers a thread uses (ptxas), the shared memory a program takes, and how many
+programs an SM holds at once. Run by
 test_fused_decode_occupancy in a process of its own (the kernel tests' interpreter would
 otherwise wrap the kernels)."""
 
@@ -17,7 +18,11 @@ def main() -> None:
             FP8_FUSED_DECODE_TILES,
             FUSED_DECODE_TILES,
         )
-        from sluice.bench.decode_ptx import compile_fused_decode_kernel, ptxas_usage
+        from sluice.bench.decode_ptx import (
+            compile_fused_decode_kernel,
+            programs_per_sm,
+            ptxas_usage,
+        )
 
         cases = {"bf16 fused": ("bf16", FUSED_DECODE_TILES),
                  "fp8e4nv fused": ("fp8e4nv", FP8_FUSED_DECODE_TILES),
@@ -26,9 +31,11 @@ def main() -> None:
         report = {}
         for name, (cache, tiles) in cases.items():
             compiled = compile_fused_decode_kernel(cache, tiles)
-            report[name] = {"shared_bytes": compiled.metadata.shared,
-                            "threads": 32 * tiles.num_warps,
-                            **ptxas_usage(compiled.asm["ptx"])}
+            usage = ptxas_usage(compiled.asm["ptx"])
+            report[name] = {"shared_bytes": compiled.metadata.shared, **usage,
+                            "programs_per_sm": programs_per_sm(
+                                usage["registers"], 32 * tiles.num_warps,
+                                compiled.metadata.shared)}
     except (ImportError, FileNotFoundError, RuntimeError) as exc:
         print(json.dumps({"skip": f"cannot compile for sm90 here: {exc}"}))
         return

@@ -56,13 +56,6 @@ def test_the_decode_ptx_report_describes_a_kernel_and_refuses_bad_tiles() -> Non
 
 
 
-# An H100 / H200 SM: 65,536 registers (a thread's count rounded up to 8), 228 KiB of shared
-# memory, of which each resident block also reserves 1 KiB.
-_SM_REGISTERS = 65536
-_SM_SHARED = 228 * 1024
-_BLOCK_RESERVED_SHARED = 1024
-
-
 def test_the_fused_decode_kernels_tiles_fit_four_programs_an_sm() -> None:
     """The fused decode kernel takes batches of up to FUSED_DECODE_MAX_PROGRAMS_PER_SM (4)
     programs an SM, so its tiles must let 4 be resident at once (registers and shared
@@ -76,13 +69,17 @@ def test_the_fused_decode_kernels_tiles_fit_four_programs_an_sm() -> None:
     if "skip" in report:
         pytest.skip(report["skip"])
 
-    def resident(case: dict) -> int:
-        registers = -(-case["registers"] // 8) * 8
-        by_registers = _SM_REGISTERS // (registers * case["threads"])
-        return min(by_registers,
-                   _SM_SHARED // (case["shared_bytes"] + _BLOCK_RESERVED_SHARED))
-
     for name in ("bf16 fused", "fp8e4nv fused", "fp8e5 fused"):
-        assert resident(report[name]) >= FUSED_DECODE_MAX_PROGRAMS_PER_SM, report
+        assert report[name]["programs_per_sm"] >= FUSED_DECODE_MAX_PROGRAMS_PER_SM, report
     # The premise: the unified kernel's 8-bit tiles do not fit four of the fused kernel.
-    assert resident(report["fp8e4nv unified tiles"]) < FUSED_DECODE_MAX_PROGRAMS_PER_SM, report
+    assert (report["fp8e4nv unified tiles"]["programs_per_sm"]
+            < FUSED_DECODE_MAX_PROGRAMS_PER_SM), report
+
+
+def test_programs_per_sm_counts_registers_in_eights_and_a_reserved_kib():
+    from sluice.bench.decode_ptx import programs_per_sm
+
+    assert programs_per_sm(128, 128, 39168) == 4  # 16,384 registers a program
+    assert programs_per_sm(129, 128, 39168) == 3  # 136 after rounding: 17,408
+    assert programs_per_sm(64, 128, 56 * 1024) == 4  # 57 KiB with the reserve: 4 in 228
+    assert programs_per_sm(64, 128, 57 * 1024) == 3
