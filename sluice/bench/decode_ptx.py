@@ -49,10 +49,6 @@ def compile_decode_kernel(cache: str, model_dtype: str = "bf16",
                           fp16_dots: bool | None = None) -> Any:
     """The unified kernel's decode variant (one query a request, ordered, paged, PDL) compiled
     for sm90. `fp16_dots` None: as KernelDtypes.of chooses on an NVIDIA GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from sluice.attention.triton.unified import _unified_attention_kernel as kernel
 
     if fp16_dots is None:
@@ -65,14 +61,10 @@ def compile_decode_kernel(cache: str, model_dtype: str = "bf16",
     pointers = dict(out_ptr=f"*{model_dtype}", query_ptr=f"*{model_dtype}",
                     key_ptr=f"*{cache}", value_ptr=f"*{cache}", block_tables_ptr="*i32",
                     seq_lens_ptr="*i32", query_start_loc_ptr="*i32", order_ptr="*i32")
-    signature = {name: "constexpr" if name in constants else pointers.get(
-        name, "fp32" if name == "qk_scale" else "i32") for name in kernel.arg_names}
-    aligned = [*pointers, "stride_query_token", "stride_query_head", "stride_out_token",
-               "stride_out_head", "stride_kv_block", "stride_kv_slot", "stride_kv_head"]
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    return triton.compile(ASTSource(kernel, signature, constants, attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+    return _compile_sm90(kernel, constants, pointers, ("qk_scale",),
+                         ["stride_query_token", "stride_query_head", "stride_out_token",
+                          "stride_out_head", "stride_kv_block", "stride_kv_slot",
+                          "stride_kv_head"], tiles)
 
 
 def compile_fused_decode_kernel(cache: str, tiles: TileConfig,
@@ -80,10 +72,6 @@ def compile_fused_decode_kernel(cache: str, tiles: TileConfig,
     """The fused decode kernel (sluice.attention.triton.decode_qkv: q/k norm, RoPE, the KV
     store and attention in one launch) as Qwen3-0.6B's layers run it (q/k norms, the input
     norm folded, ordered, PDL), compiled for sm90."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from sluice.attention.triton.decode_qkv import _decode_from_qkv_kernel as kernel
 
     constants = dict(NUM_HEADS=16, GROUP=2, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
@@ -97,13 +85,26 @@ def compile_fused_decode_kernel(cache: str, tiles: TileConfig,
                     slot_mapping_ptr="*i64", key_cache_ptr=f"*{cache}",
                     value_cache_ptr=f"*{cache}", block_tables_ptr="*i32", seq_lens_ptr="*i32",
                     order_ptr="*i32")
-    floats = ("qk_scale", "eps", "residual_eps")
+    return _compile_sm90(kernel, constants, pointers, ("qk_scale", "eps", "residual_eps"),
+                         ["stride_qkv_token", "stride_position", "stride_residual",
+                          "stride_out_token", "stride_out_head", "stride_kv_block",
+                          "stride_kv_slot", "stride_kv_head"], tiles)
+
+
+def _compile_sm90(kernel: Any, constants: dict[str, Any], pointers: dict[str, str],
+                  floats: tuple[str, ...], aligned_strides: list[str],
+                  tiles: TileConfig) -> Any:
+    """`kernel` compiled for sm90: `constants` bound, `pointers` of their types, the `floats`
+    float32 and every other argument int32, the pointers and `aligned_strides` 16-divisible
+    (as a launch with aligned tensors specialises them)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     signature = {name: "constexpr" if name in constants else pointers.get(
         name, "fp32" if name in floats else "i32") for name in kernel.arg_names}
-    aligned = [*pointers, "stride_qkv_token", "stride_position", "stride_residual",
-               "stride_out_token", "stride_out_head", "stride_kv_block", "stride_kv_slot",
-               "stride_kv_head"]
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name in [*pointers, *aligned_strides]}
     return triton.compile(ASTSource(kernel, signature, constants, attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
