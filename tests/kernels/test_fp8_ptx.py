@@ -63,7 +63,7 @@ def test_the_fused_decode_kernels_tiles_fit_four_programs_an_sm() -> None:
     registers a thread: 3 programs an SM), the fifteenth session's finding on the H200."""
     from sluice.attention.triton_backend import FUSED_DECODE_MAX_PROGRAMS_PER_SM
 
-    run = _run(str(ROOT / "tests" / "kernels" / "fused_ptx_probe.py"))
+    run = _run(str(ROOT / "tests" / "kernels" / "ptx_probe.py"), "fused")
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in report:
