@@ -146,14 +146,18 @@ def launch_fix_up(meta: torch.Tensor, previous: PreviousTokens, buffers: StepBuf
     tokens = previous.tokens
     model_ids, model_counts = (model_drafts if model_drafts is not None
                                else (draft_ids, num_drafts))  # not read
+    k_pad = triton.next_power_of_2(k + 1)
     _fix_up_kernel[(num_reqs,)](
         meta, tokens, tokens.stride(0), previous.counts, previous.offsets,
         buffers.input_ids, buffers.positions, buffers.slot_mapping, buffers.seq_lens,
         buffers.block_tables, buffers.block_tables.stride(0),
         history, history.stride(0), history_len, draft_ids, draft_ids.stride(0), num_drafts,
         model_ids, model_ids.stride(0), model_counts, FROM_MODEL=model_drafts is not None,
-        K=k, K_PAD=triton.next_power_of_2(k + 1),
-        PREV_PAD=triton.next_power_of_2(tokens.shape[1]), MIN_N=min_n, MAX_N=max_n,
+        K=k, K_PAD=k_pad,
+        # At least K_PAD whatever the step in flight emitted (one token a row, or k + 1): one
+        # compiled variant for both, so the first verification after plain steps compiles
+        # nothing mid-run (the warm-up runs the k + 1 shape).
+        PREV_PAD=max(k_pad, triton.next_power_of_2(tokens.shape[1])), MIN_N=min_n, MAX_N=max_n,
         N_PAD=triton.next_power_of_2(max_n),
         PAGE_SIZE=block_size, BLOCK=_SCAN_BLOCK,
     )

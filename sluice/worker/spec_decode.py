@@ -120,6 +120,11 @@ class SpecDecoder:
                 if self.runner.device.type == "cuda":
                     self.model_proposer.warm_up_catch_up(
                         self.runner.block_tables.max_blocks_per_req)
+        runner = self.runner
+        hidden = torch.zeros((2 * self.query_len, runner.hf_config.hidden_size),
+                             dtype=runner.dtype, device=runner.device)
+        self.rejection_sampler.warm_up(
+            runner.model.compute_logits(hidden).view(2, self.query_len, -1))
         if self.draft_fix_up is not None:
             self.draft_fix_up.warm_up()
             if self.model_proposer is not None:

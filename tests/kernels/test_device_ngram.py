@@ -97,6 +97,38 @@ def test_fix_up_kernel_matches_torch_reference(seed: int, ngram_sizes: tuple[int
         assert torch.equal(want[1][r, :n], got[1][r, :n]), f"history row {r}"
 
 
+def test_fix_up_after_a_plain_step_is_the_warm_ups_variant(monkeypatch) -> None:
+    """The first verification after plain decode steps reads a step in flight that emitted one
+    token a row ([P, 1] tokens), where the warm-up and later verifications read k + 1: the
+    launch's compile-time constants are the same for both, so that step compiles nothing (on an
+    H200 it compiled a variant mid-run, 0.24 s), and it fixes the rows as the reference does."""
+    from sluice.spec_decode import device_ngram_kernel
+
+    kernel = device_ngram_kernel._fix_up_kernel
+    constants = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                constants.append({key: value for key, value in kwargs.items()
+                                  if key.isupper()})
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(device_ngram_kernel, "_fix_up_kernel", Recorder())
+    meta, previous, buffers, history, history_len = _case(3)
+    plain = PreviousTokens(previous.tokens[:, :1].clone(), torch.ones_like(previous.counts),
+                           torch.zeros_like(previous.offsets))
+    for prev in (previous, plain):
+        case = (meta, prev, buffers, history, history_len)
+        want = _run(fix_up_torch, case)
+        got = _run(device_ngram_kernel.launch_fix_up, case)
+        for w, g in zip((want[0].input_ids, want[0].slot_mapping, *want[2:]),
+                        (got[0].input_ids, got[0].slot_mapping, *got[2:])):
+            assert torch.equal(w, g)
+    assert len(constants) == 2 and constants[0] == constants[1]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_fix_up_reference_drafts_what_the_host_proposer_drafts(seed: int) -> None:
     """Per device row: the history gets what the step in flight emitted, the drafts are the

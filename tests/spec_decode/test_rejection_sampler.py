@@ -390,3 +390,19 @@ def test_a_row_without_drafts_draws_what_the_sampler_draws(device: str) -> None:
     reference = Sampler()(logits[:, 0], metadata()).sampled_token_ids
     assert torch.equal(out.output_token_ids[:, 0], reference)
     assert (out.output_token_ids[:, 1:] == -1).all()
+
+
+def test_warm_up_runs_every_path_and_leaves_the_shared_generator_alone(device):
+    """The warm-up (before the first request: SpecDecoder.initialize_kv_cache) draws from a
+    generator of its own: what the sampler draws afterwards is what it would have drawn
+    without it."""
+    logits = torch.randn(2, 4, 50, device=device)
+    warmed, fresh = seeded(3, device), seeded(3, device)
+    warmed.warm_up(logits)
+    drafts = torch.tensor([[1, 2, 3], [4, 5, 6]], device=device)
+    counts = torch.tensor([3, 2], device=device)
+    metadata = make_metadata([0.8, 1.0], device)
+    want = fresh(drafts, counts, None, logits, metadata)
+    got = warmed(drafts, counts, None, logits, metadata)
+    assert torch.equal(want.output_token_ids, got.output_token_ids)
+    assert torch.equal(want.num_accepted, got.num_accepted)
