@@ -299,3 +299,17 @@ def test_default_generator_makes_unseeded_rows_repeatable() -> None:
     third = seeded_sampler(43)(logits, metadata).sampled_token_ids
     assert torch.equal(first, second)
     assert not torch.equal(first, third)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_warm_up_runs_the_torch_path_and_leaves_the_shared_generator_alone(dtype):
+    """The warm-up (before the first request, on a GPU engine) runs the torch path with every
+    feature on (top-k/p, min-p, penalties, blocked tokens, logprobs, logit_bias), its random row
+    on a generator of its own: the sampler draws afterwards what it would have drawn without
+    it."""
+    logits = torch.randn(4, 64).to(dtype)
+    warmed, fresh = seeded_sampler(9), seeded_sampler(9)
+    warmed.warm_up(logits)
+    metadata = make_metadata([1.0, 0.7, 0.0])
+    want = fresh(logits[:3], metadata).sampled_token_ids
+    assert torch.equal(warmed(logits[:3], metadata).sampled_token_ids, want)
