@@ -134,18 +134,17 @@ def test_host_probes_only_while_off_for_acceptance() -> None:
 
 def test_model_proposer_drafts_to_measure_then_probes_backing_off() -> None:
     """A model proposer's probe is a drafting step (and its pass catches up what the skipped
-    passes did not write): each probe that leaves drafting off doubles the steps to the next,
-    up to 16 times probe_interval; drafting on for the acceptance resets the interval."""
+    passes did not write): each probe that leaves drafting off quadruples the steps to the
+    next, up to 64 times probe_interval; drafting on for the acceptance resets the interval."""
     p = policy("draft_model", min_accepted_tokens_per_step=1.0, disable_by_batch_size=None,
                probe_interval=3)
     p.add_request("a")
     assert p.begin_step(1) is Drafting.ON  # nothing measured: draft to measure
     p.observe("a", 0)
-    decisions = [p.begin_step(1) for _ in range(3 + 1 + 6 + 1 + 12 + 1 + 24 + 1 + 48 + 1
-                                                + 48 + 1)]
+    decisions = [p.begin_step(1) for _ in range(3 + 1 + 12 + 1 + 48 + 1 + 192 + 1 + 192 + 1)]
     off, on = Drafting.OFF_ACCEPTANCE, Drafting.ON
-    assert decisions == ([off] * 3 + [on] + [off] * 6 + [on] + [off] * 12 + [on]
-                         + [off] * 24 + [on] + [off] * 48 + [on] + [off] * 48 + [on])
+    assert decisions == ([off] * 3 + [on] + [off] * 12 + [on] + [off] * 48 + [on]
+                         + [off] * 192 + [on] + [off] * 192 + [on])
     assert not p.probes_wanted(1)  # no host probes for a model proposer
     p.observe("a", 4)  # the probe found drafts accepted again: on
     assert p.begin_step(1) is Drafting.ON
@@ -164,13 +163,13 @@ def test_a_model_proposers_probe_is_announced_a_step_ahead() -> None:
     p.begin_step(1)
     p.observe("a", 0)
     announced = []
-    for _ in range(9):
+    for _ in range(13):
         decision = p.begin_step(1)
         announced.append((decision, p.probes_next_step()))
     off, on = Drafting.OFF_ACCEPTANCE, Drafting.ON
     assert announced == [
         (off, False), (off, True), (on, False),
-        (off, False), (off, False), (off, False), (off, True), (on, False),
+        *[(off, False)] * 7, (off, True), (on, False),  # backed off: 8 steps to the next
         (off, False)]
     assert not policy(min_accepted_tokens_per_step=1.0).probes_next_step()  # n-gram: on host
 
