@@ -11,7 +11,7 @@ off for the batch size), `min_accepted_tokens_per_step` (no drafts while the dra
 per request and step, a moving average, stay below it; 0: never off for acceptance; unset: 1.25, or
 k when k is 1) and `probe_interval` (steps between the checks that turn drafting back on; unset: 2
 for n-gram, whose checks run on the host, 16 for a model proposer, whose checks are steps that
-draft, and back off up to 16 times that while they find nothing). The defaults come from the H200's
+draft, and back off up to 64 times that while they find nothing). The defaults come from the H200's
 figures (`benchmarks/README.md`): a synchronous step with drafts cost about twice an overlapped step
 without at batch 1 and more at batch 8, and with n-gram drafts proposed on the device (async
 scheduling) a verification step still costs 1.28x a decode step at batch 1, 1.34x at batch 8 and
