@@ -29,12 +29,15 @@ is unchanged.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from sluice.sample.metadata import SamplingMetadata
+
+logger = logging.getLogger("sluice")
 
 # Greedy is temperature below this (as SamplingParams.greedy).
 _SAMPLING_EPS = 1e-5
@@ -130,8 +133,6 @@ class Sampler(nn.Module):
             sample_tokens(logits, temperature, seeds)
             sample_tokens(logits.to(torch.float32), temperature, seeds)
         ones = torch.ones(num_rows, device=device)
-        words = -(-vocab_size // 32)
-        grammar = device.type == "cuda" and _has_xgrammar()
         self(logits, SamplingMetadata(
             temperature=temperature, all_greedy=False, all_random=False,
             top_k=torch.full((num_rows,), 20, dtype=torch.int64, device=device),
@@ -142,11 +143,23 @@ class Sampler(nn.Module):
             prompt_token_ids=torch.zeros((num_rows, 1), dtype=torch.int64, device=device),
             output_token_ids=[[1], [2]], blocked_token_ids={0: {3}}, seeds=seeds,
             logit_bias=(torch.tensor([1], device=device), torch.tensor([4], device=device),
-                        torch.tensor([1.0], device=device)),
-            # Every token allowed: xgrammar's Triton kernel on CUDA, compiled now.
-            grammar_bitmask=(torch.full((num_rows, words), -1, dtype=torch.int32, device=device)
-                             if grammar else None),
-            grammar_rows=[0] if grammar else None))
+                        torch.tensor([1.0], device=device))))
+        if device.type == "cuda" and _has_xgrammar():
+            # xgrammar's bitmask kernel (Triton on CUDA), every token allowed. Where it cannot
+            # run, structured-output requests fail with its error as they did; the engine
+            # still starts.
+            bitmask = torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32,
+                                 device=device)
+            try:
+                apply_token_constraints(logits, SamplingMetadata(
+                    temperature=temperature, all_greedy=False, all_random=False, top_k=None,
+                    top_p=None, min_p=None, generators={}, max_num_logprobs=None,
+                    no_penalties=True, presence_penalties=0 * ones,
+                    frequency_penalties=0 * ones, repetition_penalties=ones,
+                    prompt_token_ids=None, output_token_ids=[[], []], blocked_token_ids={},
+                    grammar_bitmask=bitmask, grammar_rows=[0]))
+            except Exception as error:  # an optional feature's warm-up: xgrammar's own errors
+                logger.warning("structured outputs' bitmask kernel did not warm up: %s", error)
 
     def _sample_fused(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         # Imported here: CPU-only installs need no Triton, and tests choose its interpreter
