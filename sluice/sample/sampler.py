@@ -29,6 +29,7 @@ is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -133,7 +134,7 @@ class Sampler(nn.Module):
             sample_tokens(logits, temperature, seeds)
             sample_tokens(logits.to(torch.float32), temperature, seeds)
         ones = torch.ones(num_rows, device=device)
-        self(logits, SamplingMetadata(
+        metadata = SamplingMetadata(
             temperature=temperature, all_greedy=False, all_random=False,
             top_k=torch.full((num_rows,), 20, dtype=torch.int64, device=device),
             top_p=0.9 * ones, min_p=0.05 * ones,
@@ -143,7 +144,8 @@ class Sampler(nn.Module):
             prompt_token_ids=torch.zeros((num_rows, 1), dtype=torch.int64, device=device),
             output_token_ids=[[1], [2]], blocked_token_ids={0: {3}}, seeds=seeds,
             logit_bias=(torch.tensor([1], device=device), torch.tensor([4], device=device),
-                        torch.tensor([1.0], device=device))))
+                        torch.tensor([1.0], device=device)))
+        self(logits, metadata)
         if device.type == "cuda" and _has_xgrammar():
             # xgrammar's bitmask kernel (Triton on CUDA), every token allowed. Where it cannot
             # run, structured-output requests fail with its error as they did; the engine
@@ -151,13 +153,8 @@ class Sampler(nn.Module):
             bitmask = torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32,
                                  device=device)
             try:
-                apply_token_constraints(logits, SamplingMetadata(
-                    temperature=temperature, all_greedy=False, all_random=False, top_k=None,
-                    top_p=None, min_p=None, generators={}, max_num_logprobs=None,
-                    no_penalties=True, presence_penalties=0 * ones,
-                    frequency_penalties=0 * ones, repetition_penalties=ones,
-                    prompt_token_ids=None, output_token_ids=[[], []], blocked_token_ids={},
-                    grammar_bitmask=bitmask, grammar_rows=[0]))
+                apply_token_constraints(logits, dataclasses.replace(
+                    metadata, grammar_bitmask=bitmask, grammar_rows=[0]))
             except Exception as error:  # an optional feature's warm-up: xgrammar's own errors
                 logger.warning("structured outputs' bitmask kernel did not warm up: %s", error)
 
