@@ -370,6 +370,14 @@ def test_models_tokenize_detokenize_version_health(server: ServerProcess,
     body = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world"}).json()
     assert body == {"count": len(tok.encode("Hello world")), "max_model_len": 1024,
                     "tokens": tok.encode("Hello world")}
+    # Over one slice of the JSON array the server builds, and without special tokens.
+    long_text = "Hello world, again. " * 5000
+    for special in (True, False):
+        long = httpx.post(f"{base}/tokenize", json={"prompt": long_text,
+                                                    "add_special_tokens": special}).json()
+        want = tok.encode(long_text, add_special_tokens=special)
+        assert len(want) > 16384 and long == {"count": len(want), "max_model_len": 1024,
+                                              "tokens": want}
     chat = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": CHAT}).json()
     want = reference.chat(CHAT, greedy(1), use_tqdm=False)[0].prompt_token_ids
     assert chat["tokens"] == want and chat["count"] == len(want)

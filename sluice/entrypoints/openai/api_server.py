@@ -56,6 +56,7 @@ from sluice.entrypoints.openai.reasoning import REASONING_PARSERS
 from sluice.entrypoints.openai.serving_chat import OpenAIServingChat
 from sluice.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from sluice.entrypoints.openai.serving_engine import OpenAIServing, ServingOptions
+from sluice.entrypoints.openai.text_inputs import ids_json
 from sluice.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("sluice")
@@ -351,8 +352,8 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
                                      raw_request: Request) -> Response:
         return await chat.create(request, raw_request)
 
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(request: TokenizeRequest) -> Response:
         serving.model_name(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("give exactly one of prompt or messages", 400, "prompt")
@@ -364,8 +365,11 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
             tools = (None if not request.tools
                      else [tool.model_dump(exclude_none=True) for tool in request.tools])
             token_ids = await serving.tokenize_chat(request, tools)
-        return TokenizeResponse(count=len(token_ids), max_model_len=engine.max_model_len,
-                                tokens=token_ids)
+        # The body is built off the event loop: a 10 MB prompt has two million ids, whose
+        # validation and json.dumps would hold the loop (and /health) for a second.
+        tokens = await serving.text_inputs.run(ids_json, token_ids)
+        return Response(f'{{"count":{len(token_ids)},"max_model_len":{engine.max_model_len},'
+                        f'"tokens":{tokens}}}', media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
@@ -375,7 +379,8 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
         if bad:
             raise OpenAIError(f"tokens must be integers in [0, {vocab_size}), got {bad[0]}",
                               400, "tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
+        text = await serving.text_inputs.run(engine.tokenizer.decode, request.tokens)
+        return DetokenizeResponse(prompt=text)
 
     return app
 

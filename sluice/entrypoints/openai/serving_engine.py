@@ -30,7 +30,7 @@ from sluice.entrypoints.openai.chat_template import (
 from sluice.entrypoints.openai.errors import OpenAIError, error_body
 from sluice.entrypoints.openai.protocol import ChatInputs, SamplingFields, unsupported_field
 from sluice.entrypoints.openai.structured import structured_outputs_from_request
-from sluice.entrypoints.openai.text_inputs import TextInputs, lone_surrogate
+from sluice.entrypoints.openai.text_inputs import TextInputs, encode_ids, lone_surrogate
 from sluice.kv_transfer.disagg import params as pd_params
 from sluice.sampling_params import SamplingParams, StructuredOutputsParams
 from sluice.structured_output.grammar import GrammarError
@@ -134,8 +134,8 @@ class OpenAIServing:
                     f"{self.max_model_len} tokens of this tokenizer can hold "
                     f"({inputs.max_prompt_bytes} bytes). Please reduce the length of the "
                     "prompt.", 400, "prompt")
-            token_ids = await inputs.run(self.engine.tokenizer.encode, prompt,
-                                         add_special_tokens=add_special_tokens)
+            token_ids = await inputs.run(encode_ids, self.engine.tokenizer, prompt,
+                                         add_special_tokens)
             if not token_ids:
                 raise OpenAIError(f"{param} tokenized to no tokens", 400, "prompt")
             return prompt, token_ids

@@ -26,6 +26,25 @@ _NORMALIZER_SHRINK = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4}
 _LOSSLESS_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Punctuation"}
 
 
+# Token ids a slice of `ids_json`: about 10 ms of work on a slow CPU.
+IDS_JSON_SLICE = 16384
+
+
+def ids_json(ids: list[int]) -> str:
+    """`ids` as a JSON array, built slice by slice. Each slice's join holds the GIL, but between
+    slices a thread building a million-id array lets the event loop run; one json.dumps of it
+    holds the GIL for a second on a slow CPU."""
+    return "[" + ",".join([",".join(map(str, ids[i:i + IDS_JSON_SLICE]))
+                           for i in range(0, len(ids), IDS_JSON_SLICE)]) + "]"
+
+
+def encode_ids(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """`tokenizer.encode(text)`, asking for the ids alone: encode also builds the attention
+    mask and the token type ids, each another list as long, made while holding the GIL."""
+    return tokenizer(text, add_special_tokens=add_special_tokens, return_attention_mask=False,
+                     return_token_type_ids=False)["input_ids"]
+
+
 def lone_surrogate(value: Any, path: str) -> str | None:
     """A message naming the first string in `value` (walked through dicts and lists) that is
     not valid Unicode, e.g. a lone UTF-16 surrogate from JSON's "\\ud800", or None. No
