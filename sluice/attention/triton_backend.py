@@ -82,6 +82,17 @@ FP8_SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=5)
 SPLIT_BELOW_PROGRAMS_PER_SM = 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
+# Very few programs over a short context (at most a sixteenth of the SMs: one request of
+# Qwen3-0.6B's 8 KV heads on an H200): each KV head's tiles walked by one program are the step's
+# latency there, so contexts under SHORT_DECODE_CONTEXT split into 64-key tiles, 8 splits. On an
+# H200 (`split-kv-few-programs-trial-h200.json`): a chain of 28 calls in one CUDA graph, 1
+# request x 192 / 330 keys, 6.9 / 9.2 us a call unsplit, 6.1 / 6.3 with 8 splits and the merge;
+# `bench latency` at batch 1, 128 + 128 tokens (this plan: 8 splits in the short-context graphs),
+# alternated on one start: 0.880 / 0.878 ms against 0.891 / 0.892. At 4 requests x 192 keys the
+# chain was slower split (7.8 against 7.3 us), hence the sixteenth. Longer contexts keep the rule
+# below: one-tile splits up to 32 made batch 1 at 1,024 keys slower (0.943 against 0.920 ms).
+FEW_PROGRAMS_SM_FRACTION = 16
+FEW_PROGRAMS_KEYS_PER_SPLIT = 64
 # Decode batches of FUSED_DECODE_MIN_REQS requests or more, with at most
 # FUSED_DECODE_MAX_PROGRAMS_PER_SM (request, KV head) programs per SM, take q/k norm, RoPE and
 # the KV store inside the attention kernel (decode_from_qkv): one launch a layer fewer, for a
@@ -112,7 +123,8 @@ FUSED_DECODE_MAX_PROGRAMS_PER_SM = 4
 FUSED_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 FP8_FUSED_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 FUSED_TILES_MIN_PROGRAMS_PER_SM = 2
-# No context under this is split (see choose_num_splits): short_decode_tiles take such batches.
+# No context under this is split but by very few programs (see choose_num_splits): from
+# SHORT_DECODE_MIN_REQS requests short_decode_tiles take such batches.
 SHORT_DECODE_CONTEXT = 2 * MIN_KEYS_PER_SPLIT
 
 
@@ -155,14 +167,20 @@ def choose_num_splits(
     num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int
 ) -> int:
     """Splits per request for a decode batch: 1 (no split) when the batch already fills the
-    GPU or contexts are short; else a power of two (few distinct values: few compiled
-    variants)."""
+    GPU or contexts are short for its programs; else a power of two (few distinct values: few
+    compiled variants)."""
     programs = num_reqs * num_kv_heads
     if programs == 0 or programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
         return 1
-    fits = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
     want = -(-4 * num_sms // programs)
-    num_splits = min(want, fits, MAX_SPLITS)
+    if max_seq_len < SHORT_DECODE_CONTEXT and programs * FEW_PROGRAMS_SM_FRACTION <= num_sms:
+        # As many splits as the longest short context has tiles, whatever this one's length:
+        # the variant the short-context graphs compile, so an eager step compiles none mid-run
+        # (splits past a context's end return at once).
+        num_splits = min(want, SHORT_DECODE_CONTEXT // FEW_PROGRAMS_KEYS_PER_SPLIT)
+    else:
+        fits = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
+        num_splits = min(want, fits, MAX_SPLITS)
     return 1 << (num_splits.bit_length() - 1)
 
 

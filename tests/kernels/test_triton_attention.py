@@ -291,6 +291,12 @@ def test_split_rule_splits_decode_batches_that_leave_the_gpu_underfilled():
     assert choose_num_splits(8, 8, 8192, 132) == 8
     assert choose_num_splits(8, 8, 300, 132) == 1  # too short to split
     assert choose_num_splits(0, 8, 0, 132) == 1
+    # At most a sixteenth of the SMs in programs, a context under 512 keys: 64-key tiles, and
+    # always 8 splits (the short-context graphs' plan: no other variant to compile mid-run).
+    for context in (511, 300, 192, 64, 1):
+        assert choose_num_splits(1, 8, context, 132) == 8
+    assert choose_num_splits(2, 8, 511, 132) == 1  # 16 programs: the rule above
+    assert choose_num_splits(1, 8, 512, 132) == 2  # longer: 256 keys a split at least
 
 
 def test_decode_plan_gives_short_contexts_their_own_tiles():
