@@ -48,12 +48,12 @@ logger = logging.getLogger("sluice")
 
 _MAX_GRAPH_BATCH = 512
 # Decode steps whose contexts are all shorter than this replay the short-context decode graphs
-# (where the attention backend's plan for them differs). From 5 requests (Qwen3-0.6B on an
+# (where the attention backend's plan for them differs). From 2 requests (Qwen3-0.6B on an
 # H200) the Triton backend splits no context under 2 x MIN_KEYS_PER_SPLIT = 512 keys: the
 # unified kernel at 16 requests of 192 keys took 15.9 us against 21.8 with the 4 splits a graph
 # captured for 40,960 keys runs; and from 16 requests it takes narrower tiles there
-# (SHORT_DECODE_CONTEXT, the same 512). Fewer requests split a short context by 64-key tiles,
-# into fewer splits than a long one gets.
+# (SHORT_DECODE_CONTEXT, the same 512). One request splits a short context into 8 slices of
+# 64 keys (FEW_PROGRAMS_SM_FRACTION), fewer splits than a long one gets.
 SHORT_CONTEXT_TOKENS = 512
 _PREFILL_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _MAX_PREFILL_GRAPH_TOKENS = _PREFILL_GRAPH_TOKENS[-1]
