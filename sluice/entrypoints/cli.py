@@ -8,11 +8,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.config import KVTransferConfig
-from sluice.engine.arg_utils import EngineArgs
 from sluice.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:  # imported where used: it imports PyTorch, which `sluice router` never needs
+    from sluice.engine.arg_utils import EngineArgs
 
 
 def speculative_config_arg(text: str) -> dict[str, Any] | None:
@@ -83,6 +85,8 @@ _ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    from sluice.engine.arg_utils import EngineArgs
+
     defaults = EngineArgs()
     group = parser.add_argument_group("engine")
     for flag, kind, help_text in _ENGINE_FLAGS:
@@ -97,6 +101,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    from sluice.engine.arg_utils import EngineArgs
+
     names = {f.name for f in fields(EngineArgs)}
     return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
 
@@ -288,9 +294,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_router_parser() -> argparse.ArgumentParser:
+    """`sluice router` alone: the router runs no model, and building the other commands'
+    parsers imports PyTorch (3 of the 4 s a router took to start on a 2-core CPU)."""
+    from sluice.router import cli as router_cli
+
+    parser = argparse.ArgumentParser(prog="sluice", description="LLM inference engine")
+    router_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    parser = build_router_parser() if args[:1] == ["router"] else build_parser()
+    ns = parser.parse_args(args)
     try:
         return ns.func(ns)
     except ValueError as e:

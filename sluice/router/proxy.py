@@ -40,8 +40,8 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from sluice.entrypoints.openai.connection import run_until_disconnected
 from sluice.entrypoints.openai.errors import error_response
-from sluice.entrypoints.openai.serving_engine import run_until_disconnected
 from sluice.router.metrics import RouterMetrics
 from sluice.router.policies import Policy
 from sluice.router.workers import Worker, WorkerPool

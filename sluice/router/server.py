@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sluice.entrypoints.openai.connection import bind_socket
 from sluice.entrypoints.openai.errors import error_response
 from sluice.router.metrics import RouterMetrics
 from sluice.router.policies import POLICIES, make_policy
@@ -117,8 +118,6 @@ def build_app(args: RouterArgs) -> FastAPI:
 
 
 def run_router(args: RouterArgs) -> int:
-    from sluice.entrypoints.openai.api_server import bind_socket
-
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
     sock = bind_socket(args.host, args.port)

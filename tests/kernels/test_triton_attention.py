@@ -175,19 +175,21 @@ VERIFY = [(9, 3), (40, 5), (16, 1), (77, 5), (5, 5), (33, 8)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_splits", [1, 2, 8])
-@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 2, 16), (8, 2, 32)])
-def test_split_kv_verification_matches_reference(device, num_splits, num_heads, num_kv_heads,
-                                                 block_size):
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size,num_splits,padded",
+                         [(4, 2, 16, 1, False), (4, 2, 16, 2, True), (8, 2, 32, 8, True)])
+def test_split_kv_verification_matches_reference(device, num_heads, num_kv_heads, block_size,
+                                                 num_splits, padded):
     """Each token attends up to its own position (its context: seq_len less the request's
-    tokens after it), split like a decode."""
+    tokens after it), split like a decode. (Three cases of the six a full grid would give: under
+    the CPU interpreter each takes 6-15 s on 2 cores.)"""
     config = TritonBackendConfig(split_kv="always", num_splits=num_splits)
     step = make_step(VERIFY, num_heads, num_kv_heads, block_size, device=device, seed=4)
     assert_matches_reference(step, TritonBackend(config))
-    # With padding tokens after the requests (a verification graph's): they output zeros.
-    padded = make_step(VERIFY, num_heads, num_kv_heads, block_size, device=device, seed=4,
-                       num_padding_tokens=3)
-    assert_matches_reference(padded, TritonBackend(config))
+    if padded:
+        # With padding tokens after the requests (a verification graph's): they output zeros.
+        padded_step = make_step(VERIFY, num_heads, num_kv_heads, block_size, device=device,
+                                seed=4, num_padding_tokens=3)
+        assert_matches_reference(padded_step, TritonBackend(config))
 
 
 @pytest.mark.parametrize("device", DEVICES)

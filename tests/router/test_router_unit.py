@@ -3,9 +3,12 @@ decode's stream, the command line."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from sluice.entrypoints.cli import build_parser
+from sluice.entrypoints.cli import build_parser, build_router_parser
 from sluice.router.cli import _prefill_arg
 from sluice.router.policies import CacheAware, LeastLoaded, RoundRobin
 from sluice.router.proxy import _carries_token, _failed_before_first_token, prompt_key, refusal
@@ -68,16 +71,37 @@ def test_the_stream_commits_at_the_first_token_and_an_early_error_is_the_retry_s
     assert not _failed_before_first_token({"finish_reason": "stop"}, 0)
 
 
-def test_command_line_takes_sgl_routers_flag_shapes() -> None:
-    ns = build_parser().parse_args([
+@pytest.mark.parametrize("parser", [build_parser, build_router_parser])
+def test_command_line_takes_sgl_routers_flag_shapes(parser) -> None:
+    ns = parser().parse_args([
         "router", "--port", "0", "--prefill", "http://127.0.0.1:8100", "9001",
         "--prefill", "http://127.0.0.1:8101", "--decode", "http://127.0.0.1:8200",
         "--policy", "cache_aware"])
     assert [_prefill_arg(v) for v in ns.prefill] == [("http://127.0.0.1:8100", 9001),
                                                     ("http://127.0.0.1:8101", 8998)]
+    assert ns.func.__module__ == "sluice.router.cli"
     with pytest.raises(ValueError, match="bootstrap port must be an integer"):
         _prefill_arg(["http://h:1", "x"])
     with pytest.raises(ValueError, match="at least one --prefill and one --decode"):
         RouterArgs(prefills=(), decodes=("http://127.0.0.1:1",))
     with pytest.raises(ValueError, match="http"):
         RouterArgs(prefills=(("127.0.0.1:1", 8998),), decodes=("http://127.0.0.1:1",))
+
+
+def test_the_router_command_imports_no_pytorch() -> None:
+    # The router runs no model: `sluice router`'s parser and its server leave PyTorch (and
+    # transformers) unimported, so it starts in about a second.
+    code = ("import sys\n"
+            "from sluice.entrypoints.cli import main\n"
+            "import sluice.router.server\n"
+            "try:\n"
+            "    main(['router', '--help'])\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "heavy = sorted({'torch', 'transformers', 'triton'} & set(sys.modules))\n"
+            "print('heavy:', heavy)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "usage: sluice router" in run.stdout
+    assert run.stdout.strip().endswith("heavy: []"), run.stdout[-500:]

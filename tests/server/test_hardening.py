@@ -328,7 +328,7 @@ def test_connections_are_accepted_with_nagle_off() -> None:
     accepted connections TCP_NODELAY, as asyncio's own sockets have: with Nagle's algorithm on,
     each response's second write on a kept-alive connection waited for the client's delayed
     ACK, 40 ms added to the first token of every request after a connection's first."""
-    from sluice.entrypoints.openai.api_server import bind_socket
+    from sluice.entrypoints.openai.connection import bind_socket
 
     async def main() -> int:
         sock = bind_socket("127.0.0.1", 0)

@@ -40,6 +40,7 @@ import sluice
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import AsyncLLM
 from sluice.engine.core_proc import CoreAttachment
+from sluice.entrypoints.openai.connection import bind_socket
 from sluice.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from sluice.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatsListener
 from sluice.entrypoints.openai.protocol import (
@@ -427,25 +428,6 @@ class _DrainingServer(uvicorn.Server):
                                    self.state.in_flight)
                     self.should_exit = self.force_exit = True
         return await super().on_tick(counter)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind (not yet listen) before the model loads, so a taken port fails at once."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not the default 0: asyncio turns Nagle's algorithm off only on sockets whose
-    # proto says TCP, and accepted sockets copy the listener's. With Nagle on, a response's
-    # second small write on a kept-alive connection waited for the client's delayed ACK: +40 ms
-    # to the first token of every request after a connection's first (measured on loopback).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ValueError(f"cannot bind {host}:{port}: {exc}") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 def run_server(server_args: ServerArgs, engine_args: EngineArgs,

@@ -39,7 +39,8 @@ from typing import Any
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import core_process_args
 from sluice.engine.core_proc import CoreAttachment, SharedEngineCore, launch_shared_engine_core
-from sluice.entrypoints.openai.api_server import ServerArgs, bind_socket, run_server
+from sluice.entrypoints.openai.api_server import ServerArgs, run_server
+from sluice.entrypoints.openai.connection import bind_socket
 from sluice.entrypoints.openai.metrics import MULTIPROC_DIR_ENV
 from sluice.process_utils import ChildProcess, parent_alive, spawn_module
 

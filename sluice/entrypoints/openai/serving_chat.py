@@ -33,6 +33,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from sluice.engine.processors import RequestOutputKind
+from sluice.entrypoints.openai.connection import run_until_disconnected
 from sluice.entrypoints.openai.errors import OpenAIError
 from sluice.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
@@ -58,7 +59,6 @@ from sluice.entrypoints.openai.serving_engine import (
     clamp_logprob,
     merge_streams,
     random_id,
-    run_until_disconnected,
     sse,
     sse_error,
 )

@@ -26,6 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from sluice.engine.detokenizer import decode_token
 from sluice.engine.processors import RequestOutputKind
+from sluice.entrypoints.openai.connection import run_until_disconnected
 from sluice.entrypoints.openai.errors import OpenAIError
 from sluice.entrypoints.openai.protocol import (
     CompletionLogProbs,
@@ -43,7 +44,6 @@ from sluice.entrypoints.openai.serving_engine import (
     clamp_logprob,
     merge_streams,
     random_id,
-    run_until_disconnected,
     sse,
     sse_error,
 )

@@ -13,11 +13,10 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fastapi import Request
 from pydantic import BaseModel
 
 from sluice.engine.async_llm import AsyncLLM, EngineDeadError
@@ -363,28 +362,3 @@ async def _close(stream: AsyncIterator[Any]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Run a non-streaming handler's work; if the client goes away first, cancel it (which
-    aborts its requests in the engine), wait for it to wind down, and return None."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # the handler itself was cancelled
-        watcher.cancel()
-        task.cancel()
-        raise
-    watcher.cancel()
-    if not task.done():
-        task.cancel()
-        # cancel() only asks: the task is done once its cleanup (the abort) has run.
-        await asyncio.wait((task,))
-        return None
-    return task.result()
