@@ -49,3 +49,41 @@ if not torch.cuda.is_available():
         return _convert_float(input, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = _convert_float_as_torch_does
+
+    # A launch patches triton.language for the interpreter (its builtins bound to the
+    # interpreter's semantic) and restores it at the end; each call of a nested @triton.jit
+    # function inside the launch patches the same modules again, to the same effect, and that
+    # re-patching (inspect.getmembers over triton.language, for every call of every program)
+    # was about a quarter of the kernel tests' time. A nested call whose modules the running
+    # launch has already patched now skips it.
+    import inspect
+
+    _patch_lang = interpreter._patch_lang
+    _patched_by_launch: list[frozenset[int]] = []
+
+    class _NothingPatched:
+        def restore(self) -> None:
+            pass
+
+    def _lang_modules(fn) -> frozenset[int]:
+        return frozenset(id(value) for value in fn.__globals__.values()
+                         if inspect.ismodule(value) and value in (tl, tl.core))
+
+    def _patch_lang_once_per_launch(fn):
+        langs = _lang_modules(fn)
+        if _patched_by_launch:  # a nested call inside a launch
+            if langs <= _patched_by_launch[-1]:
+                return _NothingPatched()
+            return _patch_lang(fn)  # never restored, as before (the launch's restore undoes it)
+        scope = _patch_lang(fn)  # a launch: restored when it ends
+        _patched_by_launch.append(langs)
+        restore = scope.restore
+
+        def restore_and_forget() -> None:
+            _patched_by_launch.pop()
+            restore()
+
+        scope.restore = restore_and_forget
+        return scope
+
+    interpreter._patch_lang = _patch_lang_once_per_launch

@@ -123,14 +123,16 @@ def check_qk_norm_rope(
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=lambda s: "h{}_kvh{}_d{}".format(*s))
 def test_qk_norm_rope_matches_torch(head_shape, dtype, with_norm):
-    check_qk_norm_rope(37, *head_shape, dtype, with_norm)
+    # 13 tokens: a program is one (token, head), so more tokens only repeat programs (under the
+    # interpreter, 37 took 3.3 s a case).
+    check_qk_norm_rope(13, *head_shape, dtype, with_norm)
 
 
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=lambda s: "h{}_kvh{}_d{}".format(*s))
 def test_qk_norm_rope_with_folded_input_norm_matches_torch(head_shape, dtype, with_norm):
-    check_qk_norm_rope(37, *head_shape, dtype, with_norm, with_residual=True)
+    check_qk_norm_rope(13, *head_shape, dtype, with_norm, with_residual=True)
 
 
 @pytest.mark.parametrize("head_shape", HEAD_SHAPES, ids=lambda s: "h{}_kvh{}_d{}".format(*s))
