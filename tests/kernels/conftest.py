@@ -54,8 +54,8 @@ if not torch.cuda.is_available():
     # interpreter's semantic) and restores it at the end; each call of a nested @triton.jit
     # function inside the launch patches the same modules again, to the same effect, and that
     # re-patching (inspect.getmembers over triton.language, for every call of every program)
-    # was about a quarter of the kernel tests' time. A nested call whose modules the running
-    # launch has already patched now skips it.
+    # was about an eighth of a kernel test's time (6.5 -> 5.7 s for one qk_norm_rope case).
+    # A nested call whose modules the running launch has already patched now skips it.
     import inspect
 
     _patch_lang = interpreter._patch_lang
