@@ -37,9 +37,9 @@ from sluice.testing.synthetic_core import MAX_SEQS_ENV, STEP_MS_ENV  # noqa: E40
 # and wire protocol; only the spawned module differs).
 _LAUNCHER = """
 import sys
-import sluice.engine.core_proc as core_proc
-spawn = core_proc.spawn_module
-core_proc.spawn_module = lambda module, startup: spawn("sluice.testing.synthetic_core", startup)
+import sluice.engine.core_client as core_client
+spawn = core_client.spawn_module
+core_client.spawn_module = lambda module, startup: spawn("sluice.testing.synthetic_core", startup)
 from sluice.entrypoints.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -21,6 +21,11 @@ class ModelConfig:
     dense_prefill: bool = True
 
 
+# kv_cache_dtype values: "auto" (the model's dtype), "fp8" and its alias "fp8_e4m3", "fp8_e5m2"
+# (sluice.attention.kv_layout).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16

@@ -10,7 +10,10 @@ import torch
 
 # Keep tests on the CPU and deterministic whatever machine runs them.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One pytest-xdist worker of N (scripts/test.sh) gets its share of the cores: more threads than
+# cores would only make the workers take turns.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 ARCHS = ("qwen3", "llama", "qwen2")
 

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 
 import torch
 
-# kv_cache_dtype values: "auto" (the model's dtype), "fp8" and its alias "fp8_e4m3", "fp8_e5m2".
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+from sluice.config import KV_CACHE_DTYPES
+
 FP8_E4M3_MAX = 448.0
 FP8_E5M2_MAX = 57344.0
 _FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}

@@ -1,6 +1,4 @@
-"""Tensor parallelism's process group: which rank this process is, and the collectives the
-parallel layers (sluice.model.linear, sluice.model.embed_head) call."""
-
-from sluice.distributed.tp import SINGLE_RANK, TPGroup, kv_heads_per_rank
-
-__all__ = ["SINGLE_RANK", "TPGroup", "kv_heads_per_rank"]
+"""Tensor parallelism: the process group and the collectives the parallel layers call
+(sluice.distributed.tp), and how heads split over ranks (sluice.distributed.head_split, no
+PyTorch). Import the modules themselves: this package imports nothing, so the API server can
+check a tensor_parallel_size without loading PyTorch."""

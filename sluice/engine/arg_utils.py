@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from sluice.attention.kv_layout import KV_CACHE_DTYPES
 from sluice.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
@@ -15,7 +15,7 @@ from sluice.config import (
     SchedulerConfig,
     verify_positive,
 )
-from sluice.distributed.tp import check_tp_size
+from sluice.distributed.head_split import check_tp_size
 from sluice.model.hf_config import HFModelConfig, load_hf_config
 from sluice.model.hub import resolve_model_path
 from sluice.spec_decode.config import SpeculativeConfig

@@ -33,7 +33,7 @@ import zmq.asyncio
 from sluice.channel import Encoder, WireError
 from sluice.config import EngineConfig
 from sluice.engine.arg_utils import EngineArgs
-from sluice.engine.core_proc import CoreAttachment, attach_engine_core, launch_engine_core
+from sluice.engine.core_client import CoreAttachment, attach_engine_core, launch_engine_core
 from sluice.engine.output_stream import EngineDiedInFlight, RequestOutputStream
 from sluice.engine.processors import (
     InputProcessor,
@@ -100,7 +100,7 @@ class AsyncLLM:
         """Start the engine core and wait for it. `ready_timeout_s`: how long the core may
         take to load the model; `log_stats`: log a throughput line every
         `log_stats_interval_s` seconds while busy; `attach`: instead of starting a core, be
-        one of the front ends of a core another process started (core_proc.
+        one of the front ends of a core another process started (core_client.
         launch_shared_engine_core, with the same engine arguments). ValueError for bad engine
         arguments."""
         config = engine_args.create_engine_config()

@@ -108,14 +108,19 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from sluice import LLM, SamplingParams
+    from sluice import SamplingParams
 
     check_device(ns.device)
     prompts = ns.prompt or ["The quick brown fox"]
     params = SamplingParams(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
                             max_tokens=ns.max_tokens, seed=ns.sampling_seed,
                             ignore_eos=ns.ignore_eos)
-    llm = LLM(**vars(engine_args_from(ns)))
+    engine_args = engine_args_from(ns)
+    engine_args.create_engine_config()  # bad arguments fail here, before PyTorch loads
+
+    from sluice import LLM
+
+    llm = LLM(**vars(engine_args))
     start = time.perf_counter()
     if ns.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,

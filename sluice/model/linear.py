@@ -22,13 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.distributed.tp import (
-    SINGLE_RANK,
-    TPGroup,
-    check_head_split,
-    first_kv_head,
-    kv_heads_per_rank,
-)
+from sluice.distributed.head_split import check_head_split, first_kv_head, kv_heads_per_rank
+from sluice.distributed.tp import SINGLE_RANK, TPGroup
 from sluice.model.weights import LoadedWeight, check_shape, new_param
 
 

@@ -11,7 +11,7 @@ import torch
 
 from sluice.attention.kv_layout import bytes_per_block
 from sluice.config import CacheConfig, SchedulerConfig
-from sluice.distributed.tp import kv_heads_per_rank
+from sluice.distributed.head_split import kv_heads_per_rank
 from sluice.model.hf_config import HFModelConfig
 
 # Kept free on a GPU for activations, logits and the allocator's fragmentation.

@@ -42,7 +42,8 @@ from sluice.core.outputs import (
     PositionLogprobs,
     SchedulerOutput,
 )
-from sluice.distributed.tp import SINGLE_RANK, TPGroup, kv_heads_per_rank
+from sluice.distributed.head_split import kv_heads_per_rank
+from sluice.distributed.tp import SINGLE_RANK, TPGroup
 from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import HFModelConfig
 from sluice.model.loader import load_model, resolve_dtype

@@ -20,7 +20,8 @@ import torch
 from sluice.config import EngineConfig
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.core.outputs import SchedulerOutput
-from sluice.distributed.tp import SINGLE_RANK, TPGroup, kv_heads_per_rank
+from sluice.distributed.head_split import kv_heads_per_rank
+from sluice.distributed.tp import SINGLE_RANK, TPGroup
 from sluice.worker.kv_connector import KVConnectorWorker
 from sluice.worker.model_runner import ModelRunner
 from sluice.worker.profiler import ProfileSummary, StepProfiler

@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from sluice.attention.kv_layout import allocate_kv_caches
 from sluice.attention.metadata import AttentionMetadata
 from sluice.attention.torch_ref import TorchRefBackend
-from sluice.distributed.tp import TPGroup, init_tp_group, kv_heads_per_rank
+from sluice.distributed.head_split import kv_heads_per_rank
+from sluice.distributed.tp import TPGroup, init_tp_group
 from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import load_hf_config
 from sluice.model.layers import silu_and_mul

@@ -600,11 +600,11 @@ def test_stats_logger_reports_throughput_only_while_busy(
 
 def test_two_front_ends_attached_to_one_core_each_get_their_own_outputs(
         qwen3_dir: str, reference: LLM) -> None:
-    """Several API servers' AsyncLLMs over one engine core (core_proc.launch_shared_engine_core):
+    """Several API servers' AsyncLLMs over one engine core (core_client.launch_shared_engine_core):
     concurrent requests from both, stop strings (FinishRequests) and an abort from one, and
     utility calls from each reach the right front end; both see the other's freed blocks."""
     from sluice.engine.async_llm import core_process_args
-    from sluice.engine.core_proc import launch_shared_engine_core
+    from sluice.engine.core_client import launch_shared_engine_core
 
     args = EngineArgs(model=qwen3_dir, **ENGINE_KWARGS)
     core = launch_shared_engine_core(core_process_args(args, args.create_engine_config()), 2,
@@ -643,3 +643,25 @@ def test_two_front_ends_attached_to_one_core_each_get_their_own_outputs(
         assert core.process.is_alive()  # the front ends do not stop a core they attached to
         core.release()
     assert not core.process.is_alive()
+
+
+def test_the_api_server_starts_the_core_before_it_imports_pytorch(qwen3_dir: str) -> None:
+    # The API server's modules import no PyTorch: it starts the engine core (which imports
+    # PyTorch itself) and then loads the tokenizer (transformers imports PyTorch) while the core
+    # starts, so the two start-ups overlap instead of running one after the other.
+    code = ("import sys\n"
+            "import sluice.entrypoints.openai.api_server\n"
+            "import sluice.entrypoints.openai.multi_server\n"
+            "from sluice.engine.arg_utils import EngineArgs\n"
+            "from sluice.engine.async_llm import core_process_args\n"
+            "from sluice.engine.core_client import launch_engine_core\n"
+            f"args = EngineArgs(model={qwen3_dir!r}, device='cpu', dtype='float32')\n"
+            "core = launch_engine_core(core_process_args(args, args.create_engine_config()), 30)\n"
+            "heavy = sorted({'torch', 'transformers', 'triton'} & set(sys.modules))\n"
+            "started = core.process.is_alive()\n"
+            "core.release()\n"
+            "print('core started:', started, 'heavy:', heavy)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "core started: True heavy: []" in run.stdout, run.stdout[-500:]

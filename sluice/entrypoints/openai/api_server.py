@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import sluice
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import AsyncLLM
-from sluice.engine.core_proc import CoreAttachment
+from sluice.engine.core_client import CoreAttachment
 from sluice.entrypoints.openai.connection import bind_socket
 from sluice.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from sluice.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatsListener

@@ -2,7 +2,7 @@
 
 One API server is one asyncio loop: tokenizing, chat templates, detokenizing, JSON and SSE
 chunks of every request share a core. With N, the parent binds the HTTP port (a taken port
-fails at once), starts the engine core for N front ends (core_proc.launch_shared_engine_core),
+fails at once), starts the engine core for N front ends (core_client.launch_shared_engine_core),
 then N API servers (`python -m sluice.entrypoints.openai.multi_server JSON`): each is the
 single server (api_server.run_server) over an AsyncLLM attached to the core by its client
 index, on the listening socket it inherits, so the kernel hands each new connection to one of
@@ -38,7 +38,11 @@ from typing import Any
 
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import core_process_args
-from sluice.engine.core_proc import CoreAttachment, SharedEngineCore, launch_shared_engine_core
+from sluice.engine.core_client import (
+    CoreAttachment,
+    SharedEngineCore,
+    launch_shared_engine_core,
+)
 from sluice.entrypoints.openai.api_server import ServerArgs, run_server
 from sluice.entrypoints.openai.connection import bind_socket
 from sluice.entrypoints.openai.metrics import MULTIPROC_DIR_ENV

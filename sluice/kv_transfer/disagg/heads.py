@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sluice.distributed.tp import first_kv_head, kv_heads_per_rank
+from sluice.distributed.head_split import first_kv_head, kv_heads_per_rank
 
 
 @dataclass(frozen=True, slots=True)
