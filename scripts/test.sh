@@ -11,6 +11,7 @@ if [ $# -gt 0 ]; then
   exec "$PY" -m pytest -p no:cacheprovider "$@"
 fi
 status=0
-"$PY" -m pytest -p no:cacheprovider -m parallel -n "${SLUICE_TEST_WORKERS:-2}" || status=$?
+"$PY" -m pytest -p no:cacheprovider -m parallel -n "${SLUICE_TEST_WORKERS:-2}" \
+  --dist loadgroup || status=$?
 "$PY" -m pytest -p no:cacheprovider -m "not parallel" || status=$?
 exit "$status"

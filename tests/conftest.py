@@ -28,14 +28,36 @@ PARALLEL = (
     "tests/engine/test_generate_matches_hf.py", "tests/engine/test_llm_api.py",
     "tests/engine/test_output_stream.py", "tests/engine/test_wire.py",
 )
+# Files of the same kind whose tests start processes (commands, servers, tensor-parallel
+# ranks): each file's tests run on one worker (an xdist_group), so its module-scoped servers
+# start once, while the other worker runs other tests.
+PARALLEL_BY_FILE = (
+    "tests/test_cli.py", "tests/distributed/test_tp_engine.py", "tests/bench/test_ab_trees.py",
+    "tests/bench/test_bench_serve_e2e.py", "tests/bench/test_offline_bench.py",
+    "tests/bench/test_serve_offline_bench.py", "tests/bench/test_spec_bench_fairness.py",
+    "tests/bench/test_serve_metrics.py", "tests/bench/test_pool_backends_bench.py",
+)
+# Tests of those files that do have a time bound, so run alone.
+ALONE = ("tests/distributed/test_tp_engine.py::test_a_killed_rank_ends_the_engine_within_5_s",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = config.rootpath
+    grouped = []
     for item in items:
         path = item.path.relative_to(root).as_posix()
+        if f"{path}::{item.name}".startswith(ALONE):
+            continue
         if path.startswith(PARALLEL):
             item.add_marker(pytest.mark.parallel)
+        elif path in PARALLEL_BY_FILE:
+            item.add_marker(pytest.mark.parallel)
+            item.add_marker(pytest.mark.xdist_group(path))
+            grouped.append(item)
+    # The files' groups are the longest units of work: handed out first, none is left to run
+    # alone at the end while the other worker idles.
+    first = set(grouped)
+    items[:] = grouped + [item for item in items if item not in first]
 
 
 def save_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: object) -> str:
