@@ -50,7 +50,7 @@ def pd_tp(request: pytest.FixtureRequest, qwen3_dir: str,
     require_backend(backend)
     env = [{"SLUICE_PD_FAULT_SEND_DELAY_S": "0.3"}] if backend == "fake" else None
     # Each prefill rank writes its head of every token alone (sluice/kv_transfer/disagg/
-    # descriptors.py): 32 descriptors of 64 bytes a block here, about 6,400 per rank for the
+    # descriptors.py): 32 descriptors of 64 bytes a block here, about 4,300 per rank for the
     # first test's 17 prompts, queued behind one another on each rank. Over Mooncake's TCP
     # transport on 2 busy cores they took 0.5 ms each (46 us on an idle machine), and a run
     # in three passed the 20 s waiting timeout (3 rooms retried): the bound is the TCP
