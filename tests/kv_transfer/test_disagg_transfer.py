@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -266,6 +267,32 @@ def test_abort_during_the_write_delay_frees_the_prefill_then_the_decode() -> Non
         assert not received.ok and "failed the room (rank 0): decode aborted the room" in \
             received.error
         assert not any(t.any() for t in pair.d_caches.values())
+
+
+def test_a_held_write_waits_for_its_file_to_go_and_an_abort_ends_a_held_room(
+        tmp_path: Path) -> None:
+    hold_file = tmp_path / "hold"
+    faults = Faults.from_environ({"SLUICE_PD_FAULT_SEND_HOLD_FILE": str(hold_file)})
+    assert faults.active and not faults.holding()
+    hold_file.touch()
+    assert faults.holding()
+    with pd_pair("fake", faults=faults) as pair:
+        for room, dst in ((21, [4, 5]), (22, [6, 7])):
+            pair.decode.receiver(room).init(f"d{room}", pair.server.address, dst, 0, 8)
+        pair.prefill.sender(21).send("p21", [1, 2], 8, first_token=3, first_logprobs=None)
+        pair.prefill.sender(22).send("p22", [8, 9], 8, first_token=4, first_logprobs=None)
+        time.sleep(0.5)  # held however long it takes
+        assert pair.prefill.poll(21) == pair.prefill.poll(22) == KVPoll.Transferring
+        assert not any(t.any() for t in pair.d_caches.values())
+        pair.decode.receiver(22).abort("client gone")  # ends at once, though held
+        [sent] = pair.wait(pair.prefill, timeout_s=2)
+        assert (sent.req_id, sent.ok) == ("p22", False)
+        assert pair.prefill.poll(21) == KVPoll.Transferring
+        hold_file.unlink()
+        [received] = [f for f in pair.wait(pair.decode, count=2) if f.req_id == "d21"]
+        assert received.ok and received.first_token == 3
+        assert blocks_equal(pair, [1, 2], [4, 5])
+        assert not pair.d_caches["layer.0"][:, [6, 7]].any()
 
 
 def test_abort_before_the_ask_tells_the_prefill_so_it_frees_its_blocks_at_once() -> None:

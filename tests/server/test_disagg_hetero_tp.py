@@ -38,17 +38,20 @@ from tests.server.test_disagg_serving import (
     reference,
     router_metric,
     run_calls,
+    transfers_held,
 )
 
 
 @pytest.fixture(scope="module", params=["fake", "mooncake"])
 def pd_tp(request: pytest.FixtureRequest, qwen3_dir: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
-    """Prefill TP = 2 (its writes 0.3 s late on the fake backend, so the kill test can act
-    mid-transfer), decode TP = 1 with a 0.5 s heartbeat, a router retrying once."""
+    """Prefill TP = 2 (on the fake backend its writes held while a test asks, so the kill test
+    can act mid-transfer), decode TP = 1 with a 0.5 s heartbeat, a router retrying once."""
     backend = request.param
     require_backend(backend)
-    env = [{"SLUICE_PD_FAULT_SEND_DELAY_S": "0.3"}] if backend == "fake" else None
+    workdir = tmp_path_factory.mktemp(f"pd-tp2-{backend}")
+    hold_file = workdir / "hold-transfers"
+    env = [{"SLUICE_PD_FAULT_SEND_HOLD_FILE": str(hold_file)}] if backend == "fake" else None
     # Each prefill rank writes its head of every token alone (sluice/kv_transfer/disagg/
     # descriptors.py): 32 descriptors of 64 bytes a block here, about 4,300 per rank for the
     # first test's 17 prompts, queued behind one another on each rank. Over Mooncake's TCP
@@ -61,8 +64,9 @@ def pd_tp(request: pytest.FixtureRequest, qwen3_dir: str,
         prefill_flags=["--tensor-parallel-size", "2"],
         router_flags=["--health-check-interval", "0.5", "--health-failure-threshold", "2",
                       "--max-retries", "1"],
-        workdir=tmp_path_factory.mktemp(f"pd-tp2-{backend}"))
+        workdir=workdir)
     cluster.backend = backend  # type: ignore[attr-defined]
+    cluster.hold_file = hold_file  # type: ignore[attr-defined]
     yield cluster
     cluster.stop()
 
@@ -107,7 +111,7 @@ def test_a_prefill_rank_killed_mid_transfer_ends_in_a_clear_error_and_no_leak(
     # Runs after the other test of its cluster (pytest groups a module's tests by the
     # fixture's param): the prefill does not come back.
     if pd_tp.backend != "fake":  # type: ignore[attr-defined]
-        pytest.skip("needs the fake trio's delayed writes")
+        pytest.skip("needs the fake trio's held writes")
     prefill, decode, router = pd_tp.prefills[0], pd_tp.decodes[0], pd_tp.router
     worker_pids = prefill.engine_info()["worker_pids"]
     batch = [replace(c, max_tokens=12) for c in calls(8, seed=21)]
@@ -129,7 +133,8 @@ def test_a_prefill_rank_killed_mid_transfer_ends_in_a_clear_error_and_no_leak(
         killed = time.monotonic()
         return await results, killed
 
-    got, killed = asyncio.run(scenario())
+    with transfers_held(pd_tp.hold_file):  # type: ignore[attr-defined]
+        got, killed = asyncio.run(scenario())
     ended = time.monotonic()
     errors = []
     for i, (g, w) in enumerate(zip(got, want)):

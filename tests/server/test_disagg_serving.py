@@ -11,9 +11,11 @@ One 1P1D trio per backend (fake, and Mooncake Transfer Engine over TCP) serves m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -152,6 +154,18 @@ def router_metric(router: Instance, name: str, **labels: str) -> float:
     return total
 
 
+@contextlib.contextmanager
+def transfers_held(hold_file: Path) -> Iterator[None]:
+    """Inside, a prefill started with SLUICE_PD_FAULT_SEND_HOLD_FILE=hold_file writes no room's
+    KV (its rooms stay Transferring; an aborted one still ends at once): a test acts while
+    transfers are under way, however busy the machine, with no race against a delay."""
+    hold_file.touch()
+    try:
+        yield
+    finally:
+        hold_file.unlink(missing_ok=True)
+
+
 def assert_blocks_back(cluster: PDCluster, timeout_s: float = 20.0) -> None:
     for instance in [*cluster.prefills, *cluster.decodes]:
         if instance.alive():
@@ -166,12 +180,14 @@ def pd(request: pytest.FixtureRequest, qwen3_dir: str,
        tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
     backend = request.param
     require_backend(backend)
-    # The fake trio's prefill waits a little before each write, so a test can act while a
-    # transfer is under way.
-    env = [{"SLUICE_PD_FAULT_SEND_DELAY_S": "0.4"}] if backend == "fake" else None
-    cluster = start_cluster(qwen3_dir, FLAGS, backend, prefill_env=env,
-                            workdir=tmp_path_factory.mktemp(f"pd-{backend}"))
+    # The fake trio's prefill holds its writes while a test asks (transfers_held), so the test
+    # can act while a transfer is under way.
+    workdir = tmp_path_factory.mktemp(f"pd-{backend}")
+    hold_file = workdir / "hold-transfers"
+    env = [{"SLUICE_PD_FAULT_SEND_HOLD_FILE": str(hold_file)}] if backend == "fake" else None
+    cluster = start_cluster(qwen3_dir, FLAGS, backend, prefill_env=env, workdir=workdir)
     cluster.backend = backend  # type: ignore[attr-defined]
+    cluster.hold_file = hold_file  # type: ignore[attr-defined]
     yield cluster
     cluster.stop()
 
@@ -266,14 +282,16 @@ def test_client_disconnects_during_bootstrap_transfer_and_decode_leak_no_block(
             # Freed by the abort, well before the heartbeat or the bootstrap timeout would.
             assert time.monotonic() - started < 3
 
-            # Transfer: the prefill is done and its write is delayed (the fault injection).
+            # Transfer: the prefill is done and its write is held (the fault injection); the
+            # abort ends the held room.
             before = connector_stats(prefill)
-            await _cancel_when(
-                lambda: client.post(f"{router.url}/v1/completions",
-                                    json={**body, "stream": True}),
-                lambda: connector_stats(prefill)["send_rooms"] > before["send_rooms"])
-            wait_blocks_back(prefill)
-            wait_blocks_back(decode)
+            with transfers_held(pd.hold_file):  # type: ignore[attr-defined]
+                await _cancel_when(
+                    lambda: client.post(f"{router.url}/v1/completions",
+                                        json={**body, "stream": True}),
+                    lambda: connector_stats(prefill)["send_rooms"] > before["send_rooms"])
+                wait_blocks_back(prefill)
+                wait_blocks_back(decode)
             after = connector_stats(prefill)
             assert after["worker_rooms_failed"] == before.get("worker_rooms_failed", 0) + 1
 
@@ -326,17 +344,21 @@ HEARTBEAT = {"heartbeat_interval_s": 0.5, "heartbeat_misses": 2, "heartbeat_time
 
 @pytest.fixture(scope="module")
 def pd2(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
-    """Two prefills that fail 5% of their transfers (the first also waits 0.3 s before each
-    write), one decode with a 0.5 s heartbeat, a router that retries up to 5 times."""
+    """Two prefills that fail 5% of their transfers (the first also holds its writes while a
+    test asks, transfers_held), one decode with a 0.5 s heartbeat, a router that retries up to
+    5 times."""
     faulty = {"SLUICE_PD_FAULT_TRANSFER_FAIL_PROB": "0.05"}
+    workdir = tmp_path_factory.mktemp("pd2")
+    hold_file = workdir / "hold-transfers"
     cluster = start_cluster(
         qwen3_dir, FLAGS, "fake", num_prefills=2,
-        prefill_env=[{**faulty, "SLUICE_PD_FAULT_SEND_DELAY_S": "0.3"}, faulty],
+        prefill_env=[{**faulty, "SLUICE_PD_FAULT_SEND_HOLD_FILE": str(hold_file)}, faulty],
         prefill_extra={"send_lease_s": 30.0}, decode_extra=HEARTBEAT,
         router_flags=["--health-check-interval", "0.5", "--health-failure-threshold", "2",
                       "--max-retries", "5", "--prefill-policy", "least_loaded",
                       "--decode-policy", "cache_aware"],
-        workdir=tmp_path_factory.mktemp("pd2"))
+        workdir=workdir)
+    cluster.hold_file = hold_file  # type: ignore[attr-defined]
     yield cluster
     cluster.stop()
 
@@ -403,7 +425,8 @@ def test_sigkill_of_a_prefill_mid_flight_loses_no_request(
             await asyncio.sleep(0.05)
         return await results
 
-    got = asyncio.run(scenario())
+    with transfers_held(pd2.hold_file):  # type: ignore[attr-defined]
+        got = asyncio.run(scenario())
     for i, (g, w) in enumerate(zip(got, want)):
         assert_same(g, w, (i, batch[i]))
     wait_blocks_back(decode, timeout_s=heartbeat_bound_s() + 5)

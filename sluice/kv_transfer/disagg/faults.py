@@ -5,6 +5,11 @@ prefill instance (read once, when its connector starts):
                                          with this probability
     SLUICE_PD_FAULT_SEND_DELAY_S         wait this long before writing a room's KV (the room
                                          shows Transferring meanwhile)
+    SLUICE_PD_FAULT_SEND_HOLD_FILE       while a file exists at this path, write no room's KV
+                                         (rooms show Transferring; a room that fails, e.g.
+                                         aborted, ends at once): a test creates it to act while
+                                         transfers are under way, however slow the machine,
+                                         and removes it to let them go
     SLUICE_PD_FAULT_DROP_STATUS_PROB     the final status of a room is never sent, with this
                                          probability (decode's waiting timeout must end it)
     SLUICE_PD_FAULT_SEED                 seed of the draws (default: random)
@@ -12,6 +17,7 @@ prefill instance (read once, when its connector starts):
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +30,7 @@ class Faults:
     transfer_fail_prob: float = 0.0
     send_delay_s: float = 0.0
     drop_status_prob: float = 0.0
+    send_hold_file: str | None = None
     seed: int | None = None
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
@@ -45,12 +52,17 @@ class Faults:
         seed = int(seed_text) if seed_text else None
         return cls(transfer_fail_prob=number("TRANSFER_FAIL_PROB", 0.0, 1.0),
                    send_delay_s=number("SEND_DELAY_S", 0.0, 3600.0),
-                   drop_status_prob=number("DROP_STATUS_PROB", 0.0, 1.0), seed=seed,
+                   drop_status_prob=number("DROP_STATUS_PROB", 0.0, 1.0),
+                   send_hold_file=environ.get(_PREFIX + "SEND_HOLD_FILE") or None, seed=seed,
                    rng=random.Random(seed))
 
     @property
     def active(self) -> bool:
-        return bool(self.transfer_fail_prob or self.send_delay_s or self.drop_status_prob)
+        return bool(self.transfer_fail_prob or self.send_delay_s or self.drop_status_prob
+                    or self.send_hold_file)
+
+    def holding(self) -> bool:
+        return self.send_hold_file is not None and os.path.exists(self.send_hold_file)
 
     def fail_transfer(self) -> bool:
         return self.transfer_fail_prob > 0 and self.rng.random() < self.transfer_fail_prob

@@ -13,8 +13,8 @@ the decode ranks that will ask it (Bootstrapping for one that has not yet):
                       (TransferRequest) before the prompt was done
     WaitingForInput   decode's ask is in, the KV is not (the prompt is still computing)
     Transferring      both are in: the transfer thread writes the rank's heads of the blocks
-                      (after the fault injection's delay, if any) into decode's registered
-                      memory
+                      (after the fault injection's delay or hold, if any) into decode's
+                      registered memory
     Success | Failed  then the status goes to that decode rank: Success with the first token
                       and its logprobs, or Failed with why
 
@@ -313,10 +313,14 @@ class PrefillKVManager(KVManager):
             now = time.monotonic()
             ready = [(e, t) for e in self.rooms.values() for t in e.targets.values()
                      if t.queued and t.state == KVPoll.Transferring]
-            due = [(e, t) for e, t in ready if t.not_before <= now or e.failed]
+            holding = bool(ready) and self.faults.holding()
+            due = [(e, t) for e, t in ready
+                   if e.failed or (t.not_before <= now and not holding)]
             if due:
                 return min(due, key=lambda job: job[1].not_before)
-            wake = min((t.not_before for _, t in ready), default=now + 0.1)
+            # Held: look at the hold file again in 50 ms.
+            wake = now + 0.05 if holding else min((t.not_before for _, t in ready),
+                                                  default=now + 0.1)
             self._work.wait(timeout=min(max(wake - now, 0.001), 0.1))
         return None
 
