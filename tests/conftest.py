@@ -18,9 +18,11 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 ARCHS = ("qwen3", "llama", "qwen2")
 
 # Tests that may share the machine with another test: no time bound, no race window that a busy
-# CPU could close, no fixed resource. scripts/test.sh runs these on two pytest-xdist workers,
-# then everything else alone (servers, clusters, kills and heartbeats, whose bounds assume an
-# otherwise idle machine). A file not listed here runs alone.
+# CPU could close, no fixed resource. scripts/test.sh runs these on two pytest-xdist workers at
+# nice 19, and beside them everything else one at a time at normal priority (servers, clusters,
+# kills and heartbeats, whose bounds assume the CPU when they need it; tests that must act while
+# a PD transfer is under way hold it with SLUICE_PD_FAULT_SEND_HOLD_FILE rather than race a
+# delay). A file not listed here runs one test at a time.
 PARALLEL = (
     "tests/kernels/", "tests/worker/", "tests/core/", "tests/sample/", "tests/model/",
     "tests/spec_decode/", "tests/structured_output/", "tests/distributed/test_parallel_layers.py",
