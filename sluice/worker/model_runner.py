@@ -117,9 +117,10 @@ class ModelRunner:
             if not model_config.enforce_eager:
                 from sluice.worker.compile import install_fused_ops
 
-                install_fused_ops(self.model)
+                persistent = model_config.persistent_decode
+                install_fused_ops(self.model, persistent)
                 if self.spec is not None and self.spec.model_proposer is not None:
-                    install_fused_ops(self.spec.model_proposer.model)
+                    install_fused_ops(self.spec.model_proposer.model, persistent)
         self.gpu_bytes_available = gpu_share
 
         self.requests: dict[str, CachedRequestState] = {}
