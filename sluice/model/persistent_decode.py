@@ -103,7 +103,10 @@ def _grid_sync(flags_ptr, pid, epoch, P: tl.constexpr, P_PAD: tl.constexpr,
 
 @triton.jit
 def _layer_ptr(table_ptr, layer, index: tl.constexpr, DTYPE: tl.constexpr):
-    return tl.load(table_ptr + layer * 8 + index).to(tl.pointer_type(DTYPE))
+    """A layer's tensor (torch allocations are 16-byte aligned: said so, or the loads through
+    it would not be vectorized)."""
+    return tl.multiple_of(tl.load(table_ptr + layer * 8 + index).to(tl.pointer_type(DTYPE)),
+                          16)
 
 
 @triton.jit
