@@ -61,9 +61,10 @@ MAX_ROWS = 8
 # Keys per attention tile, and the most splits of one (row, KV head)'s cached keys.
 ATTN_BLOCK_N = 64
 MAX_SPLITS = 16
-# A weight tile a program holds in registers: at most this many elements (64 registers a
-# thread for bfloat16 at 8 warps); longer rows are read in chunks, the first one ahead.
-MAX_TILE_ELEMS = 32768
+# A weight tile a program holds in registers: at most this many elements; longer rows are read
+# in chunks, the first one ahead. More spilled (sm90, ptxas: 200 bytes a thread at 16,384,
+# 650 at 32,768; 12 here) and ran slower (H200, one row: 858 and 1,271 us a forward against 780).
+MAX_TILE_ELEMS = 8192
 # Bytes of one bulk L2 prefetch instruction.
 _PREFETCH_PIECE = tl.constexpr(16384)
 # A layer's row of the pointer table: its weights (q/k/v, o, gate/up, down), q/k norm weights,
@@ -301,6 +302,16 @@ def _attention_item(item, k_first, v_first, qkv_ptr, stride_qkv, positions_ptr, 
                     cache_modifier=".cg").to(tl.float32)
         x_partner = tl.load(qkv_row + q_cols + partner[None, :], mask=q_valid, other=0.0,
                             cache_modifier=".cg").to(tl.float32)
+        # Split 0's new k and v, loaded with the queries (one round trip to L2).
+        new_mask = dim_mask[None, :] & (split == 0)
+        k_cols = (NUM_HEADS + kv_head) * HEAD_DIM
+        k = tl.load(qkv_row + k_cols + dims[None, :], mask=new_mask, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
+        k_partner = tl.load(qkv_row + k_cols + partner[None, :], mask=new_mask, other=0.0,
+                            cache_modifier=".cg").to(tl.float32)
+        v = tl.load(qkv_row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :],
+                    mask=new_mask, other=0.0, cache_modifier=".cg")
+        slot = tl.load(slot_mapping_ptr + row)
         q = _norm_rope(x, x_partner, head_eps, q_norm_ptr, dims, partner, dim_mask, cos, sin,
                        sign, HEAD_DIM, HAS_NORM, DTYPE)
         if UPCAST:
@@ -312,24 +323,15 @@ def _attention_item(item, k_first, v_first, qkv_ptr, stride_qkv, positions_ptr, 
         if split == 0:
             # The new token: its k normed and rotated and its v (already scaled) go to the
             # cache, and its score and value start the online softmax from registers.
-            k_cols = (NUM_HEADS + kv_head) * HEAD_DIM
-            k = tl.load(qkv_row + k_cols + dims[None, :], mask=dim_mask[None, :], other=0.0,
-                        cache_modifier=".cg").to(tl.float32)
-            k_partner = tl.load(qkv_row + k_cols + partner[None, :], mask=dim_mask[None, :],
-                                other=0.0, cache_modifier=".cg").to(tl.float32)
-            k = _norm_rope(k, k_partner, head_eps, k_norm_ptr, dims, partner, dim_mask, cos,
-                           sin, sign, HEAD_DIM, HAS_NORM, DTYPE)
-            v = tl.load(qkv_row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-                        + dims[None, :], mask=dim_mask[None, :], other=0.0,
-                        cache_modifier=".cg")
-            slot = tl.load(slot_mapping_ptr + row)
+            k_new = _norm_rope(k, k_partner, head_eps, k_norm_ptr, dims, partner, dim_mask,
+                               cos, sin, sign, HEAD_DIM, HAS_NORM, DTYPE)
             cache_offsets = ((slot // PAGE_SIZE) * stride_cache_block
                              + (slot % PAGE_SIZE) * stride_cache_slot + cache_head
                              + dims[None, :])
             store_mask = dim_mask[None, :] & (slot >= 0)
-            tl.store(k_cache_ptr + cache_offsets, k, mask=store_mask)
+            tl.store(k_cache_ptr + cache_offsets, k_new, mask=store_mask)
             tl.store(v_cache_ptr + cache_offsets, v, mask=store_mask)
-            m_i = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
+            m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
             l_i += 1.0
             acc += v.to(tl.float32)
         block_table_row = block_tables_ptr + row.to(tl.int64) * stride_block_table
@@ -363,24 +365,20 @@ def _attention_item(item, k_first, v_first, qkv_ptr, stride_qkv, positions_ptr, 
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == taking_part - 1:  # the last split: the others' partials are visible
                 splits = tl.arange(0, NUM_SPLITS_PAD)
-                stats = (row * NUM_HEADS + head)[:, None] * NUM_SPLITS + splits[None, :]
-                used = q_row_valid[:, None] & (splits < taking_part)[None, :]
-                m = tl.load(part_max_ptr + stats, mask=used, other=float("-inf"),
-                            cache_modifier=".cg")  # [BLOCK_Q, SPLITS]
-                l_split = tl.load(part_sum_ptr + stats, mask=used, other=0.0,
-                                  cache_modifier=".cg")
-                m_all = tl.max(m, 1)
-                weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all)[:, None])
-                total = tl.sum(l_split * weight, 1)
-                merged = tl.zeros([BLOCK_Q, HEAD_DIM_PAD], tl.float32)
-                for s in range(0, taking_part):
-                    w_s = tl.sum(tl.where(splits[None, :] == s, weight, 0.0), 1)  # [BLOCK_Q]
-                    part = tl.load(part_acc_ptr + ((row * NUM_HEADS + head) * NUM_SPLITS
-                                                   + s)[:, None] * HEAD_DIM_PAD + dims[None, :],
-                                   mask=q_row_valid[:, None], other=0.0, cache_modifier=".cg")
-                    merged += part * w_s[:, None]
-                out = merged / tl.where(total > 0.0, total, 1.0)[:, None]
-                tl.store(attn_rows, out.to(DTYPE), mask=out_mask)
+                used = splits < taking_part
+                for r in tl.static_range(GROUP):  # every load of the merge at once
+                    stats = (row * NUM_HEADS + kv_head * GROUP + r) * NUM_SPLITS + splits
+                    m = tl.load(part_max_ptr + stats, mask=used, other=float("-inf"),
+                                cache_modifier=".cg")
+                    l_split = tl.load(part_sum_ptr + stats, mask=used, other=0.0,
+                                      cache_modifier=".cg")
+                    parts = tl.load(part_acc_ptr + stats[:, None] * HEAD_DIM_PAD + dims[None, :],
+                                    mask=used[:, None], other=0.0, cache_modifier=".cg")
+                    m_all = tl.max(m, 0)
+                    weight = tl.exp2(m - m_all)
+                    out = tl.sum(parts * weight[:, None], 0) / tl.sum(l_split * weight, 0)
+                    tl.store(attn_ptr + (row * NUM_HEADS + kv_head * GROUP + r) * HEAD_DIM + dims,
+                             out.to(DTYPE), mask=dim_mask)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     elif split == 0 and seq_len == 0:  # a padding row: zeros, as the layered kernels give
         tl.store(attn_ptr + (row * NUM_HEADS + head)[:, None] * HEAD_DIM + dims[None, :],
