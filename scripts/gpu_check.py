@@ -34,7 +34,6 @@ import torch
 from sluice import LLM, SamplingParams
 from sluice.attention import triton_backend
 from sluice.kv_transfer.offloading import BlockMover
-from sluice.model.persistent_decode import PersistentDecode
 from sluice.model.tiny import make_tiny_model
 from sluice.spec_decode.eagle_model import make_tiny_eagle
 from sluice.worker.cuda_graphs import DecodeGraphs
@@ -54,9 +53,6 @@ CONFIGS = {
     # the host, as under a server's load, so a pinned buffer the host rewrites for the next
     # step before the device has copied it shows (the logits indices were such a buffer).
     "chunks_of_64_device_lagging": {"max_num_batched_tokens": 64},
-    # Decode steps of up to 8 requests layer by layer, as without the persistent kernel
-    # (sluice.model.persistent_decode), which the other settings run for them.
-    "no_persistent_decode": {"persistent_decode": False},
     # The model in a worker process (the multiprocess executor).
     "mp_executor": {"distributed_executor_backend": "mp"},
     # The CPU KV tier: saves after graph replays and eager steps, then (the GPU prefix cache
@@ -273,14 +269,6 @@ def lagging_graph_replays():
         DecodeGraphs.replay = replay
 
 
-def recording(fn, results: list):
-    """fn, appending what it returns to `results` at each call."""
-    def wrapper(*args):
-        results.append(fn(*args))
-        return results[-1]
-    return wrapper
-
-
 def counting(fn, calls: list):
     """fn, appending to `calls` at each call."""
     def wrapper(*args):
@@ -364,18 +352,14 @@ def main() -> None:
             if only and not name.startswith(only):
                 continue
             fused_calls = []
-            persistent_runs: list[bool] = []
             if name == "default":  # the decode graphs' captures call it where the rule says
                 real_fused = triton_backend.decode_from_qkv
                 triton_backend.decode_from_qkv = counting(real_fused, fused_calls)
-                real_run = PersistentDecode.run
-                PersistentDecode.run = recording(real_run, persistent_runs)
             try:
                 llm = LLM(model=model, dtype="float32", device="cuda", **kwargs)
             finally:
                 if name == "default":
                     triton_backend.decode_from_qkv = real_fused
-                    PersistentDecode.run = real_run
             lagging = name.endswith("_device_lagging")
             if lagging:
                 with lagging_graph_replays():
@@ -462,9 +446,6 @@ def main() -> None:
                 # Qwen2 keeps its norms (a q/k/v bias), so its layers never ask.
                 result[f"{arch}_fused_decode_captured"] = (
                     len(fused_calls) > 0 if arch != "qwen2" else None)
-                # The decode graphs of 1 to 8 requests captured the persistent kernel.
-                result[f"{arch}_persistent_decode_captured"] = (
-                    sum(persistent_runs) >= 4 if arch != "qwen2" else None)
                 graphs = runner.graph_runner
                 short_before = graphs.short_graphs.num_replays if graphs.short_graphs else 0
                 main_before = graphs.graphs.num_replays

@@ -19,9 +19,6 @@ class ModelConfig:
     enforce_eager: bool = False  # no CUDA graphs, no torch.compile
     # Dense (cuDNN) attention for lone prompts where the attention backend offers it.
     dense_prefill: bool = True
-    # Decode steps of up to 8 requests run every layer in one persistent kernel where the model
-    # allows it (GPU, fused ops: sluice.model.persistent_decode).
-    persistent_decode: bool = True
 
 
 # kv_cache_dtype values: "auto" (the model's dtype), "fp8" and its alias "fp8_e4m3", "fp8_e5m2"

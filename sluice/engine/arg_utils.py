@@ -45,7 +45,6 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     dense_prefill: bool = True
-    persistent_decode: bool = True
     # None: on when running on a GPU. With speculative decoding, drafts are then proposed on
     # the device (every proposer), so steps with drafts overlap too.
     async_scheduling: bool | None = None
@@ -138,7 +137,6 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             dense_prefill=self.dense_prefill,
-            persistent_decode=self.persistent_decode,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

@@ -61,9 +61,6 @@ _ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
     ("enforce-eager", bool, "no CUDA graphs and no torch.compile (GPU)"),
     ("dense-prefill", bool, "cuDNN's dense attention for a lone prompt and a long prompt's "
                             "middle chunks where it runs (GPU, 16-bit; default: on)"),
-    ("persistent-decode", bool, "every layer of a decode step of up to 8 requests in one "
-                                "persistent kernel where the model allows it (GPU; default: "
-                                "on)"),
     ("async-scheduling", bool, "schedule the next step while the GPU runs this one "
                                "(default: on with a GPU)"),
     ("speculative-config", speculative_config_arg,

@@ -24,10 +24,8 @@ from sluice.model.linear import Linear, RowParallelLinear
 from sluice.model.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 
 
-def install_fused_ops(model: nn.Module, persistent_decode: bool = True) -> None:
-    """Swap the torch ops of every layer of `model` (CUDA weights) for the Triton kernels;
-    with `persistent_decode`, decode steps of up to persistent_decode.MAX_ROWS requests run
-    every layer in one kernel where the model allows it (sluice.model.persistent_decode)."""
+def install_fused_ops(model: nn.Module) -> None:
+    """Swap the torch ops of every layer of `model` (CUDA weights) for the Triton kernels."""
     from sluice.model import triton_gemm, triton_ops  # Triton only where a GPU runs the model
 
     for module in model.modules():
@@ -50,12 +48,6 @@ def install_fused_ops(model: nn.Module, persistent_decode: bool = True) -> None:
     # gate_up's GEMM, and SiLU-and-mul in the down GEMM) and the residual adds in the GEMMs:
     # 7 launches a layer instead of 9 (6 instead of 8 at the Triton GEMM's rows).
     for module in model.modules():
-        if isinstance(module, LlamaModel) and module.fold_norms(above_tokens=0):
-            if persistent_decode:
-                from sluice.model.persistent_decode import PersistentDecode
-
-                try:
-                    module.decode_layers_op = PersistentDecode(module).run
-                except ValueError:  # a model it does not serve (a bias, tensor parallelism)
-                    module.decode_layers_op = None
+        if isinstance(module, LlamaModel):
+            module.fold_norms(above_tokens=0)
 

@@ -117,10 +117,9 @@ class ModelRunner:
             if not model_config.enforce_eager:
                 from sluice.worker.compile import install_fused_ops
 
-                persistent = model_config.persistent_decode
-                install_fused_ops(self.model, persistent)
+                install_fused_ops(self.model)
                 if self.spec is not None and self.spec.model_proposer is not None:
-                    install_fused_ops(self.spec.model_proposer.model, persistent)
+                    install_fused_ops(self.spec.model_proposer.model)
         self.gpu_bytes_available = gpu_share
 
         self.requests: dict[str, CachedRequestState] = {}

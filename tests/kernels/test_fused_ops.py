@@ -386,7 +386,7 @@ def assert_same_steps(
 def test_fused_ops_give_the_models_hidden_states(model_type):
     model, config = build_tiny_model(model_type, TorchRefBackend())
     expected = prefill_then_decode(model, config)
-    install_fused_ops(model, persistent_decode=False)
+    install_fused_ops(model)
     attention = model.model.layers[0].self_attn
     assert attention.qk_norm_rope_op is triton_ops.qk_norm_rope_store_kv
     assert model.model.layers[0].mlp.act_fn.op is triton_ops.silu_and_mul
@@ -409,7 +409,7 @@ def test_folded_norms_give_the_models_hidden_states(model_type, ops):
     expected = prefill_then_decode(model, config)
     qkv_before = model.model.layers[0].self_attn.qkv_proj.weight.clone()
     if ops == "fused":
-        install_fused_ops(model, persistent_decode=False)
+        install_fused_ops(model)
         assert model.model.folded_above_tokens == 0  # every step, the Triton GEMM's too
         model.model.folded_above_tokens = 16
     else:
@@ -468,7 +468,7 @@ def test_triton_attention_reads_the_cache_the_fused_op_stored(monkeypatch, folde
     reference, config = build_tiny_model("qwen3", TorchRefBackend())
     expected = prefill_then_decode(reference, config)
     model, _ = build_tiny_model("qwen3", TritonBackend())
-    install_fused_ops(model, persistent_decode=False)
+    install_fused_ops(model)
     model.model.folded_above_tokens = 0 if folded else 16
     store_calls = []
     monkeypatch.setattr(triton_backend, "store_kv", lambda *args: store_calls.append(args))
@@ -487,7 +487,7 @@ def test_decode_attention_from_the_projection_gives_the_models_hidden_states(mon
     reference, config = build_tiny_model("qwen3", TorchRefBackend())
     expected = prefill_then_decode(reference, config)
     model, _ = build_tiny_model("qwen3", TritonBackend())
-    install_fused_ops(model, persistent_decode=False)
+    install_fused_ops(model)
     if fused_decode:  # the decode step has 2 requests, under the rule's minimum
         monkeypatch.setattr(triton_backend, "FUSED_DECODE_MIN_REQS", 2)
     fused_calls, rope_calls = [], []

@@ -230,25 +230,34 @@ def load_rows(ptrs, row_mask, dim_mask, MASK_ROWS: tl.constexpr, MASK_DIMS: tl.c
 
 
 @triton.jit
-def load_kv_tile(
+def attend_tile(
+    q,  # [BLOCK_M, HEAD_DIM_PAD], COMPUTE_DTYPE (float32 when UPCAST_DOT)
+    m_i,  # [BLOCK_M] running max of scores, log2 domain
+    l_i,  # [BLOCK_M] running sum of exp2(score - m_i)
+    acc,  # [BLOCK_M, HEAD_DIM_PAD] float32, unnormalised output
     k_base,  # key cache (or keys) + this KV head's offset
     v_base,
     block_table_row,  # the request's block table row (paged)
     first_key_row,  # the request's first key row in `key` (not paged)
     tile_start,  # position of the tile's first key in the context
     seq_len,
+    query_pos,  # [BLOCK_M] context position of each row's query (causal)
     stride_block,
     stride_slot,  # paged: between slots of a block; not paged: between tokens
     dims,  # [HEAD_DIM_PAD]
     dim_mask,
+    qk_scale,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
-    MASK: tl.constexpr,  # keys may lie past seq_len
+    MASK: tl.constexpr,  # keys may lie past seq_len or in some row's future
+    CAUSAL: tl.constexpr,
     MASK_DIMS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,  # the model's dtype: q's, and that of k, v and p in the dots
+    FP16_DOTS: tl.constexpr,  # KernelDtypes.fp16_dots: the dots in float16 instead
 ):
-    """A tile of BLOCK_N keys and values from `tile_start`, as the cache holds them: (k, v,
-    their positions, which of them lie within seq_len)."""
     pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     in_seq = pos < seq_len
     if PAGED:
@@ -262,29 +271,6 @@ def load_kv_tile(
     offsets = rows[:, None] + dims[None, :]
     k = load_rows(k_base + offsets, in_seq, dim_mask, MASK, MASK_DIMS)  # [BLOCK_N, D_PAD]
     v = load_rows(v_base + offsets, in_seq, dim_mask, MASK, MASK_DIMS)
-    return k, v, pos, in_seq
-
-
-@triton.jit
-def attend_kv(
-    q,  # [BLOCK_M, HEAD_DIM_PAD], COMPUTE_DTYPE (float32 when UPCAST_DOT)
-    m_i,  # [BLOCK_M] running max of scores, log2 domain
-    l_i,  # [BLOCK_M] running sum of exp2(score - m_i)
-    acc,  # [BLOCK_M, HEAD_DIM_PAD] float32, unnormalised output
-    k,  # [BLOCK_N, HEAD_DIM_PAD] as load_kv_tile loaded them
-    v,
-    pos,  # [BLOCK_N] their positions in the context
-    in_seq,  # [BLOCK_N] which lie within the context
-    query_pos,  # [BLOCK_M] context position of each row's query (causal)
-    qk_scale,
-    MASK: tl.constexpr,  # keys may lie past seq_len or in some row's future
-    CAUSAL: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr,  # the model's dtype: q's, and that of k, v and p in the dots
-    FP16_DOTS: tl.constexpr,  # KernelDtypes.fp16_dots: the dots in float16 instead
-):
-    """The online-softmax step over one loaded tile of keys: (m_i, l_i, acc) updated."""
     if FP16_DOTS:
         # An 8-bit cache under a 16-bit model on a GPU: both dots in float16, which holds every
         # 8-bit value exactly and takes e4m3 in one instruction per two values (bfloat16 needs
@@ -323,40 +309,3 @@ def attend_kv(
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
-
-
-@triton.jit
-def attend_tile(
-    q,  # [BLOCK_M, HEAD_DIM_PAD], COMPUTE_DTYPE (float32 when UPCAST_DOT)
-    m_i,  # [BLOCK_M] running max of scores, log2 domain
-    l_i,  # [BLOCK_M] running sum of exp2(score - m_i)
-    acc,  # [BLOCK_M, HEAD_DIM_PAD] float32, unnormalised output
-    k_base,  # key cache (or keys) + this KV head's offset
-    v_base,
-    block_table_row,  # the request's block table row (paged)
-    first_key_row,  # the request's first key row in `key` (not paged)
-    tile_start,  # position of the tile's first key in the context
-    seq_len,
-    query_pos,  # [BLOCK_M] context position of each row's query (causal)
-    stride_block,
-    stride_slot,  # paged: between slots of a block; not paged: between tokens
-    dims,  # [HEAD_DIM_PAD]
-    dim_mask,
-    qk_scale,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    PAGED: tl.constexpr,
-    MASK: tl.constexpr,  # keys may lie past seq_len or in some row's future
-    CAUSAL: tl.constexpr,
-    MASK_DIMS: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr,  # the model's dtype: q's, and that of k, v and p in the dots
-    FP16_DOTS: tl.constexpr,  # KernelDtypes.fp16_dots: the dots in float16 instead
-):
-    """load_kv_tile, then attend_kv."""
-    k, v, pos, in_seq = load_kv_tile(k_base, v_base, block_table_row, first_key_row, tile_start,
-                                     seq_len, stride_block, stride_slot, dims, dim_mask,
-                                     BLOCK_N, PAGE_SIZE, PAGED, MASK, MASK_DIMS)
-    return attend_kv(q, m_i, l_i, acc, k, v, pos, in_seq, query_pos, qk_scale, MASK, CAUSAL,
-                     UPCAST_DOT, DOT_PRECISION, COMPUTE_DTYPE, FP16_DOTS)

@@ -236,10 +236,6 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Steps of more tokens than this run the layers' folded forms (fold_norms); None: never.
         self.folded_above_tokens: int | None = None
-        # (residual, positions, metadata) -> whether it ran every folded layer in place, in one
-        # kernel (a small decode step on CUDA: sluice.model.persistent_decode); None: never.
-        self.decode_layers_op: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata],
-                                        bool] | None = None
 
     def fold_norms(self, above_tokens: int) -> bool:
         """Fold each layer's two RMSNorm weights g into the projections they feed (W[:, j] *=
@@ -277,11 +273,8 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T] -> hidden [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
         if self.folded_above_tokens is not None and hidden.shape[0] > self.folded_above_tokens:
-            # the embedding output is the residual stream
-            decode_layers = self.decode_layers_op
-            if decode_layers is None or not decode_layers(hidden, positions, attn_metadata):
-                for layer in self.layers:
-                    layer.add_to_residual(positions, hidden, attn_metadata)
+            for layer in self.layers:  # the embedding output is the residual stream
+                layer.add_to_residual(positions, hidden, attn_metadata)
             return self.norm(hidden)
         residual = None
         for layer in self.layers:
