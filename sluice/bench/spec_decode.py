@@ -5,9 +5,10 @@ on an engine without speculation and on an engine with `--speculative-config` (n
 lookup by default). Both engines are up at once (each with half of `--gpu-memory-utilization`;
 the record gives each one's KV blocks) and their timed runs alternate, A B, B A, A B, ... Decode
 time is the time to `output_len` tokens less the time to one token (prefill), as in `sluice bench
-latency`. The speed-up is the median, over every two consecutive iterations (A B B A), of the
-ratio of the two engines' decode times in them: a drift of the machine's speed linear in time
-lands on both alike, and a change of speed in the middle of a point moves only the ratios of the
+latency`, per iteration; each engine's ITL and tok/s come from the median of its iterations'.
+The speed-up is the median, over every two consecutive iterations (A B B A), of the ratio of
+the two engines' decode times in them: a drift of the machine's speed linear in time lands on
+both alike, and a change of speed in the middle of a point moves only the ratios of the
 iterations around it. (The ratio of each engine's median did neither: the two engines' runs sit
 at different places in the order, so a change of speed between them went whole to one engine.)
 `speedup_min` / `speedup_max` give the spread over those ratios.
@@ -183,7 +184,9 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
         for name in names:
             t_out = statistics.median(t for t, _ in runs[name])
             t_1 = statistics.median(t_1s[name])
-            decode_s = max(t_out - t_1, 1e-9)
+            # The iterations' decode times, as the speed-ups take them: a run to one token
+            # timed longer than the full run (a loaded machine) clamps both alike.
+            decode_s = statistics.median(decode_runs[name])
             queries, hits = (a - z for a, z in zip(counters_after[name], counters_before[name]))
             point = {"batch_size": b, "t_out_s": t_out, "t_1_s": t_1,
                      "itl_ms": 1e3 * decode_s / (ns.output_len - 1),
