@@ -17,7 +17,7 @@ from sluice.config import (
 )
 from sluice.distributed.head_split import check_tp_size
 from sluice.model.hf_config import HFModelConfig, load_hf_config
-from sluice.model.hub import resolve_model_path
+from sluice.model.hub import resolve_model_path, sluice_cache_dir
 from sluice.spec_decode.config import SpeculativeConfig
 
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -25,8 +25,10 @@ _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # None: the built-in tiny model
+    model: str | None = None  # None: the built-in model
     tokenizer: str | None = None
+    # A folder whose config.json replaces the one a .gguf model's metadata gives.
+    hf_config_path: str | None = None
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -84,6 +86,15 @@ class EngineArgs:
 
             model = default_model_dir()
         model = resolve_model_path(model)  # a hub id: its snapshot in the HF cache
+        tokenizer = resolve_model_path(self.tokenizer) if self.tokenizer else None
+        if model.endswith(".gguf"):
+            from sluice.model.gguf_loader import prepare_gguf_folder
+
+            model = prepare_gguf_folder(model, sluice_cache_dir(), self.hf_config_path,
+                                        tokenizer)
+        elif self.hf_config_path is not None:
+            raise ValueError(f"hf_config_path ({self.hf_config_path!r}) is for a .gguf model; "
+                             f"the model {model!r} has its own config.json")
         hf_config = load_hf_config(model)
 
         self._check_tensor_parallel_size(hf_config)
@@ -129,7 +140,7 @@ class EngineArgs:
 
         model_config = ModelConfig(
             model=model,
-            tokenizer=resolve_model_path(self.tokenizer) if self.tokenizer else model,
+            tokenizer=tokenizer or model,
             dtype=self.dtype,
             seed=self.seed,
             max_model_len=max_model_len,

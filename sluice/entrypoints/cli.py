@@ -39,9 +39,11 @@ def kv_transfer_config_arg(text: str) -> dict[str, Any] | None:
 
 # flag name -> (EngineArgs field, type); booleans get --flag / --no-flag.
 _ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
-    ("model", str, "Hugging Face model folder or hub id, e.g. Qwen/Qwen3-0.6B (default: "
-                   "the built-in tiny model)"),
-    ("tokenizer", str, "tokenizer folder (default: the model folder)"),
+    ("model", str, "Hugging Face model folder, hub id (e.g. Qwen/Qwen3-0.6B) or .gguf file "
+                   "(default: the built-in model)"),
+    ("tokenizer", str, "tokenizer folder (default: the model folder, or a .gguf file's own)"),
+    ("hf-config-path", str, "folder whose config.json a .gguf model uses instead of its "
+                            "metadata"),
     ("dtype", str, "auto | float32 | bfloat16 | float16"),
     ("seed", int, "random seed"),
     ("max-model-len", int, "context length (default: from config.json)"),

@@ -15,6 +15,16 @@ _ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
+def sluice_cache_dir() -> str:
+    """Where sluice keeps what it builds or fetches once (the built-in models, GGUF files'
+    folders): $SLUICE_CACHE_DIR, else $XDG_CACHE_HOME/sluice, else ~/.cache/sluice."""
+    cache = os.environ.get("SLUICE_CACHE_DIR")
+    if cache:
+        return cache
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return os.path.join(xdg, "sluice") if xdg else os.path.expanduser("~/.cache/sluice")
+
+
 def is_hub_id(name: str) -> bool:
     return bool(_REPO_ID.match(name)) and ".." not in name and not name.endswith(".")
 

@@ -81,6 +81,19 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_inv_freq(head_dim: int, base: float,
+                  rope_scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies, [head_dim / 2] float32 whatever the default dtype (positions
+    up to 1e5+ need the precision)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_scaling is None:
+        return inv_freq
+    if rope_scaling.get("rope_type") != "llama3":
+        raise ValueError(f"rope_type must be one of ['llama3'] when scaling, got {rope_scaling!r}")
+    return _llama3_inv_freq(inv_freq, rope_scaling)
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate the two halves of each head) over a precomputed cos/sin table."""
 
@@ -93,15 +106,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        # float32 whatever the default dtype: positions up to 1e5+ need the precision.
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (base**exponents)  # [head_dim / 2]
-        if rope_scaling is not None:
-            if rope_scaling.get("rope_type") != "llama3":
-                raise ValueError(
-                    f"rope_type must be one of ['llama3'] when scaling, got {rope_scaling!r}"
-                )
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
         positions = torch.arange(max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
         # cos_sin_cache: [max_pos, head_dim], cos in the first half, sin in the second.

@@ -1,4 +1,5 @@
-"""Build a model on its device and stream Hugging Face safetensors weights into it.
+"""Build a model on its device and stream Hugging Face safetensors weights (or a GGUF file's,
+sluice.model.gguf_loader) into it.
 
 Weights go tensor by tensor from `safe_open` into the parameters' `weight_loader`s, so peak host
 memory is one tensor, not the checkpoint; each loader reads only its part of the file (a
@@ -19,6 +20,7 @@ from torch import nn
 from sluice.attention.backend import AttentionBackend
 from sluice.distributed.tp import SINGLE_RANK, TPGroup
 from sluice.model.attention import name_attention_layers
+from sluice.model.gguf_loader import GGUF_LINK, iterate_gguf_weights
 from sluice.model.hf_config import HFModelConfig
 from sluice.model.registry import get_model_class
 from sluice.model.weights import CheckpointTensor, LoadedWeight, default_weight_loader
@@ -48,7 +50,7 @@ def load_model(
 ) -> nn.Module:
     """The model of `hf_config.architectures`, in eval mode, weights from `model_dir`; at
     tp.size > 1 this rank's shard of it."""
-    files = safetensors_files(model_dir)
+    weights = checkpoint_weights(model_dir, dtype)
     model_class = get_model_class(hf_config.architectures)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -59,8 +61,18 @@ def load_model(
         torch.set_default_dtype(previous_dtype)
     name_attention_layers(model)
     with torch.no_grad():
-        model.load_weights(iterate_weights(files, dtype))
+        model.load_weights(weights)
     return model.eval().requires_grad_(False)
+
+
+def checkpoint_weights(model_dir: str,
+                       dtype: torch.dtype) -> Iterator[tuple[str, LoadedWeight]]:
+    """The folder's weights, HF-named: its safetensors files, or the GGUF file of a folder
+    made by sluice.model.gguf_loader.prepare_gguf_folder."""
+    gguf_path = os.path.join(model_dir, GGUF_LINK)
+    if os.path.lexists(gguf_path):
+        return iterate_gguf_weights(gguf_path, dtype)
+    return iterate_weights(safetensors_files(model_dir), dtype)
 
 
 def safetensors_files(model_dir: str) -> list[str]:

@@ -399,11 +399,9 @@ def _is_complete(model_dir: Path) -> bool:
 
 def default_model_dir() -> str:
     """The cached built-in model folder, built on first use."""
-    cache = os.environ.get("SLUICE_CACHE_DIR")
-    if not cache:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        cache = os.path.join(xdg, "sluice") if xdg else os.path.expanduser("~/.cache/sluice")
-    target = Path(cache) / "tiny-qwen3"
+    from sluice.model.hub import sluice_cache_dir
+
+    target = Path(sluice_cache_dir()) / "tiny-qwen3"
     if _is_complete(target):
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
