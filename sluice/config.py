@@ -9,8 +9,9 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str  # a Hugging Face model folder
+    model: str  # a Hugging Face model folder (for a .gguf file, the folder made of it)
     tokenizer: str  # folder with tokenizer.json (usually the model folder)
+    name: str = ""  # the model as the user named it (or the built-in model's name)
     dtype: str = "auto"  # "auto" (from config.json) | "float32" | "bfloat16" | "float16"
     seed: int = 0
     max_model_len: int | None = None  # None: from config.json

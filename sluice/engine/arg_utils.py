@@ -80,18 +80,19 @@ class EngineArgs:
         return cls(**kwargs)  # type: ignore[arg-type]
 
     def create_engine_config(self) -> EngineConfig:
-        model = self.model
+        model, model_name, chat_template = self.model, self.model, None
         if model is None:
-            from sluice.model.tiny import default_model_dir
+            from sluice.model.builtin import builtin_model
 
-            model = default_model_dir()
+            builtin = builtin_model(sluice_cache_dir())
+            model, model_name, chat_template = builtin.path, builtin.name, builtin.chat_template
         model = resolve_model_path(model)  # a hub id: its snapshot in the HF cache
         tokenizer = resolve_model_path(self.tokenizer) if self.tokenizer else None
         if model.endswith(".gguf"):
             from sluice.model.gguf_loader import prepare_gguf_folder
 
             model = prepare_gguf_folder(model, sluice_cache_dir(), self.hf_config_path,
-                                        tokenizer)
+                                        tokenizer, chat_template)
         elif self.hf_config_path is not None:
             raise ValueError(f"hf_config_path ({self.hf_config_path!r}) is for a .gguf model; "
                              f"the model {model!r} has its own config.json")
@@ -140,6 +141,7 @@ class EngineArgs:
 
         model_config = ModelConfig(
             model=model,
+            name=model_name,
             tokenizer=tokenizer or model,
             dtype=self.dtype,
             seed=self.seed,

@@ -79,14 +79,15 @@ _MAX_FRAMES_PER_WAKEUP = 64
 
 def core_process_args(engine_args: EngineArgs, config: EngineConfig) -> dict[str, Any]:
     """The engine arguments as the JSON-able dict the engine-core process rebuilds its configs
-    from: the model folder as resolved here (the built-in tiny model is made once, by this
-    process), the speculative and KV-transfer configs as the validated dicts of their fields,
-    however the user gave them (dict, JSON string, config object, shorthand; a bootstrap port 0
-    made a free port here, once)."""
+    from: the model folder as resolved here (the built-in model is fetched, and a .gguf file's
+    folder made, once, by this process), the speculative and KV-transfer configs as the
+    validated dicts of their fields, however the user gave them (dict, JSON string, config
+    object, shorthand; a bootstrap port 0 made a free port here, once)."""
     core_args = dataclasses.asdict(engine_args)
     spec = config.scheduler_config.speculative_config
     kv_transfer = config.kv_transfer_config
     core_args.update(model=config.model_config.model, tokenizer=config.model_config.tokenizer,
+                     hf_config_path=None,  # a .gguf model's folder holds the config given
                      speculative_config=None if spec is None else dataclasses.asdict(spec),
                      kv_transfer_config=None if kv_transfer is None else kv_transfer.to_dict(),
                      kv_offloading_size=None, disaggregation_mode=None)

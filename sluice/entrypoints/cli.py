@@ -141,7 +141,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
             else:
                 print(f"prompt: {prompt!r}\noutput: {completion.text!r} "
                       f"({len(completion.token_ids)} tokens, {completion.finish_reason})")
-    print(f"model: {llm.engine_args.model or llm.llm_engine.model_config.model} | "
+    print(f"model: {llm.llm_engine.model_config.name or llm.llm_engine.model_config.model} | "
           f"{num_generated} tokens in {elapsed:.2f} s", file=sys.stderr)
     return 0
 
@@ -174,6 +174,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                              f"{ns.model!r}")
         ns.model = ns.model_tag
     check_device(ns.device)
+    if ns.model is None and ns.tool_call_parser is None:
+        from sluice.model.builtin import SMOLLM2_TOOL_PARSER
+
+        ns.tool_call_parser = SMOLLM2_TOOL_PARSER  # the built-in model's format
     server_args = ServerArgs(
         host=ns.host, port=ns.port, api_key=ns.api_key,
         served_model_name=tuple(ns.served_model_name or ()),
@@ -182,7 +186,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         max_request_body_bytes=ns.max_request_body_bytes,
         shutdown_timeout_s=ns.shutdown_timeout,
         trust_request_chat_template=ns.trust_request_chat_template,
-        chat_template_timeout_s=ns.chat_template_timeout,
+        chat_template=ns.chat_template, chat_template_timeout_s=ns.chat_template_timeout,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
     if ns.api_server_count != 1:
@@ -251,8 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="parse tool calls out of replies to requests with tools "
                             "(tool_choice auto); needs --tool-call-parser")
-    serve.add_argument("--tool-call-parser", default=None, choices=["hermes"],
-                       help="the models' tool-call format (hermes: Qwen, Hermes)")
+    serve.add_argument("--chat-template", default=None,
+                       help="the chat template to render messages with: a file, or the "
+                            "template itself (default: the model's)")
+    serve.add_argument("--tool-call-parser", default=None,
+                       choices=["hermes", "smollm2", "llama3_json", "pythonic", "mistral"],
+                       help="the model's tool-call format, for tool_choice auto and the format "
+                            "required / named calls are held to (hermes: Qwen, Hermes; "
+                            "smollm2: SmolLM2; llama3_json, pythonic: Llama 3.x / 4; mistral; "
+                            "default: hermes, smollm2 for the built-in model)")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
                        help="split <think>...</think> into reasoning_content")
     add_engine_args(serve)

@@ -304,20 +304,22 @@ def iterate_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, G
         yield hf_name, GGUFTensor(tensor, dtype, unpermute)
 
 
-def _cache_key(path: str, hf_config_path: str | None, tokenizer: str | None) -> str:
+def _cache_key(path: str, hf_config_path: str | None, tokenizer: str | None,
+               chat_template: str | None) -> str:
     stat = os.stat(path)
     digest = hashlib.sha256()
     digest.update(json.dumps([_PREPARE_VERSION, os.path.realpath(path), stat.st_size,
-                              stat.st_mtime_ns, tokenizer is None]).encode())
+                              stat.st_mtime_ns, tokenizer is None, chat_template]).encode())
     if hf_config_path is not None:
         digest.update(Path(hf_config_path, "config.json").read_bytes())
     return digest.hexdigest()[:16]
 
 
 def prepare_gguf_folder(path: str, cache_dir: str, hf_config_path: str | None = None,
-                        tokenizer: str | None = None) -> str:
+                        tokenizer: str | None = None, chat_template: str | None = None) -> str:
     """The model folder of the GGUF file `path` (see the module), built once under
-    `cache_dir`; `tokenizer` given: the folder has no tokenizer of its own."""
+    `cache_dir`; `tokenizer` given: the folder has no tokenizer of its own; `chat_template`:
+    the tokenizer's chat template instead of the file's."""
     if not os.path.isfile(path):
         raise ValueError(f"model {path!r}: no such GGUF file")
     if hf_config_path is not None and not os.path.isfile(
@@ -325,13 +327,14 @@ def prepare_gguf_folder(path: str, cache_dir: str, hf_config_path: str | None = 
         raise ValueError(f"hf_config_path {hf_config_path!r} is not a folder with a "
                          "config.json")
     stem = Path(path).stem
-    target = Path(cache_dir) / "gguf" / f"{stem}-{_cache_key(path, hf_config_path, tokenizer)}"
+    key = _cache_key(path, hf_config_path, tokenizer, chat_template)
+    target = Path(cache_dir) / "gguf" / f"{stem}-{key}"
     if (target / "config.json").is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{stem}-", dir=target.parent))
     try:
-        _write_folder(path, staging, hf_config_path, tokenizer is None)
+        _write_folder(path, staging, hf_config_path, tokenizer is None, chat_template)
         try:
             os.replace(staging, target)
         except OSError:  # another process put its complete copy in place first
@@ -342,8 +345,8 @@ def prepare_gguf_folder(path: str, cache_dir: str, hf_config_path: str | None = 
     return str(target)
 
 
-def _write_folder(path: str, out: Path, hf_config_path: str | None,
-                  with_tokenizer: bool) -> None:
+def _write_folder(path: str, out: Path, hf_config_path: str | None, with_tokenizer: bool,
+                  chat_template: str | None) -> None:
     os.symlink(os.path.realpath(path), out / GGUF_LINK)
     reader = open_reader(path)
     config = hf_config_from_gguf(reader, path)
@@ -370,4 +373,6 @@ def _write_folder(path: str, out: Path, hf_config_path: str | None,
     except (ValueError, KeyError, RuntimeError, OSError) as exc:
         raise GGUFError(f"GGUF file {path!r}: transformers cannot build its tokenizer "
                         f"({type(exc).__name__}: {exc}); give one with --tokenizer") from None
+    if chat_template is not None:
+        converted.chat_template = chat_template
     converted.save_pretrained(str(out))

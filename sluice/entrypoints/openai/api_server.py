@@ -40,6 +40,7 @@ import sluice
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import AsyncLLM
 from sluice.engine.core_client import CoreAttachment
+from sluice.entrypoints.openai.chat_template import load_chat_template
 from sluice.entrypoints.openai.connection import bind_socket
 from sluice.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from sluice.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatsListener
@@ -83,6 +84,7 @@ class ServerArgs:
     # 30 s after SIGTERM by default: exit before that, cleanly).
     shutdown_timeout_s: float = 25.0
     trust_request_chat_template: bool = False  # run chat templates that requests send
+    chat_template: str | None = None  # a file or the template itself (None: the model's)
     chat_template_timeout_s: float = 10.0  # longest a chat template may render
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # see tool_parsers.TOOL_PARSERS
@@ -101,6 +103,7 @@ class ServerArgs:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        load_chat_template(self.chat_template)  # a bad path fails at start, naming it
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
@@ -111,6 +114,7 @@ class ServerArgs:
         return ServingOptions(
             log_requests=self.enable_log_requests, max_log_len=self.max_log_len,
             trust_request_chat_template=self.trust_request_chat_template,
+            chat_template=load_chat_template(self.chat_template),
             chat_template_timeout_s=self.chat_template_timeout_s,
             enable_auto_tool_choice=self.enable_auto_tool_choice,
             tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser)
@@ -276,7 +280,8 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
     """The app for one engine; registers its Prometheus listener with the engine. Served
     under `args.served_model_name`, else `default_model_name` (the model as the user named
     it, a hub id say), else the model folder."""
-    names = list(args.served_model_name) or [default_model_name or engine.model_config.model]
+    names = list(args.served_model_name) or [default_model_name or engine.model_config.name
+                                             or engine.model_config.model]
     serving = OpenAIServing(engine, names, args.serving_options())
     completion = OpenAIServingCompletion(serving)
     chat = OpenAIServingChat(serving)
@@ -455,7 +460,7 @@ def run_server(server_args: ServerArgs, engine_args: EngineArgs,
             logger.info("%sserving %s (max_model_len %d) on http://%s:%d",
                         "" if attach is None else f"API server {attach.client}: ",
                         list(server_args.served_model_name) or model_name
-                        or engine.model_config.model,
+                        or engine.model_config.name or engine.model_config.model,
                         engine.max_model_len, f"[{host}]" if ":" in host else host, port)
             try:
                 asyncio.run(server.serve(sockets=[sock]))

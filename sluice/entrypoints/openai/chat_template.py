@@ -18,6 +18,7 @@ flag says.
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import time
 from types import FrameType
@@ -56,6 +57,19 @@ def check_template_kwargs(kwargs: dict[str, Any]) -> None:
             raise TemplateKwargsError(
                 f"chat_template_kwargs.{key} is not a template variable (it is set by the "
                 "request's own fields)")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it names no file but reads as a
+    Jinja template; ValueError for anything else (a mistyped path, say)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
 
 
 def _deadline_tracer(deadline: float) -> Any:

@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -63,7 +64,7 @@ from sluice.entrypoints.openai.serving_engine import (
     sse_error,
 )
 from sluice.entrypoints.openai.structured import tool_call_constraint
-from sluice.entrypoints.openai.tool_parsers import TOOL_PARSERS, HermesToolParser
+from sluice.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from sluice.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -97,7 +98,7 @@ class _Parsing:
     reasoning: type[Qwen3ReasoningParser] | None
     prompt_opens_reasoning: bool
     include_reasoning: bool
-    tools: type[HermesToolParser] | None
+    tools: type[ToolParser] | None
     parallel_tool_calls: bool
     named_function: bool = False  # a forced function ends with finish_reason "stop"
 
@@ -108,7 +109,7 @@ class _Reply:
 
     parsing: _Parsing
     reasoning_parser: Qwen3ReasoningParser | None = None
-    tool_parser: HermesToolParser | None = None
+    tool_parser: ToolParser | None = None
     num_calls: int = 0
     content: str = ""
     reasoning: str = ""
@@ -121,8 +122,9 @@ class _Reply:
         if self.parsing.tools is not None:
             self.tool_parser = self.parsing.tools()
 
-    def feed(self, text: str, last: bool) -> DeltaMessage:
-        """The delta of the next `text` (`last`: the reply ends with it)."""
+    def feed(self, text: str, last: bool, truncated: bool = False) -> DeltaMessage:
+        """The delta of the next `text` (`last`: the reply ends with it; `truncated`: cut off
+        at max_tokens)."""
         reasoning, content = "", text
         if self.reasoning_parser is not None:
             parsed = self.reasoning_parser.feed(text)
@@ -135,7 +137,7 @@ class _Reply:
         if self.tool_parser is not None:
             parsed_calls = self.tool_parser.feed(content)
             if last:
-                tail_calls = self.tool_parser.finish()
+                tail_calls = self.tool_parser.finish(truncated)
                 parsed_calls.content += tail_calls.content
                 parsed_calls.calls += tail_calls.calls
             content, calls = parsed_calls.content, parsed_calls.calls
@@ -179,9 +181,9 @@ class OpenAIServingChat:
         self.tool_parser = (None if options.tool_call_parser is None
                             else TOOL_PARSERS[options.tool_call_parser])
 
-    def _tool_parser(self, request: ChatCompletionRequest) -> type[HermesToolParser] | None:
-        """The parser of this request's tool calls (None: none parsed); 400 for a tool_choice
-        this server cannot honour."""
+    def _tool_parser(self, request: ChatCompletionRequest) -> type[ToolParser] | None:
+        """The parser of this request's tool calls when tool_choice is auto (None: none
+        parsed); 400 for a tool_choice this server cannot honour."""
         choice = request.tool_choice
         if not request.tools:
             if choice not in (None, "none"):
@@ -189,8 +191,6 @@ class OpenAIServingChat:
             return None
         if choice == "none":
             return None
-        if choice == "required" or not isinstance(choice, str) and choice is not None:
-            return HermesToolParser  # the format tool_call_constraint asks for
         options = self.serving.options
         if not options.enable_auto_tool_choice or self.tool_parser is None:
             raise OpenAIError('"auto" tool choice (the default with tools) requires the server '
@@ -217,14 +217,18 @@ class OpenAIServingChat:
                               "completions", 400, "prompt_logprobs")
         max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                       else request.max_tokens)
-        tool_parser = self._tool_parser(request)
         forced = request.tools and request.tool_choice not in (None, "none", "auto")
         tool_constraint = None
         if forced:
-            tool_constraint = tool_call_constraint(request.tools, request.tool_choice,
-                                                   request.parallel_tool_calls)
+            tool_constraint, tool_parser = tool_call_constraint(
+                request.tools, request.tool_choice, request.parallel_tool_calls,
+                self.tool_parser)
+        else:
+            tool_parser = self._tool_parser(request)
         params = serving.sampling_params(request, max_tokens, num_logprobs,
                                          request.prompt_logprobs, tool_constraint)
+        if tool_parser is not None and not tool_parser.skip_special_tokens:
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
         await serving.check_constraints(request, params)
         tools = (None if not request.tools
                  else [tool.model_dump(exclude_none=True) for tool in request.tools])
@@ -279,7 +283,7 @@ class OpenAIServingChat:
         choices = []
         for sample in final.outputs:
             reply = _Reply(parsing)
-            reply.feed(sample.text, last=True)
+            reply.feed(sample.text, last=True, truncated=sample.finish_reason == "length")
             choices.append(ChatCompletionResponseChoice(
                 index=sample.index, message=reply.message(),
                 logprobs=self._logprobs(sample, params),
@@ -325,7 +329,7 @@ class OpenAIServingChat:
                     if last:
                         finished.add(sample.index)
                     reply = replies[sample.index]
-                    delta = reply.feed(sample.text, last)
+                    delta = reply.feed(sample.text, last, sample.finish_reason == "length")
                     yield chunk([ChatCompletionStreamChoice(
                         index=sample.index, delta=delta,
                         logprobs=self._logprobs(sample, params),

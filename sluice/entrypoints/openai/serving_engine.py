@@ -77,6 +77,7 @@ class ServingOptions:
     log_requests: bool = False
     max_log_len: int | None = None
     trust_request_chat_template: bool = False
+    chat_template: str | None = None  # the server's template (--chat-template); None: the model's
     chat_template_timeout_s: float = 10.0
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -181,7 +182,7 @@ class OpenAIServing:
         try:
             token_ids = await self.text_inputs.run(
                 render_chat_ids, self.engine.tokenizer, conversation, tools=tools,
-                documents=request.documents, chat_template=template,
+                documents=request.documents, chat_template=template or self.options.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 template_kwargs=kwargs, timeout_s=timeout_s)

@@ -8,10 +8,9 @@ Sources, one per request at most (two are a 400 naming the second):
   ..., "disable_any_whitespace": bool}`;
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
 - chat's `tool_choice: "required"` or a named function (`tool_call_constraint`): the reply is
-  one or more hermes tool-call blocks (`<tool_call>\\n{"name": ..., "arguments": ...}\\n
-  </tool_call>`, what the hermes parser reads), each call's arguments valid for its tool's
-  `parameters` schema (one block, of that function, when named; one when
-  `parallel_tool_calls` is false), and nothing else.
+  one or more calls in the tool parser's format (tool_parsers.py; hermes's for parsers that
+  have none), each call's arguments valid for its tool's `parameters` schema (one call, of
+  that function, when named; one when `parallel_tool_calls` is false), and nothing else.
 
 The grammar itself is checked (compiled without the tokenizer) by the serving code before the
 request goes to the engine; its errors name the source field.
@@ -26,12 +25,8 @@ import msgspec
 
 from sluice.entrypoints.openai.errors import OpenAIError
 from sluice.entrypoints.openai.protocol import ChatTool, NamedToolChoice, SamplingFields
+from sluice.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, ToolSpec
 from sluice.sampling_params import StructuredOutputsParams
-
-# The hermes format (sluice/entrypoints/openai/tool_parsers.py) around one call's arguments.
-_CALL_BEGIN = '<tool_call>\n{{"name": {name}, "arguments": '
-_CALL_END = "}\n</tool_call>"
-_CALL_SEPARATOR = "\n"
 
 
 def structured_outputs_from_request(request: SamplingFields
@@ -57,8 +52,10 @@ def structured_outputs_from_request(request: SamplingFields
 
 
 def tool_call_constraint(tools: list[ChatTool], tool_choice: str | NamedToolChoice,
-                         parallel_tool_calls: bool) -> StructuredOutputsParams:
-    """The constraint of `tool_choice` "required" or a named function (see the module)."""
+                         parallel_tool_calls: bool, parser: type[ToolParser] | None
+                         ) -> tuple[StructuredOutputsParams, type[ToolParser]]:
+    """The constraint of `tool_choice` "required" or a named function (see the module), in the
+    format of `parser` (None: hermes), and the parser that reads the reply."""
     named = isinstance(tool_choice, NamedToolChoice)
     if named:
         chosen = [tool for tool in tools if tool.function.name == tool_choice.function.name]
@@ -67,16 +64,15 @@ def tool_call_constraint(tools: list[ChatTool], tool_choice: str | NamedToolChoi
                               f"which is not among the tools "
                               f"{[tool.function.name for tool in tools]}", 400, "tool_choice")
         tools = chosen[:1]
-    tags = [{"type": "tag",
-             "begin": _CALL_BEGIN.format(name=json.dumps(tool.function.name,
-                                                         ensure_ascii=False)),
-             "content": {"type": "json_schema",
-                         "json_schema": tool.function.parameters or {"type": "object"}},
-             "end": _CALL_END} for tool in tools]
-    tag = {"type": "structural_tag", "format": {
-        "type": "tags_with_separator", "tags": tags, "separator": _CALL_SEPARATOR,
-        "at_least_one": True, "stop_after_first": named or not parallel_tool_calls}}
-    return StructuredOutputsParams(structural_tag=json.dumps(tag, ensure_ascii=False))
+    specs = [ToolSpec(tool.function.name, tool.function.parameters or {"type": "object"})
+             for tool in tools]
+    single = named or not parallel_tool_calls
+    fmt = None if parser is None else parser.constraint(specs, single)
+    if fmt is None:
+        parser = HermesToolParser
+        fmt = parser.constraint(specs, single)
+    tag = {"type": "structural_tag", "format": fmt}
+    return StructuredOutputsParams(structural_tag=json.dumps(tag, ensure_ascii=False)), parser
 
 
 def _from_response_format(value: Any) -> StructuredOutputsParams | None:
