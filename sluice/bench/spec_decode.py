@@ -26,10 +26,15 @@ with what the prompt already holds: with a random-weight model that is a loop it
 into, the case of outputs that repeat their prompts (editing, extraction), where prompt lookup
 pays; `repeat`, prompts that are one random segment repeated (whether the output picks the
 pattern up is up to the model); `random`, prompts of random tokens (prompt lookup finds little:
-the cost of speculating for nothing). The acceptance rate says how much the output did repeat,
-and
-`tokens_equal` how many output tokens equal the run without speculation (greedy: all, up to
-floating-point ties between a batched verification and a one-token decode).
+the cost of speculating for nothing). On a trained chat model, two real-text workloads
+(sluice/bench/text_prompts.py), each prompt a conversation rendered with the model's chat
+template and each reply ending where the model ends it (EOS, or `--output-len`): `copy`, answers
+that repeat much of their prompt (summarise, proofread or repeat a paragraph, repeat code with a
+change), and `chat`, open-ended questions. There ITL and tok/s count the tokens the replies have
+(the same on both engines: greedy), ITL over the longest reply of the batch. The acceptance rate
+says how much the output did repeat, and `tokens_equal` how many output tokens equal the run
+without speculation (greedy: all, up to floating-point ties between a batched verification and
+a one-token decode).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from typing import Any
 
 # Untimed tokens per engine and point before its timed runs.
 _WARMUP_TOKENS = 16
+# Real text through the chat template (needs a trained chat model).
+TEXT_WORKLOADS = ("copy", "chat")
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ' \
                '"prompt_lookup_min": 2}'
 
@@ -55,7 +62,7 @@ def add_parser(bench_sub: Any) -> None:
         "spec", help="decode speed-up of speculative decoding vs none, same run")
     parser.add_argument("--batch-sizes", default="1,8,32,128",
                         help="comma-separated (default 1,8,32,128)")
-    parser.add_argument("--workload", choices=["continue", "repeat", "random"],
+    parser.add_argument("--workload", choices=["continue", "repeat", "random", *TEXT_WORKLOADS],
                         default="continue")
     parser.add_argument("--segment-len", type=int, default=64,
                         help="continue / repeat workloads: tokens in the random segment")
@@ -80,6 +87,22 @@ def make_prompts(workload: str, num: int, input_len: int, segment_len: int, voca
                               vocab_size, rng)
     segments = random_prompts(num, segment_len, vocab_size, rng)
     return [(s * (input_len // segment_len + 1))[:input_len] for s in segments]
+
+
+def text_prompts(llm: Any, workload: str, num: int) -> list[list[int]]:
+    """`num` prompts of a real-text workload, rendered with the model's chat template."""
+    from sluice.bench.text_prompts import conversations
+
+    tokenizer = llm.get_tokenizer()
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"workload {workload!r} needs a chat model: the tokenizer of "
+                         f"{llm.llm_engine.model_config.model!r} has no chat template")
+    prompts = []
+    for conversation in conversations(workload, num):
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        prompts.append(list(ids))
+    return prompts
 
 
 def run_order(names: tuple[str, str], iteration: int) -> tuple[str, str]:
@@ -134,13 +157,17 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
     machine, model = report.machine_info(device), engine.model_config.model
     dtype_name = str(dtype).removeprefix("torch.")
     rng = random.Random(ns.seed)
-    prompts = {b: make_prompts(ns.workload, b, ns.input_len, ns.segment_len,
-                               engine.hf_config.vocab_size, rng) for b in batch_sizes}
+    text = ns.workload in TEXT_WORKLOADS
+    if text:
+        prompts = {b: text_prompts(llm, ns.workload, b) for b in batch_sizes}
+    else:
+        prompts = {b: make_prompts(ns.workload, b, ns.input_len, ns.segment_len,
+                                   engine.hf_config.vocab_size, rng) for b in batch_sizes}
 
     def timed(name: str, batch: list[list[int]], max_tokens: int
               ) -> tuple[float, list[list[int]]]:
         llm = engines[name][0]
-        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+        params = SamplingParams(temperature=0.0, ignore_eos=not text, max_tokens=max_tokens)
         report.synchronize(device)
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
@@ -181,6 +208,10 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
         decode_runs = {name: [max(t - t_1, 1e-9) for (t, _), t_1 in zip(runs[name], t_1s[name])]
                        for name in names}
         speedups = paired_speedups(decode_runs["baseline"], decode_runs["speculative"])
+        lengths = [len(tokens) for tokens in runs["baseline"][0][1]]
+        # Decode tokens: the batch's after each request's first; per step, the longest's.
+        decode_tokens = sum(lengths) - b
+        steps_tokens = max(max(lengths) - 1, 1)
         for name in names:
             t_out = statistics.median(t for t, _ in runs[name])
             t_1 = statistics.median(t_1s[name])
@@ -189,8 +220,9 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
             decode_s = statistics.median(decode_runs[name])
             queries, hits = (a - z for a, z in zip(counters_after[name], counters_before[name]))
             point = {"batch_size": b, "t_out_s": t_out, "t_1_s": t_1,
-                     "itl_ms": 1e3 * decode_s / (ns.output_len - 1),
-                     "decode_tok_s": b * (ns.output_len - 1) / decode_s,
+                     "itl_ms": 1e3 * decode_s / steps_tokens,
+                     "decode_tok_s": decode_tokens / decode_s,
+                     "mean_output_len": sum(lengths) / b,
                      "prefix_cache_hit_rate": hits / queries if queries else 0.0}
             if name == "speculative":
                 point.update(speedup=statistics.median(speedups), speedup_min=min(speedups),
@@ -211,7 +243,7 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
                                  steps["num_steps_drafting"] / num_steps if num_steps else 0.0),
                              # Decode tokens per request per counted step (the prefill's step
                              # ran with no request running: not counted).
-                             tokens_per_step=(ns.num_iters * (ns.output_len - 1) / num_steps
+                             tokens_per_step=(ns.num_iters * steps_tokens / num_steps
                                               if num_steps else 0.0))
             results[name][b] = point
             outputs_by_engine[name][b] = runs[name][0][1]
@@ -275,7 +307,7 @@ def _cmd_spec(ns: argparse.Namespace) -> int:
 
     if ns.output_len < 2:
         raise ValueError(f"output_len must be >= 2, got {ns.output_len}")
-    if ns.workload != "random" and not 1 <= ns.segment_len < ns.input_len:
+    if ns.workload in ("continue", "repeat") and not 1 <= ns.segment_len < ns.input_len:
         raise ValueError(f"segment_len must be in [1, input_len) for workload {ns.workload!r}, "
                          f"got segment_len {ns.segment_len}, input_len {ns.input_len}")
     record = run_spec(ns)

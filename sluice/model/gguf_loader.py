@@ -199,17 +199,20 @@ def _weights_dtype(reader: Any) -> str | None:
 def _llama3_rope_scaling(reader: Any, tensor: Any, config: dict[str, Any],
                          path: str) -> dict[str, Any]:
     """llama.cpp keeps Llama 3.1's RoPE scaling as per-frequency divisors (rope_freqs); the
-    llama3 parameters that give exactly those divisors (Meta's published sets)."""
+    llama3 parameters that give those divisors, searched over the values models use (factor a
+    power of two, low / high frequency factors 1 / 4 or 1 / 8 or 2 / 8, a power-of-two original
+    context)."""
     from sluice.model.layers import rope_inv_freq
 
     gguf = _import_gguf()
     stored = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1)
     theta, head_dim = config["rope_theta"], config["head_dim"]
     plain = rope_inv_freq(head_dim, theta).numpy()
-    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
-        for original in (8192, 4096, 2048):
-            params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+    factor = float(stored.max())
+    for low, high in ((1.0, 4.0), (1.0, 8.0), (2.0, 8.0)):
+        for original in (2**k for k in range(7, 18)):
+            params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                      "high_freq_factor": high, "original_max_position_embeddings": original}
             divisors = plain / rope_inv_freq(head_dim, theta, params).numpy()
             if divisors.shape == stored.shape and np.allclose(divisors, stored, rtol=1e-4):
                 return params
@@ -250,6 +253,7 @@ class GGUFTensor:
 
     def __init__(self, tensor: Any, dtype: torch.dtype, unpermute_heads: int | None) -> None:
         self._tensor = tensor
+        self.file_name = tensor.name  # llama.cpp's name, for errors
         self._dtype = dtype
         # GGUF lists dimensions innermost first; torch's order is the reverse.
         self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))

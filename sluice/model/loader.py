@@ -150,8 +150,10 @@ def load_packed_weights(
         try:
             weight_loader(param, tensor, shard_id)
         except ValueError as e:
+            stored_as = getattr(tensor, "file_name", None)  # a GGUF tensor's own name
+            where = f" (stored as {stored_as!r})" if stored_as else ""
             raise ValueError(
-                f"cannot load checkpoint tensor {name!r} into {param_name!r}: {e}"
+                f"cannot load checkpoint tensor {name!r}{where} into {param_name!r}: {e}"
             ) from None
         loaded.add((param_name, shard_id))
 

@@ -12,6 +12,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +106,27 @@ def test_greedy_ids_equal_tp1_with_prefix_caching_chunks_and_preemption(
     while any(alive(pid) for pid in pids):
         assert time.monotonic() < deadline, "ranks outlived shutdown"
         time.sleep(0.05)
+
+
+def test_a_gguf_at_tp2_gives_tp1_s_greedy_ids(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank dequantizes its rows of the column-parallel weights (llama's q / k rows
+    de-interleaved per head) and its columns of the row-parallel ones, in every tensor type."""
+    from sluice.model.gguf_loader import SUPPORTED_TENSOR_TYPES
+    from tests.conftest import save_hf_model
+    from tests.model.gguf_files import write_gguf
+
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = save_hf_model(str(tmp_path / "hf"), "llama", hidden_size=256, intermediate_size=512,
+                       head_dim=64)
+    path = write_gguf(hf, str(tmp_path / "llama.gguf"), list(SUPPORTED_TENSOR_TYPES))
+    want = greedy(LLM(model=path, tokenizer=hf, **BASE))
+    llm = LLM(model=path, tokenizer=hf, tensor_parallel_size=2, **BASE, **PREEMPTING)
+    try:
+        assert greedy(llm) == want
+        assert_all_blocks_back(llm)
+    finally:
+        llm.shutdown()
 
 
 def test_an_fp8_kv_cache_at_tp2_gives_tp1_s_greedy_ids(qwen3_dir: str) -> None:

@@ -71,13 +71,16 @@ class ServerProcess:
         return self.proc.wait()
 
 
-def launch_server(model_dir: str, log_path: Path, *extra: str) -> ServerProcess:
+def launch_server(model_dir: str | None, log_path: Path, *extra: str,
+                  env: dict[str, str] | None = None) -> ServerProcess:
+    """`sluice serve` of `model_dir` (None: the built-in model) on a free port, ready."""
+    model = [] if model_dir is None else ["--model", model_dir]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice", "serve", "--model", model_dir, "--port", "0",
-             *ENGINE_FLAGS, *extra],
+            [sys.executable, "-m", "sluice", "serve", *model, "--port", "0", *ENGINE_FLAGS,
+             *extra],
             stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     server = ServerProcess(proc, log_path)
     try:
         server.wait_ready()

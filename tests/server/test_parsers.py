@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from sluice.entrypoints.openai.protocol import ToolCall
 from sluice.entrypoints.openai.reasoning import Qwen3ReasoningParser, partial_tag_suffix
-from sluice.entrypoints.openai.tool_parsers import HermesToolParser
+from sluice.entrypoints.openai.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    PythonicToolParser,
+    SmolLM2ToolParser,
+    ToolParser,
+)
 
 
 def cut(text: str, cuts: list[int]) -> list[str]:
@@ -30,15 +37,16 @@ def reason(deltas: list[str], prompt_opens: bool = False) -> tuple[str, str]:
     return reasoning + out.reasoning, content + out.content
 
 
-def call_tools(deltas: list[str]) -> tuple[str, list[tuple[str, dict]]]:
-    parser = HermesToolParser()
+def call_tools(deltas: list[str], parser_class: type[ToolParser] = HermesToolParser,
+               truncated: bool = False) -> tuple[str, list[tuple[str, dict]]]:
+    parser = parser_class()
     content = ""
     calls: list[ToolCall] = []
     for delta in deltas:
         out = parser.feed(delta)
         content += out.content
         calls += out.calls
-    out = parser.finish()
+    out = parser.finish(truncated)
     content += out.content
     calls += out.calls
     assert all(call.id.startswith("call_") and len(call.id) == 29 for call in calls)
@@ -106,6 +114,14 @@ TOOL_CASES = [
     ("No tools needed: 2 + 2 = 4.\n", "No tools needed: 2 + 2 = 4.\n", []),
     # EOS right after the JSON (the closing tag never came): still a call.
     ('<tool_call>\n{"name": "get_time", "arguments": {}}', "", [("get_time", {})]),
+    # A block cut off mid-call (max_tokens): no half call shown as content.
+    ("Checking.\n" + WEATHER + '\n<tool_call>\n{"name": "get_weather", "argu', "Checking.",
+     [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    # SmolLM2's form: a list of calls in one block.
+    ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+     '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]</tool_call>', "",
+     [("get_weather", {"city": "Paris", "unit": "celsius"}),
+      ("get_time", {"tz": "Europe/Paris"})]),
     # Not a call: the text stays, tags and all.
     ("Here:\n<tool_call>\nnot json\n</tool_call> done",
      "Here:\n<tool_call>\nnot json\n</tool_call> done", []),
@@ -141,3 +157,66 @@ def test_hermes_arguments_keep_the_models_values() -> None:
     out = HermesToolParser().feed('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}'
                                   "</tool_call>")
     assert out.calls[0].function.arguments == '{"a": 1}'
+
+
+# Each family's format, as its reference code writes an assistant turn with calls:
+# SmolLM2 (APIGen's format, the template sluice ships for it), Llama 3.1 JSON tool calling
+# (`<|python_tag|>` + {"name", "parameters"}, several joined by "; "), Llama 3.2 / 4 Python
+# lists, Mistral's tokenizer v3 (`[TOOL_CALLS]` + a JSON list) and v11+ (`[TOOL_CALLS]name[ARGS]`
+# + the arguments, per call).
+FAMILY_CASES = [
+    # (parser, reply, content, calls)
+    (SmolLM2ToolParser, '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+     "</tool_call>", "", [("get_weather", {"city": "Paris"})]),
+    (SmolLM2ToolParser, "The weather is sunny.", "The weather is sunny.", []),
+    (Llama3JsonToolParser, '<|python_tag|>{"name": "get_weather", "parameters": '
+     '{"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
+    (Llama3JsonToolParser, '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+     '{"name": "get_time", "parameters": {"tz": "UTC; GMT"}}', "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC; GMT"})]),
+    (Llama3JsonToolParser, "Paris is sunny today.", "Paris is sunny today.", []),
+    (Llama3JsonToolParser, "{not a call} but text", "{not a call} but text", []),
+    (PythonicToolParser, '[get_weather(city="Paris"), get_time(tz="UTC", hours=[1, 2])]', "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC", "hours": [1, 2]})]),
+    (PythonicToolParser, '<|python_start|>[get_weather(city="Paris")]<|python_end|>', "",
+     [("get_weather", {"city": "Paris"})]),
+    (PythonicToolParser, "[1] is a citation, not a call.", "[1] is a citation, not a call.", []),
+    (PythonicToolParser, "[os.system(cmd=__import__('os'))]",
+     "[os.system(cmd=__import__('os'))]", []),  # not a literal: never evaluated, no call
+    (MistralToolParser, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+     '{"name": "get_time", "arguments": {}}]', "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    (MistralToolParser, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time'
+     '[ARGS]{}', "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    (MistralToolParser, 'Let me look. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+     "Let me look.", [("get_weather", {"city": "Paris"})]),
+    (MistralToolParser, "No calls here.", "No calls here.", []),
+]
+
+
+@pytest.mark.parametrize(("parser", "reply", "content", "calls"), FAMILY_CASES)
+def test_family_tool_calls(parser: type[ToolParser], reply: str, content: str,
+                           calls: list) -> None:
+    assert call_tools([reply], parser) == (content, calls)
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=st.sampled_from(FAMILY_CASES), cuts=st.lists(st.integers(0, 300), max_size=16))
+def test_family_tool_calls_are_the_same_however_they_stream(case: tuple,
+                                                            cuts: list[int]) -> None:
+    parser, reply, content, calls = case
+    assert call_tools(cut(reply, cuts), parser) == (content, calls)
+
+
+@pytest.mark.parametrize(("parser", "reply"), [
+    (HermesToolParser, 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'),
+    (SmolLM2ToolParser, '<tool_call>[{"name": "get_weather", "arguments": {"city": "Par'),
+    (Llama3JsonToolParser, '{"name": "get_weather", "parameters": {"city": "Par'),
+    (PythonicToolParser, '[get_weather(city="Par'),
+    (MistralToolParser, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci'),
+])
+def test_a_call_cut_off_at_max_tokens_is_never_content(parser: type[ToolParser],
+                                                       reply: str) -> None:
+    content, calls = call_tools([reply], parser, truncated=True)
+    assert calls == [] and "get_weather" not in content
+    assert content in ("", "Sure.")

@@ -1,6 +1,7 @@
 """The grammars behind structured outputs, on the tiny model's byte-level BPE vocabulary:
-choices spelled exactly (quotes, backslashes, newlines), the tool-call constraint in the hermes
-format, the manager's bitmask rows equal to what its matchers allow, compiles cached by key."""
+choices spelled exactly (quotes, backslashes, newlines), the tool-call constraint in each
+parser's format, the manager's bitmask rows equal to what its matchers allow, compiles cached by
+key."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import xgrammar as xgr
 from sluice.core.request import Request
 from sluice.entrypoints.openai.protocol import ChatTool, NamedToolChoice
 from sluice.entrypoints.openai.structured import tool_call_constraint
-from sluice.entrypoints.openai.tool_parsers import HermesToolParser
+from sluice.entrypoints.openai.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    PythonicToolParser,
+    SmolLM2ToolParser,
+    ToolParser,
+)
 from sluice.sampling_params import SamplingParams, StructuredOutputsParams
 from sluice.structured_output.grammar import compile_grammar, grammar_key
 from sluice.structured_output.manager import StructuredOutputManager, unpack_bitmask
@@ -51,18 +59,26 @@ def test_choices_are_spelled_exactly(compiler: xgr.GrammarCompiler) -> None:
     assert not matches(compiler, params, 'say \\"hi\\"')
 
 
+def constraint(tool_choice: object, parallel_tool_calls: bool,
+               parser: type[ToolParser] | None = None) -> StructuredOutputsParams:
+    params, _ = tool_call_constraint(TOOLS, tool_choice, parallel_tool_calls, parser)
+    return params
+
+
+NAMED_PING = NamedToolChoice.model_validate({"type": "function", "function": {"name": "ping"}})
+
+
 def test_tool_call_constraint_is_hermes_blocks_of_valid_arguments(
         compiler: xgr.GrammarCompiler) -> None:
-    required = tool_call_constraint(TOOLS, "required", parallel_tool_calls=True)
+    required = constraint("required", parallel_tool_calls=True)
     assert matches(compiler, required, CALL)
     assert matches(compiler, required, CALL + "\n" + PING)  # parallel calls
     assert not matches(compiler, required, "")  # at least one
     assert not matches(compiler, required, "Sure! " + CALL)  # nothing but calls
     assert not matches(compiler, required, CALL.replace('"city"', '"town"'))
-    single = tool_call_constraint(TOOLS, "required", parallel_tool_calls=False)
+    single = constraint("required", parallel_tool_calls=False)
     assert matches(compiler, single, PING) and not matches(compiler, single, PING + "\n" + CALL)
-    named = tool_call_constraint(TOOLS, NamedToolChoice.model_validate(
-        {"type": "function", "function": {"name": "ping"}}), parallel_tool_calls=True)
+    named = constraint(NAMED_PING, parallel_tool_calls=True)
     assert matches(compiler, named, PING) and not matches(compiler, named, CALL)
     assert not matches(compiler, named, PING + "\n" + PING)  # a named function: one call
     # What the grammar allows, the hermes parser reads as calls.
@@ -71,6 +87,41 @@ def test_tool_call_constraint_is_hermes_blocks_of_valid_arguments(
     out.calls += parser.finish().calls
     assert [(c.function.name, json.loads(c.function.arguments)) for c in out.calls] == [
         ("get_weather", {"city": "Paris"}), ("ping", {})]
+
+
+SMOL_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+SMOL_PING = '{"name": "ping", "arguments": {}}'
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_PING = '{"name": "ping", "parameters": {}}'
+
+
+@pytest.mark.parametrize(("parser", "one", "two", "bad"), [
+    (SmolLM2ToolParser, f"<tool_call>[{SMOL_CALL}]</tool_call>",
+     f"<tool_call>[{SMOL_CALL}, {SMOL_PING}]</tool_call>", f"<tool_call>{SMOL_CALL}</tool_call>"),
+    (Llama3JsonToolParser, LLAMA_CALL, f"{LLAMA_CALL}; {LLAMA_PING}", SMOL_CALL),
+])
+def test_tool_call_constraint_in_the_parsers_format(compiler: xgr.GrammarCompiler,
+                                                    parser: type[ToolParser], one: str,
+                                                    two: str, bad: str) -> None:
+    required = constraint("required", True, parser)
+    assert matches(compiler, required, one) and matches(compiler, required, two)
+    assert not matches(compiler, required, bad) and not matches(compiler, required, "")
+    single = constraint("required", False, parser)
+    assert matches(compiler, single, one) and not matches(compiler, single, two)
+    assert not matches(compiler, constraint(NAMED_PING, True, parser), one)
+    # The parser reads what its grammar allows.
+    reader = parser()
+    out = reader.feed(two)
+    out.calls += reader.finish().calls
+    assert [c.function.name for c in out.calls] == ["get_weather", "ping"]
+    assert out.content == ""
+
+
+def test_parsers_without_a_format_of_their_own_are_forced_in_hermes() -> None:
+    for parser in (PythonicToolParser, MistralToolParser, None):
+        params, reader = tool_call_constraint(TOOLS, "required", True, parser)
+        assert reader is HermesToolParser
+        assert params == constraint("required", True, HermesToolParser)
 
 
 def test_the_managers_bitmask_rows_are_the_matchers_allowed_tokens(qwen3_dir: str) -> None:
