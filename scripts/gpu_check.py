@@ -11,7 +11,8 @@ loaded; through a prefill, a decode and a router (PD over the Mooncake Transfer 
 `--only pd`, where Mooncake is installed); the pool and PD with an 8-bit cache too; and, on a
 machine of two or more GPUs, tensor parallelism (NCCL; the all-reduces inside the CUDA graphs,
 the fused ops and folded norms per rank), with graphs on and off; and with an 8-bit KV cache
-(`kv_cache_dtype="fp8"`, and "fp8_e5m2") against the CPU reference with the same cache dtype.
+(`kv_cache_dtype="fp8"`, and "fp8_e5m2") against the CPU reference with the same cache dtype;
+with `--trained-gguf`, the trained SmolLM2 in float32 and bfloat16 (trained_model_check).
 Exits non-zero on any mismatch.
 
     PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR] [--only PREFIX,...]
@@ -299,10 +300,52 @@ def cpu_greedy_ids(model: str, kv_cache_dtype: str,
     return ids
 
 
+TRAINED_CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "List three prime numbers."}],
+    [{"role": "user", "content": "Explain what a CPU does in one sentence."}],
+    [{"role": "system", "content": "You are a pirate. Answer like one."},
+     {"role": "user", "content": "How are you today?"}],
+    [{"role": "user", "content": "Repeat this sentence exactly: the quick brown fox jumps over "
+                                 "the lazy dog."}],
+    [{"role": "user", "content": "Tell me about the history of the bicycle."}],
+    [{"role": "user", "content": "Summarise in one sentence: the library closes for renovation "
+                                 "from March to June; books can be returned at the town hall."}],
+]
+
+
+def trained_model_check(gguf_path: str) -> dict[str, object]:
+    """The trained SmolLM2 (a .gguf): greedy chat replies (64 tokens, EOS ignored) on the GPU in
+    float32 equal the CPU's float32 ones (checked), and in bfloat16 the position of the first
+    token that differs from them in each reply (recorded: bfloat16 rounds differently)."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+    def replies(**kwargs: object) -> list[list[int]]:
+        llm = LLM(model=gguf_path, max_model_len=1024, **kwargs)
+        out = [list(o.outputs[0].token_ids)
+               for o in llm.chat(TRAINED_CONVERSATIONS, params, use_tqdm=False)]
+        llm.shutdown()
+        return out
+
+    reference = replies(dtype="float32", device="cpu")
+    result: dict[str, object] = {"smollm2_float32_equals_cpu": replies(
+        dtype="float32", device="cuda") == reference}
+    bf16 = replies(dtype="bfloat16", device="cuda")
+    first = [next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+             for got, want in zip(bf16, reference)]
+    result["smollm2_bfloat16_first_difference_from_cpu_float32"] = first
+    result["smollm2_bfloat16_replies_equal_to_cpu_float32"] = sum(f == 64 for f in first)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", default="benchmarks")
     parser.add_argument("--only", default="", help="comma-separated setting-name prefixes")
+    parser.add_argument("--trained-gguf", default=None,
+                        help="SmolLM2-135M-Instruct's .gguf: also check the trained model "
+                             "(float32 against the CPU, bfloat16's first differences)")
     ns = parser.parse_args()
     out_dir = ns.out_dir
     only = tuple(p for p in ns.only.split(",") if p)
@@ -312,6 +355,8 @@ def main() -> None:
                                  "gpu": torch.cuda.get_device_name(0),
                                  "torch": torch.__version__,
                                  "num_gpus": torch.cuda.device_count()}
+    if ns.trained_gguf:
+        result.update(trained_model_check(ns.trained_gguf))
     rng = random.Random(0)
     pd = None
     stack = contextlib.ExitStack()

@@ -166,7 +166,8 @@ class _Reply:
     def message(self) -> ChatResponseMessage:
         parsed = self.reasoning_parser is not None or self.tool_parser is not None
         content: str | None = self.content
-        if parsed and not content and (self.calls or self.reasoned):
+        dropped = self.tool_parser is not None and self.tool_parser.dropped_block
+        if parsed and not content and (self.calls or self.reasoned or dropped):
             content = None
         return ChatResponseMessage(content=content, reasoning_content=self.reasoning or None,
                                    tool_calls=self.calls)

@@ -103,6 +103,7 @@ class ToolParser:
         self._pending_space = ""  # trailing whitespace of content, sent once text follows
         self._space_before_block = ""  # given back if the block is no call
         self.num_calls = 0
+        self.dropped_block = False  # an unclosed last block that was no call (cut off)
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
         raise NotImplementedError(type(self).__name__)
@@ -148,6 +149,8 @@ class ToolParser:
             calls = self._parse(held)
             if calls:
                 self._add_calls(calls, out)
+            else:
+                self.dropped_block = True
         else:
             self._content(held, out)
         if self.num_calls == 0:
@@ -288,6 +291,8 @@ class _WholeReplyToolParser(ToolParser):
             self._add_calls(calls, out)
         elif not truncated:
             out.content = held
+        else:
+            self.dropped_block = True
         return out
 
 
