@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import shlex
@@ -212,14 +211,16 @@ def main(ns: argparse.Namespace) -> int:
         run["fraction_of_offline"] = run["output_throughput"] / offline["output_throughput"]
     print(_table(offline, runs))
     if ns.output:
-        record = {"command": command, "machine": machine_line(), "model": ns.model,
-                  "workload": {k: getattr(ns, k) for k in (
-                      "num_prompts", "random_input_len", "random_output_len",
-                      "random_range_ratio", "temperature", "seed")},
-                  "server_args": ns.server_args,
-                  "offline": offline, "served": runs}
-        Path(ns.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.output).write_text(json.dumps(record, indent=1))
+        from sluice.bench.record import make_record, write_record
+
+        results = {"model": ns.model,
+                   "workload": {k: getattr(ns, k) for k in (
+                       "num_prompts", "random_input_len", "random_output_len",
+                       "random_range_ratio", "temperature", "seed")},
+                   "server_args": ns.server_args,
+                   "offline": offline, "served": runs}
+        write_record(ns.output, make_record("serve-vs-offline", results, device=ns.device,
+                                            command=shlex.split(command)))
         print(f"results saved to {ns.output}")
     return 0 if all(run["completed"] == ns.num_prompts for run in runs) else 1
 
