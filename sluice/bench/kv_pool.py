@@ -146,7 +146,8 @@ def run_kv_pool(ns: argparse.Namespace) -> dict[str, Any]:
                 del llm
                 release_device_memory(device)
     return make_record("kv-pool", {**record, "num_iters": ns.num_iters, "backends": backends,
-                                   "rows": rows}, device=device)
+                                   "rows": rows},
+                       device=device, command=getattr(ns, "sluice_argv", None))
 
 
 def _kv_bytes_per_token(ns: argparse.Namespace) -> int:

@@ -135,7 +135,7 @@ def run_kv_tier(ns: argparse.Namespace) -> dict[str, Any]:
         "num_iters": ns.num_iters,
         "copy_bandwidth": bandwidth,
         "rows": rows,
-    }, device=device)
+    }, device=device, command=getattr(ns, "sluice_argv", None))
 
 
 def format_kv_tier(record: dict[str, Any]) -> str:

@@ -136,7 +136,7 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         "num_iters": ns.num_iters,
         "decode": [asdict(d) for d in decode],
         "prefill": [asdict(p) for p in prefill],
-    }, device=device)
+    }, device=device, command=getattr(ns, "sluice_argv", None))
 
 
 def format_latency(record: dict[str, Any]) -> str:

@@ -197,7 +197,8 @@ def main(ns: argparse.Namespace) -> int:
         # variant the warm-up did not reach. Clear ~/.triton/cache to see compile times.
         "jit_compiles_during_run": compiles.records if compiles is not None else None,
     }
-    record = make_record("profile", result, device=device)
+    record = make_record("profile", result, device=device,
+                         command=getattr(ns, "sluice_argv", None))
     print(json.dumps(record, indent=1))
     if ns.output:
         write_record(ns.output, record)

@@ -238,7 +238,7 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
         "input_len": ns.input_len, "segment_len": ns.segment_len, "output_len": ns.output_len,
         "num_iters": ns.num_iters, "speculative_config": spec_config,
         "num_gpu_blocks": num_gpu_blocks, "points": points,
-    }, device=device)
+    }, device=device, command=getattr(ns, "sluice_argv", None))
 
 
 def format_spec(record: dict[str, Any]) -> str:

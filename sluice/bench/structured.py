@@ -128,7 +128,7 @@ def run_structured(ns: argparse.Namespace) -> dict[str, Any]:
         "requested_output_tokens": workload.output_tokens,
         "schema": SCHEMA,
         "runs": runs,
-    }, device=device)
+    }, device=device, command=getattr(ns, "sluice_argv", None))
 
 
 def _check_replies(outputs: list[Any]) -> int:

@@ -133,7 +133,8 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     del llm, engine, outputs
     release_device_memory(device)
 
-    record = make_record("throughput", {}, device=device)
+    record = make_record("throughput", {}, device=device,
+                         command=getattr(ns, "sluice_argv", None))
     machine = record["machine"]
     spec = gpu_spec_for(ns.gpu_spec, machine["gpu"])
     kv_dtype = resolve_kv_cache_dtype(ns.kv_cache_dtype, dtype)
