@@ -7,7 +7,7 @@ benchmarks/README.md):
      "bench": "throughput",                      # which benchmark wrote it
      "command": ["sluice", "bench", "throughput", "--output", "t.json"],
      "date": "2026-12-01T09:30:00+00:00",        # UTC, when the record was written
-     "git": "6ac3690c1f2e" | "6ac3690c1f2e-dirty" | null,
+     "git": "6ac36908a7c6" | "6ac36908a7c6-dirty" | null,
      "sluice_version": "0.1.0",
      "machine": {"hostname": ..., "platform": ..., "python": ..., "cpus": 16,
                  "device": "cuda:0" | "cpu" | null, "gpu": "NVIDIA H200" | null,
