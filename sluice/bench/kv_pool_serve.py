@@ -3,7 +3,7 @@ that share nothing, under the same shared-prefix serving load (issue 15's servin
 
     sluice bench kv-pool-serve --backend mooncake --num-prompts 200 --shared-prefix-len 4096 \\
         --shared-prefix-groups 10 --suffix-len 256 --output-len 64 --request-rate 4 \\
-        --output benchmarks/kv-pool-serve.json
+        --output benchmarks/results/kv-transfer/DATE-pool-serve-h200.json
 
 The load is `sluice bench serve`'s shared-prefix dataset (groups of prompts sharing a long
 prefix, as a system prompt and history are shared by the turns of many chats), each request sent

@@ -4,7 +4,7 @@ load, on the same machine (issue 16's GPU measurements).
     sluice bench pd --model Qwen/Qwen3-8B --device cuda --backend mooncake \\
         --workload 1024:256 --workload 8192:256 --request-rates 1,2,4,8 --num-prompts 200 \\
         --goodput ttft:2000 tpot:50 --transfer-prompt-lens 8192,32768 \\
-        --output benchmarks/pd-h200.json
+        --output benchmarks/results/kv-transfer/DATE-pd-h200.json
 
 Phase 1 starts one colocated `sluice serve` (`--colocated-memory` of the GPU) and loads it with
 `sluice bench serve` for every workload (INPUT:OUTPUT tokens, random prompts) and request

@@ -5,7 +5,8 @@ at a bounded concurrency).
 
     sluice bench serve-vs-offline --num-prompts 256 --random-input-len 562 \\
         --random-output-len 562 --random-range-ratio 0.82 --temperature 0.6 \\
-        --max-concurrency inf,32 --num-clients 1,4 --output benchmarks/serve-vs-offline.json
+        --max-concurrency inf,32 --num-clients 1,4 \\
+        --output benchmarks/results/serving/DATE-serve-vs-offline-h200.json
         [--server-args '--api-server-count 2']
 
 The prompts are `sluice bench serve`'s random dataset (text of the asked token lengths, drawn
