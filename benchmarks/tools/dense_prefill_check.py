@@ -71,7 +71,7 @@ def main(argv: list[str]) -> None:
         report["prompts"].append(row)
         print(json.dumps(row), flush=True)
     write_record(ns.output, make_record("dense-prefill-check", report, device="cuda",
-                                        command=["python", __file__, *argv]))
+                                        command=["python", sys.argv[0], *argv]))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def main(argv: list[str]) -> None:
               flush=True)
     print(f"start-up {startup_s:.2f} s")
     write_record(ns.output, make_record("ttft-lengths", record, device="cuda",
-                                        command=["python", __file__, *argv]))
+                                        command=["python", sys.argv[0], *argv]))
 
 
 if __name__ == "__main__":

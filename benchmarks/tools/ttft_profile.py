@@ -70,7 +70,7 @@ def main(argv: list[str]) -> None:
         print(f"{row['cumulative_ms']:8.3f} {row['own_ms']:8.3f} {row['calls_per_generate']:6.1f} "
               f"{row['function']}")
     write_record(ns.output, make_record("ttft-profile", report, device="cuda",
-                                        command=["python", __file__, *argv]))
+                                        command=["python", sys.argv[0], *argv]))
     llm.shutdown()
 
 

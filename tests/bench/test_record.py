@@ -75,3 +75,17 @@ def test_the_record_module_imports_no_torch() -> None:
                          cwd=REPO, check=True).stdout.split(maxsplit=2)
     assert out[:2] == ["False", "False"]
     assert all(key in out[2] for key in ("hostname", "platform", "python", "cpus", "gpu"))
+
+
+def test_the_machine_names_the_gpu_of_a_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    names: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda device: names.append(device) or "NVIDIA H200")
+    info = record.machine(torch.device("cuda", 1))
+    assert (info["device"], info["gpu"], info["num_gpus"]) == ("cuda:1", "NVIDIA H200", 2)
+    assert names == [torch.device("cuda", 1)] and info["torch"] == torch.__version__
+    assert record.machine("cpu")["gpu"] is None  # the CPU names no GPU
