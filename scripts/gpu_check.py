@@ -17,7 +17,8 @@ Exits non-zero on any mismatch.
 
     PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR] [--only PREFIX,...]
 
-Writes gpu_check.json into OUT_DIR (default: benchmarks/).
+Writes gpu_check.json into OUT_DIR (default: benchmarks/results/gpu-check/), a record of schema
+sluice.bench/1 (sluice.bench.record) whose results map each check to true, false, or a figure.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from sluice import LLM, SamplingParams
 from sluice.attention import triton_backend
+from sluice.bench.record import make_record, write_record
 from sluice.kv_transfer.offloading import BlockMover
 from sluice.model.tiny import make_tiny_model
 from sluice.spec_decode.eagle_model import make_tiny_eagle
@@ -341,7 +343,7 @@ def trained_model_check(gguf_path: str) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir", nargs="?", default="benchmarks")
+    parser.add_argument("out_dir", nargs="?", default="benchmarks/results/gpu-check")
     parser.add_argument("--only", default="", help="comma-separated setting-name prefixes")
     parser.add_argument("--trained-gguf", default=None,
                         help="SmolLM2-135M-Instruct's .gguf: also check the trained model "
@@ -350,11 +352,7 @@ def main() -> None:
     out_dir = ns.out_dir
     only = tuple(p for p in ns.only.split(",") if p)
     work = tempfile.mkdtemp()
-    result: dict[str, object] = {"command": " ".join(["python scripts/gpu_check.py",
-                                                      *sys.argv[1:]]),
-                                 "gpu": torch.cuda.get_device_name(0),
-                                 "torch": torch.__version__,
-                                 "num_gpus": torch.cuda.device_count()}
+    result: dict[str, object] = {}  # check name -> true / false / a figure
     if ns.trained_gguf:
         result.update(trained_model_check(ns.trained_gguf))
     rng = random.Random(0)
@@ -514,10 +512,10 @@ def main() -> None:
             model, prompts, _ = pd
             fp8_reference = cpu_greedy_ids(model, "fp8", [(prompts, 32)])[0]
             result.update(pd_equals_cpu(model, prompts, fp8_reference, "fp8"))
-    print(json.dumps(result, indent=1), flush=True)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    record = make_record("gpu-check", result, device="cuda:0",
+                         command=["python", "scripts/gpu_check.py", *sys.argv[1:]])
+    print(json.dumps(record, indent=1), flush=True)
+    write_record(os.path.join(out_dir, "gpu_check.json"), record)
     failed = [k for k, v in result.items() if v is False]
     if failed:
         sys.exit(f"greedy ids differ from the CPU reference: {failed}")

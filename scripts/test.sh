@@ -10,7 +10,7 @@ cd "$ROOT"
 # bytecode caching off (PYTHONDONTWRITEBYTECODE, set on some machines) each compiles sluice again,
 # and each pytest process rewrites every test module's asserts again (collection 26 -> 17 s).
 unset PYTHONDONTWRITEBYTECODE
-"$PY" -m ruff check sluice tests scripts
+"$PY" -m ruff check sluice tests scripts benchmarks
 if [ $# -gt 0 ]; then
   exec "$PY" -m pytest -p no:cacheprovider "$@"
 fi

@@ -2,11 +2,11 @@
 
 Such a step's queries, keys and values are all this step's rows, so attention needs no paged
 cache: `torch.nn.functional.scaled_dot_product_attention` over the rows, causal, with the K/V
-heads shared by their query groups. On CUDA it runs cuDNN's fused attention, which on an H200
-took 23.6 us for a 1,024-token Qwen3-0.6B layer against 34.9 for sluice's paged Triton kernel,
-and 484 us against 724 at 8,192 tokens (`benchmarks/`, issue 20); PyTorch's FlashAttention-2
-was slower than the Triton kernel (38.5 / 963 us), so it is never picked. Elsewhere (the CPU
-tests) PyTorch picks its kernel.
+heads shared by their query groups. On CUDA it runs cuDNN's fused attention, about 1.5x faster
+than sluice's paged Triton kernel for a Qwen3-0.6B layer at 1k-8k tokens on an H200; PyTorch's
+FlashAttention-2 was slower than the Triton kernel, so it is never picked
+(benchmarks/journal/2026-11-27-dense-prefill.md). Elsewhere (the CPU tests) PyTorch picks its
+kernel.
 
 Rows past the prompt (a CUDA graph's padding) attend causally to the prompt and to each other:
 their outputs are finite and unused, and no prompt row sees them.
@@ -17,9 +17,9 @@ cache, with no mask, and over themselves, causally (`dense_attention_over_prefix
 the log-sum-exp only through its private ATen op, so that path is offered where a start-up trial
 of it equals the paged reference (`cudnn_prefix_attention_works`).
 
-cuDNN builds an execution plan for every new shape (44 to 85 ms on an H200,
-`scripts/cudnn_plan_cost.py`), so the runner marks only steps of shapes planned before the
-first request (sluice.worker.graph_runner, DENSE_PREFIX_MAX_BYTES).
+cuDNN builds an execution plan for every new shape, as long as a step
+(benchmarks/journal/2026-11-27-no-midrun-planning.md), so the runner marks only steps of shapes
+planned before the first request (sluice.worker.graph_runner, DENSE_PREFIX_MAX_BYTES).
 """
 
 from __future__ import annotations

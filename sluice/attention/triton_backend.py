@@ -36,90 +36,61 @@ from sluice.attention.triton.unified import MAX_INT32
 SplitKVMode = Literal["auto", "always", "never"]
 DensePrefillMode = Literal["auto", "never"]
 
-# Picked by `python -m sluice.bench.kernels --sweep` on an H200 with Qwen3-0.6B's attention (16 / 8
-# heads, head_dim 128, bf16, block size 16). Decode: on the ragged decode batches of the nano-vllm
-# workload (`--only-ragged --consecutive-blocks`, steps 100 to 900: batch 256 to 37) 128-key tiles
-# took 2-8% less time than 64-key ones (which were best on a uniform batch of 256 x 1k: 97% of
-# the copy bandwidth); split-KV decode 8 x 8k at 78%, an 8k prefill at 367 TFLOP/s. More stages
-# than 3 gain nothing: the block-table load ahead of each K/V tile takes a stage of its own.
+# Tile shapes and split rules, chosen by `python -m sluice.bench.kernels [--sweep]` and checked in
+# the model on an H200 with Qwen3-0.6B's attention (16 / 8 heads, head_dim 128, block size 16).
+# The measurements behind each are in the journal note named beside it.
+#
+# Decode: 128-key tiles, because the workload's decode batches are ragged and shrink (64-key tiles
+# win only on a uniform batch); more than 3 stages gain nothing, as the block-table load ahead of
+# each K/V tile takes a stage of its own
+# (benchmarks/journal/2026-11-22-fused-kernels-and-decode-tiles.md).
 DECODE_TILES = TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)
 PREFILL_TILES = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-# Decode batches of at least SHORT_DECODE_MIN_REQS requests whose contexts are all under
-# SHORT_DECODE_CONTEXT keys (the CUDA graphs captured for them: sluice.worker.graph_runner). At
-# 192 keys (`kernels-short-contexts-h200.json`) 64-key tiles took 26.9 us against 30.0 for 64
-# requests, 19.0 against 20.3 for 32 and 15.7 against 15.9 for 16 (one program per request and
-# KV head: smaller tiles let more programs share an SM); one request was faster with 128-key
-# tiles (11.2 us), and so were the workload's ragged batches of longer contexts. Only decode
-# batches (one query a request) take them: the decode rows of a mixed or verification step keep
-# DECODE_TILES, whose variants the warm-up compiles (a step of 64 short prompts once compiled
-# the short tiles' mixed variant mid-run, stalling it 0.67 s on an H200).
+# Decode batches of at least SHORT_DECODE_MIN_REQS requests, every context under
+# SHORT_DECODE_CONTEXT keys (their own CUDA graphs: sluice.worker.graph_runner): 64-key tiles let
+# more programs share an SM; one request and longer contexts are faster with 128-key tiles. Only
+# decode batches take them: a mixed or verification step's decode rows keep DECODE_TILES, whose
+# variants the warm-up compiles (else a compile mid-run:
+# benchmarks/journal/2026-11-27-no-midrun-planning.md; the tiles:
+# benchmarks/journal/2026-11-27-dense-prefill.md).
 SHORT_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 SHORT_DECODE_MIN_REQS = 16
-# An 8-bit cache: decode batches of at least FP8_DECODE_MIN_PROGRAMS_PER_SM (request, KV head)
-# programs per SM take 64-key tiles in 5 stages, which Triton's pipeliner makes two K/V buffers
-# a program (3 stages give one: the block-table load ahead of each tile takes a stage). Half
-# the bytes a key, half the bytes in flight a tile: the 16-bit choice left the 8-bit kernel
-# short of bandwidth. Decode attention alone on an H100 (`fp8-kv-decode-tiles-h100.json`, every
-# request the same context), against the tiles the 16-bit rule picks: 256 x 1,000 keys 234 ->
-# 204 us, 256 x 700 176 -> 144, 64 x 1,000 63.7 -> 55.4, 48 x 300 18.5 -> 18.4; at 32 requests
-# (1.9 programs a SM) from 3% slower to 8% faster; at 8 and 16 requests 2-32% slower, so batches
-# under the threshold keep the 16-bit rule (their long contexts go to split-KV).
+# An 8-bit cache: from FP8_DECODE_MIN_PROGRAMS_PER_SM (request, KV head) programs per SM, 64-key
+# tiles in 5 stages, which Triton's pipeliner makes two K/V buffers a program (3 stages give one):
+# half the bytes a key needs more bytes in flight. Below the threshold they were slower, so those
+# batches keep the 16-bit rule (benchmarks/journal/2026-11-28-fp8-attention-ptx-v.md).
 FP8_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=5)
 FP8_DECODE_MIN_PROGRAMS_PER_SM = 2
-# Split-KV decode over an 8-bit cache, for the same reason: 5 stages rather than SPLIT_TILES' 3.
-# H100, `python -m sluice.bench.kernels --kv-cache-dtype fp8 --sweep` (L2 flushed before each
-# call; `kernels-fp8-split-h100.json`, `kernels-fp8-split-2-h100.json`), at the split count a
-# decode graph captures: 3 -> 5 stages took 4 x 16,000 keys 101.9 -> 91.4 us, 16 x 2,000 63.2 ->
-# 59.9, 8 x 4,000 60.3 -> 58.3, 24 x 1,500 55.8 -> 51.4, 32 x 1,000 61.9 -> 58.8, and 1 x 1,000,
-# 1 x 4,000, 2 x 8,000 within 1%. (128-key tiles in 3 stages won five of these eight by up to
-# 10% more and lost 24 x 1,500 by 13%.)
+# Split-KV over an 8-bit cache, for the same reason: 5 stages, never slower than SPLIT_TILES' 3
+# with L2 flushed (benchmarks/journal/2026-11-28-fp8-vs-vllm-e5m2-fp16-dots.md).
 FP8_SPLIT_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=5)
 # Few programs: split so the GPU fills (about 4 programs per SM), keeping at least
 # MIN_KEYS_PER_SPLIT keys per split so the merge stays cheap next to the reads. With more
-# programs, splits measured slower or within noise on the workload's ragged decode batches
-# (batch 37 to 126, `--only-ragged --consecutive-blocks`).
+# programs, splits measured slower or within noise on the workload's ragged decode batches.
 SPLIT_BELOW_PROGRAMS_PER_SM = 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 # Very few programs over a short context (at most a sixteenth of the SMs: one request of
-# Qwen3-0.6B's 8 KV heads on an H200): each KV head's tiles walked by one program are the step's
-# latency there, so contexts under SHORT_DECODE_CONTEXT split into 64-key tiles, 8 splits. On an
-# H200 (`split-kv-few-programs-trial-h200.json`): a chain of 28 calls in one CUDA graph, 1
-# request x 192 / 330 keys, 6.9 / 9.2 us a call unsplit, 6.1 / 6.3 with 8 splits and the merge;
-# `bench latency` at batch 1, 128 + 128 tokens (this plan: 8 splits in the short-context graphs),
-# alternated on one start: 0.880 / 0.878 ms against 0.891 / 0.892. At 4 requests x 192 keys the
-# chain was slower split (7.8 against 7.3 us), hence the sixteenth. Longer contexts keep the rule
-# below: one-tile splits up to 32 made batch 1 at 1,024 keys slower (0.943 against 0.920 ms).
+# Qwen3-0.6B's 8 KV heads on an H200): one program walking a KV head's tiles is the step's
+# latency, so contexts under SHORT_DECODE_CONTEXT split into 8 splits of 64-key tiles (-1.4% ITL
+# at batch 1); at 4 requests and at longer contexts splitting was slower
+# (benchmarks/journal/2026-11-28-short-context-split.md).
 FEW_PROGRAMS_SM_FRACTION = 16
 FEW_PROGRAMS_KEYS_PER_SPLIT = 64
 # Decode batches of FUSED_DECODE_MIN_REQS requests or more, with at most
 # FUSED_DECODE_MAX_PROGRAMS_PER_SM (request, KV head) programs per SM, take q/k norm, RoPE and
 # the KV store inside the attention kernel (decode_from_qkv): one launch a layer fewer, for a
-# prologue each program repeats (its token's 1 / rms, its heads' norms), which costs once
-# while the programs fit about one wave and wave after wave beyond. Decode device time per
-# step (Qwen3-0.6B, 128 + 128 tokens, `benchmarks/README.md`): at 16 requests 1.16 -> 1.12 ms
-# on an H100, 1.03-1.05 -> 1.00-1.01 on an H200; at 64 requests 1.73-1.74 -> 1.69-1.71 on an
-# H100, 1.50-1.51 -> 1.48-1.50 on an H200. At one request it was slower (0.98 -> 1.03 ms, an
-# H100): the separate q/k kernel is short there and overlaps the attention's launch
-# (programmatic dependent launch), while the prologue lengthens the one wave's path; at 4 and
-# 8 requests the two were within their run-to-run spread.
+# prologue each program repeats, which costs once while the programs fit about one wave. Under
+# 16 requests the separate q/k kernel is short and overlaps the attention's launch (PDL), so the
+# two launches stay (benchmarks/journal/2026-11-27-fused-decode-attention.md).
 FUSED_DECODE_MIN_REQS = 16
 FUSED_DECODE_MAX_PROGRAMS_PER_SM = 4
-# The fused kernel's own tiles, at any context, for batches of at least
-# FUSED_TILES_MIN_PROGRAMS_PER_SM (request, KV head) programs per SM. Its prologue holds registers
-# the unified kernel's does not, so the unified kernel's tiles could not keep
-# FUSED_DECODE_MAX_PROGRAMS_PER_SM programs resident and a batch ran in two waves (sm90, ptxas: the
-# 8-bit cache's 5-stage tiles 140 registers a thread, 3 programs an SM; the 128-key bf16 tiles 137;
-# these 105-108 and 39 KB, 4 an SM: tests/kernels/test_fp8_ptx.py). On an H200 (`python -m
-# sluice.bench.kernels --fused-cases ... --sweep`, `fused-decode-tiles-h200.json`), us a layer, the
-# unified kernel's tiles -> these, the two launches in brackets: bfloat16, 64 requests x 512 keys
-# 55.4 -> 48.9 (55.4), x 1,024 90.7 -> 79.4 (92.4), x 192 unchanged (the short tiles: 26.1; 28.0);
-# an 8-bit cache, whose 5-stage FP8_DECODE_TILES made the fused kernel slower than the two launches:
-# 64 x 192 27.1 -> 20.3 (23.0), 64 x 512 49.4 -> 37.4 (38.4), 64 x 1,024 84.0 -> 61.0 (60.3), 128 x
-# 192 40.1 -> 34.7 (35.4). Fewer programs keep the unified kernel's tiles: there deeper pipelines
-# pay (8-bit, 32 x 1,024: 39.5 with 128-key tiles, 48.7 with these); at 16 and 32 x 192 all were
-# within 1 us.
+# The fused kernel's own tiles, at any context, from FUSED_TILES_MIN_PROGRAMS_PER_SM programs per
+# SM: its prologue holds registers the unified kernel's does not, so with the unified kernel's
+# tiles only 3 programs fit an SM and a batch ran in two waves; these keep 4 resident
+# (tests/kernels/test_fp8_ptx.py checks it). Fewer programs keep the unified kernel's tiles, where
+# deeper pipelines pay (benchmarks/journal/2026-11-28-fused-decode-tiles.md).
 FUSED_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 FP8_FUSED_DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 FUSED_TILES_MIN_PROGRAMS_PER_SM = 2

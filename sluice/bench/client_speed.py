@@ -191,11 +191,10 @@ def main() -> None:
         ["uvloop"] if importlib.util.find_spec("uvloop") else [])
     print(" ".join(["python -m sluice.bench.client_speed", *sys.argv[1:]]))
     print(machine_line())
-    results: dict[str, Any] = {"command": sys.argv, "machine": machine_line(), "results": {}}
+    results: dict[str, Any] = {}
     for loop in loops:
         if ns.base_url:
-            results["results"][f"server_{loop}"] = result = measure(ns.base_url.rstrip("/"),
-                                                                    loop, ns)
+            results[f"server_{loop}"] = result = measure(ns.base_url.rstrip("/"), loop, ns)
             print(_table(f"server {ns.base_url}, {loop} loop", result))
             continue
         for events_per_write in (int(n) for n in ns.events_per_write.split(",")):
@@ -208,12 +207,13 @@ def main() -> None:
             pacing = ("" if ns.step_ms is None else
                       f", one event per stream every {ns.step_ms:g} ms (offered "
                       f"{ns.concurrency / ns.step_ms * 1000:,.0f} events/s)")
-            results["results"][f"fake_{events_per_write}_per_write_{loop}"] = result
+            results[f"fake_{events_per_write}_per_write_{loop}"] = result
             print(_table(f"fake server, {events_per_write} event(s) per write{pacing}, "
                          f"{loop} loop", result))
     if ns.output:
-        with open(ns.output, "w") as f:
-            json.dump(results, f, indent=1)
+        from sluice.bench.record import make_record, write_record
+
+        write_record(ns.output, make_record("client-speed", results))
 
 
 if __name__ == "__main__":

@@ -216,11 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(json.dumps(row))
     if ns.output:
-        with open(ns.output, "w") as f:
-            json.dump({"command": " ".join(["python -m sluice.bench.decode_ptx",
-                                            *(sys.argv[1:] if argv is None else argv)]),
-                       "target": "sm90 (compiled offline by Triton)", "kernels": rows}, f,
-                      indent=1)
+        from sluice.bench.record import make_record, write_record
+
+        command = ["python", "-m", "sluice.bench.decode_ptx",
+                   *(sys.argv[1:] if argv is None else argv)]
+        write_record(ns.output, make_record(
+            "decode-ptx", {"target": "sm90 (compiled offline by Triton)", "kernels": rows},
+            command=command))
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shlex
 import statistics
 import sys
@@ -49,6 +48,7 @@ from sluice.attention.triton_backend import (
     TritonBackendConfig,
     choose_num_splits,
 )
+from sluice.bench.record import make_record, write_record
 from sluice.model.layers import RotaryEmbedding
 from sluice.model.triton_ops import qk_norm_rope
 
@@ -417,11 +417,6 @@ def run_mixed(timer: GraphTimer, decodes: int, context: int, chunk: int) -> dict
     return record
 
 
-def _write(path: str, report: dict[str, Any]) -> None:
-    with open(path, "w") as f:  # after every case, so a cut-short run still leaves its numbers
-        json.dump(report, f, indent=1)
-
-
 def _sweep_name(tiles: TileConfig) -> str:
     return f"{tiles.block_m}m_{tiles.block_n}n_{tiles.num_warps}w_{tiles.num_stages}s"
 
@@ -491,22 +486,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
-    command = shlex.join([sys.executable, "-m", "sluice.bench.kernels",
-                          *(sys.argv[1:] if argv is None else argv)])
-    print(f"command: {command}")
+    command = ["python", "-m", "sluice.bench.kernels", *(sys.argv[1:] if argv is None else argv)]
+    print(f"command: {shlex.join(command)}")
     print(f"gpu: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
     timer = GraphTimer(device, ns.iters)
     copy_bps = copy_bandwidth(device, ns.iters)
     print(f"copy bandwidth: {copy_bps / 1e12:.2f} TB/s (read + write)")
     report: dict[str, Any] = {
-        "command": command,
-        "gpu": props.name,
         "num_sms": props.multi_processor_count,
         "copy_bytes_per_s": copy_bps,
         "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
         "decode": [],
         "prefill": [],
     }
+    # Rewritten after every case, so a cut-short run still leaves its numbers.
+    record = make_record("kernels", report, device=device, command=command)
 
     report["ragged_decode"] = []
     for step in [int(x) for x in ns.ragged_steps.split(",") if x.strip()]:
@@ -520,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         record = run_ragged(timer, copy_bps, step, configs, shuffle=not ns.consecutive_blocks,
                             cache_dtype=cache_dtype)
         report["ragged_decode"].append(record)
-        _write(ns.output, report)
+        write_record(ns.output, record)
         for label, run in record["runs"].items():
             print(f"ragged decode step {step:4d} batch {batch:3d} (mean ctx "
                   f"{record['mean_context']:.0f}, max {record['max_context']}) {label:22s} "
@@ -553,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                         tiles, max(num_splits, captured))
         record = run_decode(timer, copy_bps, batch, context, configs, cache_dtype)
         report["decode"].append(record)
-        _write(ns.output, report)
+        write_record(ns.output, record)
         for label, run in record["runs"].items():
             if "error" in run:
                 print(f"decode batch {batch:4d} ctx {context:5d} {label:22s} {run['error']}")
@@ -577,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
             tiles.update(("fused_" + _sweep_name(t), t) for t in DECODE_SWEEP)
         record = run_fused(timer, copy_bps, batch, context, tiles, cache_dtype)
         report.setdefault("fused_decode", []).append(record)
-        _write(ns.output, report)
+        write_record(ns.output, record)
         for label, run in record["runs"].items():
             if "error" in run:
                 print(f"fused decode batch {batch:4d} ctx {context:5d} {label:24s} "
@@ -595,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                 configs[_sweep_name(tiles)] = TritonBackendConfig(prefill_tiles=tiles)
         record = run_prefill(timer, prompt_len, configs)
         report["prefill"].append(record)
-        _write(ns.output, report)
+        write_record(ns.output, record)
         for label, run in record["runs"].items():
             if "error" in run:
                 print(f"prefill {prompt_len:5d} {label:28s} {run['error']}")
@@ -607,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mixed = run_mixed(timer, *MIXED_CASE)
     report["mixed"] = mixed
-    _write(ns.output, report)
+    write_record(ns.output, record)
     print(
         f"mixed {mixed['decodes']} decodes x ctx {mixed['context']} + {mixed['chunk']}-token "
         f"chunk: {mixed['mixed_us']:.1f} us (one launch: {mixed['mixed_one_launch_us']:.1f}); "

@@ -99,8 +99,8 @@ def _start_servers(stack: ExitStack, backends: list[str], ns: argparse.Namespace
 
 def run_kv_pool(ns: argparse.Namespace) -> dict[str, Any]:
     from sluice import SamplingParams
-    from sluice.bench import offline_report as report
     from sluice.bench.latency import parse_sizes
+    from sluice.bench.record import make_record
     from sluice.bench.throughput import build_llm, release_device_memory
     from sluice.bench.workloads import benchmark_model_dir, cache_root, random_prompts
 
@@ -145,9 +145,9 @@ def run_kv_pool(ns: argparse.Namespace) -> dict[str, Any]:
                 llm.llm_engine.engine_core.shutdown()
                 del llm
                 release_device_memory(device)
-    return {"machine": report.machine_info(device), "command": report.command_line(None),
-            **record, "num_iters": ns.num_iters, "backends": backends, "rows": rows,
-            "sluice_version": report.sluice_version(), "date": report.now_iso()}
+    return make_record("kv-pool", {**record, "num_iters": ns.num_iters, "backends": backends,
+                                   "rows": rows},
+                       device=device, command=getattr(ns, "sluice_argv", None))
 
 
 def _kv_bytes_per_token(ns: argparse.Namespace) -> int:
@@ -262,17 +262,18 @@ def _errors(stats: dict[str, float]) -> dict[str, float]:
 
 
 def format_kv_pool(record: dict[str, Any]) -> str:
-    from sluice.bench.offline_report import describe_machine
+    from sluice.bench.record import command_text, describe_machine
 
-    lines = [f"command: {record['command']}",
+    results = record["results"]
+    lines = [f"command: {command_text(record)}",
              f"machine: {describe_machine(record['machine'])}",
-             f"model: {record['model']} ({record['dtype']}, {record['device']}), "
-             f"{record['bytes_per_block']} bytes per block of {record['block_size']} tokens, "
-             f"median of {record['num_iters']}; pools over TCP loopback",
+             f"model: {results['model']} ({results['dtype']}, {results['device']}), "
+             f"{results['bytes_per_block']} bytes per block of {results['block_size']} tokens, "
+             f"median of {results['num_iters']}; pools over TCP loopback",
              f"{'backend':>9} {'prompt':>7} {'recompute':>10} {'local hit':>10} {'pool hit':>9} "
              f"{'pool/recomp':>11} {'local/recomp':>12} {'load GB/s':>9} {'TTFT GB/s':>9}"
              "  (TTFT ms)"]
-    for row in record["rows"]:
+    for row in results["rows"]:
         t = row["ttft_ms"]
         lines.append(f"{row['backend']:>9} {row['prompt_len']:>7} {t['recompute']:>10.2f} "
                      f"{t['local_hit']:>10.2f} {t['pool_hit']:>9.2f} "
@@ -283,10 +284,10 @@ def format_kv_pool(record: dict[str, Any]) -> str:
 
 
 def _cmd_kv_pool(ns: argparse.Namespace) -> int:
-    from sluice.bench.offline_report import write_json
+    from sluice.bench.record import write_record
 
     record = run_kv_pool(ns)
     print(format_kv_pool(record))
     if ns.output:
-        write_json(ns.output, record)
+        write_record(ns.output, record)
     return 0

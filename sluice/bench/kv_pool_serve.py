@@ -3,7 +3,7 @@ that share nothing, under the same shared-prefix serving load (issue 15's servin
 
     sluice bench kv-pool-serve --backend mooncake --num-prompts 200 --shared-prefix-len 4096 \\
         --shared-prefix-groups 10 --suffix-len 256 --output-len 64 --request-rate 4 \\
-        --output benchmarks/kv-pool-serve.json
+        --output benchmarks/results/kv-transfer/DATE-pool-serve-h200.json
 
 The load is `sluice bench serve`'s shared-prefix dataset (groups of prompts sharing a long
 prefix, as a system prompt and history are shared by the turns of many chats), each request sent
@@ -151,7 +151,7 @@ def main(ns: argparse.Namespace) -> int:
     print(command)
     print(machine_line())
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-kv-pool-serve-"))
-    result: dict[str, Any] = {"command": command, "machine": machine_line(), "model": ns.model,
+    result: dict[str, Any] = {"model": ns.model,
                               "backend": ns.backend, "gpus": _num_gpus(ns.device),
                               "workload": {k: getattr(ns, k) for k in (
                                   "num_prompts", "shared_prefix_len", "shared_prefix_groups",
@@ -168,8 +168,10 @@ def main(ns: argparse.Namespace) -> int:
                   f"tokens, pool lookups {pool.get('pool_lookups', 0):.0f}, pool hit blocks "
                   f"{pool.get('pool_hit_blocks', 0):.0f}")
     if ns.output:
-        Path(ns.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.output).write_text(json.dumps(result, indent=1))
+        from sluice.bench.record import make_record, write_record
+
+        write_record(ns.output, make_record("kv-pool-serve", result, device=ns.device,
+                                            command=shlex.split(command)))
         print(f"results saved to {ns.output}")
     complete = all(result[s]["completed"] == ns.num_prompts for s in ("no_pool", "pool"))
     return 0 if complete else 1

@@ -59,6 +59,7 @@ def run_kv_tier(ns: argparse.Namespace) -> dict[str, Any]:
     from sluice import SamplingParams
     from sluice.bench import offline_report as report
     from sluice.bench.latency import parse_sizes
+    from sluice.bench.record import make_record
     from sluice.bench.throughput import build_llm
     from sluice.bench.workloads import random_prompts
 
@@ -125,10 +126,7 @@ def run_kv_tier(ns: argparse.Namespace) -> dict[str, Any]:
     for row in rows:
         if bandwidth:
             row["load_vs_h2d_copy"] = row["effective_load_gb_s"] / bandwidth["h2d_gb_s"]
-    machine = report.machine_info(device)
-    return {
-        "machine": machine,
-        "command": report.command_line(None),
+    return make_record("kv-tier", {
         "model": engine.model_config.model,
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
@@ -137,26 +135,25 @@ def run_kv_tier(ns: argparse.Namespace) -> dict[str, Any]:
         "num_iters": ns.num_iters,
         "copy_bandwidth": bandwidth,
         "rows": rows,
-        "sluice_version": report.sluice_version(),
-        "date": report.now_iso(),
-    }
+    }, device=device, command=getattr(ns, "sluice_argv", None))
 
 
 def format_kv_tier(record: dict[str, Any]) -> str:
-    from sluice.bench.offline_report import describe_machine
+    from sluice.bench.record import command_text, describe_machine
 
-    lines = [f"command: {record['command']}",
+    results = record["results"]
+    lines = [f"command: {command_text(record)}",
              f"machine: {describe_machine(record['machine'])}",
-             f"model: {record['model']} ({record['dtype']}, {record['device']}), "
-             f"{record['bytes_per_block']} bytes per block of {record['block_size']} tokens, "
-             f"median of {record['num_iters']}"]
-    bandwidth = record["copy_bandwidth"]
+             f"model: {results['model']} ({results['dtype']}, {results['device']}), "
+             f"{results['bytes_per_block']} bytes per block of {results['block_size']} tokens, "
+             f"median of {results['num_iters']}"]
+    bandwidth = results["copy_bandwidth"]
     if bandwidth:
         lines.append(f"pinned copy, 1 GiB: host->device {bandwidth['h2d_gb_s']:.1f} GB/s, "
                      f"device->host {bandwidth['d2h_gb_s']:.1f} GB/s")
     lines.append(f"{'prompt':>7} {'recompute':>10} {'GPU hit':>9} {'CPU hit':>9} "
                  f"{'CPU/recomp':>10} {'load GB/s':>9} {'of H2D':>7}  (TTFT ms)")
-    for row in record["rows"]:
+    for row in results["rows"]:
         t = row["ttft_ms"]
         of_copy = f"{row['load_vs_h2d_copy']:.0%}" if "load_vs_h2d_copy" in row else "-"
         lines.append(f"{row['prompt_len']:>7} {t['recompute']:>10.2f} {t['gpu_hit']:>9.2f} "
@@ -166,10 +163,10 @@ def format_kv_tier(record: dict[str, Any]) -> str:
 
 
 def _cmd_kv_tier(ns: argparse.Namespace) -> int:
-    from sluice.bench.offline_report import write_json
+    from sluice.bench.record import write_record
 
     record = run_kv_tier(ns)
     print(format_kv_tier(record))
     if ns.output:
-        write_json(ns.output, record)
+        write_record(ns.output, record)
     return 0

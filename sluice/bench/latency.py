@@ -83,6 +83,7 @@ def _validate(ns: argparse.Namespace, batch_sizes: list[int], prefill_lens: list
 def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
     from sluice import SamplingParams
     from sluice.bench import offline_report as report
+    from sluice.bench.record import make_record
     from sluice.bench.throughput import build_llm
     from sluice.bench.workloads import random_prompts
 
@@ -126,11 +127,7 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         for length in prefill_lens
     ]
 
-    machine = report.machine_info(device)
-    return {
-        "machine": machine,
-        "gpu": machine["gpu"],
-        "command": report.command_line(None),
+    return make_record("latency", {
         "model": engine.model_config.model,
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
@@ -139,34 +136,33 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         "num_iters": ns.num_iters,
         "decode": [asdict(d) for d in decode],
         "prefill": [asdict(p) for p in prefill],
-        "sluice_version": report.sluice_version(),
-        "date": report.now_iso(),
-    }
+    }, device=device, command=getattr(ns, "sluice_argv", None))
 
 
 def format_latency(record: dict[str, Any]) -> str:
-    from sluice.bench.offline_report import describe_machine
+    from sluice.bench.record import command_text, describe_machine
 
+    results = record["results"]
     lines = [
-        f"command: {record['command']}",
+        f"command: {command_text(record)}",
         f"machine: {describe_machine(record['machine'])}",
-        f"model: {record['model']} ({record['dtype']}, {record['device']})",
-        f"decode: {record['input_len']} prompt tokens, {record['output_len']} output tokens, "
-        f"median of {record['num_iters']}",
+        f"model: {results['model']} ({results['dtype']}, {results['device']})",
+        f"decode: {results['input_len']} prompt tokens, {results['output_len']} output tokens, "
+        f"median of {results['num_iters']}",
         f"{'batch':>8} {'ITL (ms/token)':>16} {'decode tok/s':>14}",
     ]
     lines += [f"{d['batch_size']:>8} {d['itl_ms']:>16.3f} {d['output_tok_s']:>14,.0f}"
-              for d in record["decode"]]
+              for d in results["decode"]]
     lines.append(f"{'prefill':>8} {'TTFT (ms)':>16}")
-    lines += [f"{p['prefill_len']:>8} {p['ttft_ms']:>16.3f}" for p in record["prefill"]]
+    lines += [f"{p['prefill_len']:>8} {p['ttft_ms']:>16.3f}" for p in results["prefill"]]
     return "\n".join(lines)
 
 
 def _cmd_latency(ns: argparse.Namespace) -> int:
-    from sluice.bench.offline_report import write_json
+    from sluice.bench.record import write_record
 
     record = run_latency(ns)
     print(format_latency(record))
     if ns.output:
-        write_json(ns.output, record)
+        write_record(ns.output, record)
     return 0

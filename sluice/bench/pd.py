@@ -4,7 +4,7 @@ load, on the same machine (issue 16's GPU measurements).
     sluice bench pd --model Qwen/Qwen3-8B --device cuda --backend mooncake \\
         --workload 1024:256 --workload 8192:256 --request-rates 1,2,4,8 --num-prompts 200 \\
         --goodput ttft:2000 tpot:50 --transfer-prompt-lens 8192,32768 \\
-        --output benchmarks/pd-h200.json
+        --output benchmarks/results/kv-transfer/DATE-pd-h200.json
 
 Phase 1 starts one colocated `sluice serve` (`--colocated-memory` of the GPU) and loads it with
 `sluice bench serve` for every workload (INPUT:OUTPUT tokens, random prompts) and request
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import shlex
 import sys
@@ -156,8 +155,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.dtype:
         engine_flags += ["--dtype", ns.dtype]
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-pd-"))
-    result: dict[str, Any] = {"command": command, "machine": machine_line(),
-                              "model": ns.model, "backend": ns.backend}
+    result: dict[str, Any] = {"model": ns.model, "backend": ns.backend}
 
     port = free_port()
     colocated = Instance("colocated", serve_argv(
@@ -189,8 +187,10 @@ def main(ns: argparse.Namespace) -> int:
         cluster.close()
     print(_table(result["colocated"], result["pd"]))
     if ns.output:
-        Path(ns.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.output).write_text(json.dumps(result, indent=1))
+        from sluice.bench.record import make_record, write_record
+
+        write_record(ns.output, make_record("pd", result, device=ns.device,
+                                            command=shlex.split(command)))
         print(f"results saved to {ns.output}")
     failed = [k for k, v in {**result["colocated"], **result["pd"]}.items()
               if v["completed"] < ns.num_prompts]

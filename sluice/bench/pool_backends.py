@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import shlex
@@ -202,11 +201,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{rates['exists'] / 1e3:>9.0f}k keys/s{rates['get']:>9.2f}   "
               + " / ".join(f"{ratios[name]:.2f}" for name in rates), flush=True)
     if args.output:
-        record = {"command": command, "machine": info, "num_values": args.num_values,
-                  "value_size": args.value_size, "repeats": args.repeats,
-                  "checksum_gb_s": ceiling,
-                  "results": [asdict(result) for result in results]}
-        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+        from sluice.bench.record import make_record, write_record
+
+        # machine: the host, and here also the CPU, its load and the backends' versions.
+        record = make_record("pool-backends", {
+            "num_values": args.num_values, "value_size": args.value_size,
+            "repeats": args.repeats, "checksum_gb_s": ceiling,
+            "backends": [asdict(result) for result in results]}, command=shlex.split(command))
+        record["machine"].update(info)
+        write_record(args.output, record)
     return 0
 
 

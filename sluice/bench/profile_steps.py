@@ -65,7 +65,7 @@ def main(ns: argparse.Namespace) -> int:
     import torch
 
     from sluice import SamplingParams
-    from sluice.bench.offline_report import command_line, machine_info
+    from sluice.bench.record import make_record, write_record
     from sluice.bench.throughput import build_llm
     from sluice.bench.workloads import OfflineWorkload, nano_vllm_workload, random_prompts
     from sluice.worker.cuda_graphs import DecodeGraphs
@@ -184,7 +184,6 @@ def main(ns: argparse.Namespace) -> int:
 
     output_tokens = sum(workload.max_tokens)
     result = {
-        "command": command_line(None), **machine_info(device),
         "num_requests": ns.num_requests, "output_tokens": output_tokens, "steps": steps[0],
         "wall_s": round(wall, 3), "output_tok_s": round(output_tokens / wall, 1),
         "phases_s": {k: round(v, 3) for k, v in sorted(phases.items())},
@@ -198,10 +197,11 @@ def main(ns: argparse.Namespace) -> int:
         # variant the warm-up did not reach. Clear ~/.triton/cache to see compile times.
         "jit_compiles_during_run": compiles.records if compiles is not None else None,
     }
-    print(json.dumps(result, indent=1))
+    record = make_record("profile", result, device=device,
+                         command=getattr(ns, "sluice_argv", None))
+    print(json.dumps(record, indent=1))
     if ns.output:
-        with open(ns.output, "w") as f:
-            json.dump(result, f, indent=1)
+        write_record(ns.output, record)
     return 0
 
 

@@ -12,7 +12,6 @@ processes' CPU utilisation to show whether one was.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -356,10 +355,13 @@ def main(ns: argparse.Namespace) -> int:
     print(machine_line())
     result = run_event_loop(run_benchmark(config))
     if ns.save_result:
-        result = {"command": command, "label": ns.label, **result}
+        from sluice.bench.record import make_record, write_record
+
+        # results: the keys of `vllm bench serve --save-result`, and the client processes' CPU.
+        record = make_record("serve", {"label": ns.label, **result},
+                             command=shlex.split(command))
         path = result_path(ns, result)
-        with open(path, "w") as f:
-            json.dump(result, f)
+        write_record(path, record)
         print(f"results saved to {path}")
     return 0 if result["completed"] > 0 else 1
 

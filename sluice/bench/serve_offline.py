@@ -5,7 +5,8 @@ at a bounded concurrency).
 
     sluice bench serve-vs-offline --num-prompts 256 --random-input-len 562 \\
         --random-output-len 562 --random-range-ratio 0.82 --temperature 0.6 \\
-        --max-concurrency inf,32 --num-clients 1,4 --output benchmarks/serve-vs-offline.json
+        --max-concurrency inf,32 --num-clients 1,4 \\
+        --output benchmarks/results/serving/DATE-serve-vs-offline-h200.json
         [--server-args '--api-server-count 2']
 
 The prompts are `sluice bench serve`'s random dataset (text of the asked token lengths, drawn
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import shlex
@@ -212,14 +212,16 @@ def main(ns: argparse.Namespace) -> int:
         run["fraction_of_offline"] = run["output_throughput"] / offline["output_throughput"]
     print(_table(offline, runs))
     if ns.output:
-        record = {"command": command, "machine": machine_line(), "model": ns.model,
-                  "workload": {k: getattr(ns, k) for k in (
-                      "num_prompts", "random_input_len", "random_output_len",
-                      "random_range_ratio", "temperature", "seed")},
-                  "server_args": ns.server_args,
-                  "offline": offline, "served": runs}
-        Path(ns.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.output).write_text(json.dumps(record, indent=1))
+        from sluice.bench.record import make_record, write_record
+
+        results = {"model": ns.model,
+                   "workload": {k: getattr(ns, k) for k in (
+                       "num_prompts", "random_input_len", "random_output_len",
+                       "random_range_ratio", "temperature", "seed")},
+                   "server_args": ns.server_args,
+                   "offline": offline, "served": runs}
+        write_record(ns.output, make_record("serve-vs-offline", results, device=ns.device,
+                                            command=shlex.split(command)))
         print(f"results saved to {ns.output}")
     return 0 if all(run["completed"] == ns.num_prompts for run in runs) else 1
 

@@ -129,6 +129,7 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
     from sluice import SamplingParams
     from sluice.bench import offline_report as report
     from sluice.bench.latency import parse_sizes
+    from sluice.bench.record import make_record
     from sluice.bench.throughput import build_llm, release_device_memory
     from sluice.spec_decode.config import SpeculativeConfig
 
@@ -154,7 +155,7 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
         engines[name] = build_llm(ns)
     llm, device, dtype = engines["baseline"]
     engine = llm.llm_engine
-    machine, model = report.machine_info(device), engine.model_config.model
+    model = engine.model_config.model
     dtype_name = str(dtype).removeprefix("torch.")
     rng = random.Random(ns.seed)
     text = ns.workload in TEXT_WORKLOADS
@@ -264,25 +265,24 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
                        "baseline_decode_tok_s": base["decode_tok_s"],
                        "baseline_prefix_cache_hit_rate": base["prefix_cache_hit_rate"],
                        "tokens_equal": equal / sum(len(r) for r in ref)})
-    return {
-        "machine": machine, "gpu": machine["gpu"], "command": report.command_line(None),
+    return make_record("spec", {
         "model": model, "dtype": dtype_name, "workload": ns.workload,
         "input_len": ns.input_len, "segment_len": ns.segment_len, "output_len": ns.output_len,
         "num_iters": ns.num_iters, "speculative_config": spec_config,
         "num_gpu_blocks": num_gpu_blocks, "points": points,
-        "sluice_version": report.sluice_version(), "date": report.now_iso(),
-    }
+    }, device=device, command=getattr(ns, "sluice_argv", None))
 
 
 def format_spec(record: dict[str, Any]) -> str:
-    from sluice.bench.offline_report import describe_machine
+    from sluice.bench.record import command_text, describe_machine
 
+    results = record["results"]
     lines = [
-        f"command: {record['command']}",
+        f"command: {command_text(record)}",
         f"machine: {describe_machine(record['machine'])}",
-        f"model: {record['model']} ({record['dtype']}); workload {record['workload']}: "
-        f"{record['input_len']} prompt tokens, {record['output_len']} output tokens, greedy",
-        f"speculative: {json.dumps(record['speculative_config'])}",
+        f"model: {results['model']} ({results['dtype']}); workload {results['workload']}: "
+        f"{results['input_len']} prompt tokens, {results['output_len']} output tokens, greedy",
+        f"speculative: {json.dumps(results['speculative_config'])}",
         f"{'batch':>6} {'ITL base':>9} {'ITL spec':>9} {'speed-up':>9} {'range':>11} {'accept':>7} "
         f"{'mean len':>9} {'tok/step':>9} {'drafted':>8} {'off:batch':>10} {'off:accept':>11} "
         f"{'equal':>6}",
@@ -294,7 +294,7 @@ def format_spec(record: dict[str, Any]) -> str:
               f"{p.get('drafting_step_fraction', 0):>8.1%} "
               f"{p.get('num_steps_off_batch_size', 0):>10} "
               f"{p.get('num_steps_off_acceptance', 0):>11} {p['tokens_equal']:>6.1%}"
-              for p in record["points"]]
+              for p in results["points"]]
     lines.append("speed-up: median over consecutive iterations (A B B A) of baseline / "
                  "speculative decode time, range: their spread; tok/step: decode tokens per "
                  "request and step; drafted: share of the timed steps that drafted (the drafting "
@@ -303,7 +303,7 @@ def format_spec(record: dict[str, Any]) -> str:
 
 
 def _cmd_spec(ns: argparse.Namespace) -> int:
-    from sluice.bench.offline_report import write_json
+    from sluice.bench.record import write_record
 
     if ns.output_len < 2:
         raise ValueError(f"output_len must be >= 2, got {ns.output_len}")
@@ -313,5 +313,5 @@ def _cmd_spec(ns: argparse.Namespace) -> int:
     record = run_spec(ns)
     print(format_spec(record))
     if ns.output:
-        write_json(ns.output, record)
+        write_record(ns.output, record)
     return 0

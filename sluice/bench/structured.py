@@ -79,7 +79,7 @@ def run_structured(ns: argparse.Namespace) -> dict[str, Any]:
     import jsonschema  # noqa: F401  (checked below when installed)
 
     from sluice import SamplingParams, StructuredOutputsParams
-    from sluice.bench import offline_report as report
+    from sluice.bench.record import make_record
     from sluice.bench.workloads import nano_vllm_workload, random_prompts
 
     fractions = parse_fractions(ns.fractions)
@@ -119,10 +119,7 @@ def run_structured(ns: argparse.Namespace) -> dict[str, Any]:
     base = runs[0]["output_tok_s"]
     for run in runs:
         run["ratio_vs_unconstrained"] = run["output_tok_s"] / base
-    machine = report.machine_info(device)
-    return {
-        "command": report.command_line(None),
-        "machine": machine,
+    return make_record("structured", {
         "model": engine.model_config.model,
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
@@ -131,9 +128,7 @@ def run_structured(ns: argparse.Namespace) -> dict[str, Any]:
         "requested_output_tokens": workload.output_tokens,
         "schema": SCHEMA,
         "runs": runs,
-        "sluice_version": report.sluice_version(),
-        "date": report.now_iso(),
-    }
+    }, device=device, command=getattr(ns, "sluice_argv", None))
 
 
 def _check_replies(outputs: list[Any]) -> int:
@@ -152,16 +147,17 @@ def _check_replies(outputs: list[Any]) -> int:
 
 
 def format_structured(record: dict[str, Any]) -> str:
-    from sluice.bench.offline_report import describe_machine
+    from sluice.bench.record import command_text, describe_machine
 
+    results = record["results"]
     lines = [
-        f"command: {record['command']}",
+        f"command: {command_text(record)}",
         f"machine: {describe_machine(record['machine'])}",
-        f"model: {record['model']} ({record['dtype']}, {record['device']})",
-        f"workload: {record['num_requests']} requests, {record['prompt_tokens']:,} prompt "
-        f"tokens, up to {record['requested_output_tokens']:,} output tokens",
+        f"model: {results['model']} ({results['dtype']}, {results['device']})",
+        f"workload: {results['num_requests']} requests, {results['prompt_tokens']:,} prompt "
+        f"tokens, up to {results['requested_output_tokens']:,} output tokens",
     ]
-    for run in record["runs"]:
+    for run in results["runs"]:
         lines.append(
             f"{100 * run['fraction']:.0f}% json_schema ({run['num_constrained']} requests, "
             f"{run['constrained_ended_early']} ended by their grammar): {run['seconds']:.2f} s, "
@@ -171,10 +167,10 @@ def format_structured(record: dict[str, Any]) -> str:
 
 
 def _cmd_structured(ns: argparse.Namespace) -> int:
-    from sluice.bench.offline_report import write_json
+    from sluice.bench.record import write_record
 
     record = run_structured(ns)
     print(format_structured(record))
     if ns.output:
-        write_json(ns.output, record)
+        write_record(ns.output, record)
     return 0

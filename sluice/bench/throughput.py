@@ -97,8 +97,8 @@ def _timed_generate(llm: Any, prompts: list[list[int]], params: list[Any],
 def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     from sluice import SamplingParams
     from sluice.attention.kv_layout import resolve_kv_cache_dtype
-    from sluice.bench import offline_report as report
     from sluice.bench.hf_baseline import HFBaselineResult, measure_hf_baseline
+    from sluice.bench.record import make_record
     from sluice.bench.roofline import ModelCost, gpu_spec_for, offline_roofline
     from sluice.bench.workloads import nano_vllm_workload, random_prompts
 
@@ -133,17 +133,16 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     del llm, engine, outputs
     release_device_memory(device)
 
-    machine = report.machine_info(device)
+    record = make_record("throughput", {}, device=device,
+                         command=getattr(ns, "sluice_argv", None))
+    machine = record["machine"]
     spec = gpu_spec_for(ns.gpu_spec, machine["gpu"])
     kv_dtype = resolve_kv_cache_dtype(ns.kv_cache_dtype, dtype)
     cost = ModelCost.from_hf_config(hf_config, dtype.itemsize, kv_dtype.itemsize)
     roofline = offline_roofline(cost, [len(p) for p in workload.prompts], generated, spec)
     output_tokens = sum(generated)
     output_tok_s = output_tokens / seconds
-    record: dict[str, Any] = {
-        "machine": machine,
-        "gpu": machine["gpu"],
-        "command": report.command_line(None),
+    results: dict[str, Any] = {
         "model": model_dir,
         "architecture": hf_config.architectures[0],
         "dtype": str(dtype).removeprefix("torch."),
@@ -170,8 +169,6 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         "hf_attn_implementation": None,
         "hf_unavailable_reason": None,
         "ratio_vs_hf": None,
-        "sluice_version": report.sluice_version(),
-        "date": report.now_iso(),
     }
     if ns.hf_baseline:
         try:
@@ -180,11 +177,13 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:  # reported, not raised: the sluice figure above still stands
             hf = HFBaselineResult(transformers_version="",
                                   unavailable_reason=f"it failed: {type(e).__name__}: {e}")
-        record.update(hf_tok_s=hf.output_tok_s, hf_unavailable_reason=hf.unavailable_reason,
-                      hf_attn_implementation=hf.attn_implementation or None)
+        results.update(hf_tok_s=hf.output_tok_s, hf_unavailable_reason=hf.unavailable_reason,
+                       hf_attn_implementation=hf.attn_implementation or None,
+                       hf_transformers_version=hf.transformers_version or None)
         if hf.output_tok_s is not None:
-            record.update(hf_seconds=hf.seconds, hf_output_tokens=hf.output_tokens,
-                          ratio_vs_hf=output_tok_s / hf.output_tok_s)
+            results.update(hf_seconds=hf.seconds, hf_output_tokens=hf.output_tokens,
+                           ratio_vs_hf=output_tok_s / hf.output_tok_s)
+    record["results"] = results
     return record
 
 
@@ -196,42 +195,43 @@ def _run_record(outputs: list[Any], seconds: float, prefix_cache: str) -> dict[s
 
 
 def format_throughput(record: dict[str, Any], hf_requested: bool) -> str:
-    from sluice.bench.offline_report import describe_machine
+    from sluice.bench.record import command_text, describe_machine
 
-    spec = record["gpu_spec"]
+    results = record["results"]
+    spec = results["gpu_spec"]
     lines = [
-        f"command: {record['command']}",
+        f"command: {command_text(record)}",
         f"machine: {describe_machine(record['machine'])}",
-        f"model: {record['model']} ({record['architecture']}, {record['dtype']}, "
-        f"{record['device']})",
-        f"workload: {record['num_requests']} requests, {record['prompt_tokens']:,} prompt "
-        f"tokens, {record['output_tokens']:,} output tokens",
-        f"sluice: {record['seconds']:.2f} s, {record['output_tok_s']:,.0f} output tok/s, "
-        f"{record['total_tok_s']:,.0f} total tok/s",
+        f"model: {results['model']} ({results['architecture']}, {results['dtype']}, "
+        f"{results['device']})",
+        f"workload: {results['num_requests']} requests, {results['prompt_tokens']:,} prompt "
+        f"tokens, {results['output_tokens']:,} output tokens",
+        f"sluice: {results['seconds']:.2f} s, {results['output_tok_s']:,.0f} output tok/s, "
+        f"{results['total_tok_s']:,.0f} total tok/s",
         f"roofline ({spec['name']} spec: {spec['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
-        f"{spec['dense_flops_per_s'] / 1e12:.0f} TFLOP/s): {record['roofline_tok_s']:,.0f} "
-        f"output tok/s ({record['roofline_seconds']:.2f} s); reached "
-        f"{100 * record['roofline_fraction']:.1f}%",
+        f"{spec['dense_flops_per_s'] / 1e12:.0f} TFLOP/s): {results['roofline_tok_s']:,.0f} "
+        f"output tok/s ({results['roofline_seconds']:.2f} s); reached "
+        f"{100 * results['roofline_fraction']:.1f}%",
     ]
-    for i, run in enumerate(record.get("runs", [])[1:], 2):
+    for i, run in enumerate(results.get("runs", [])[1:], 2):
         lines.append(f"run {i} (prefix cache {run['prefix_cache']}): {run['seconds']:.2f} s, "
                      f"{run['output_tok_s']:,.0f} output tok/s, "
                      f"{run['cached_prompt_tokens']:,} prompt tokens from the prefix cache")
-    if hf_requested and record["hf_tok_s"] is not None:
+    if hf_requested and results["hf_tok_s"] is not None:
         lines.append(
-            f"HF transformers {record['machine']['transformers']} continuous batching "
-            f"({record['hf_attn_implementation']}): {record['hf_seconds']:.2f} s, "
-            f"{record['hf_tok_s']:,.0f} output tok/s; sluice / HF = {record['ratio_vs_hf']:.2f}x")
+            f"HF transformers {results['hf_transformers_version']} continuous batching "
+            f"({results['hf_attn_implementation']}): {results['hf_seconds']:.2f} s, "
+            f"{results['hf_tok_s']:,.0f} output tok/s; sluice / HF = {results['ratio_vs_hf']:.2f}x")
     elif hf_requested:
-        lines.append(f"HF baseline unavailable: {record['hf_unavailable_reason']}")
+        lines.append(f"HF baseline unavailable: {results['hf_unavailable_reason']}")
     return "\n".join(lines)
 
 
 def _cmd_throughput(ns: argparse.Namespace) -> int:
-    from sluice.bench.offline_report import write_json
+    from sluice.bench.record import write_record
 
     record = run_throughput(ns)
     print(format_throughput(record, ns.hf_baseline))
     if ns.output:
-        write_json(ns.output, record)
+        write_record(ns.output, record)
     return 0

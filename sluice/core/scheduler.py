@@ -1,50 +1,26 @@
 """The token-budget scheduler: continuous batching, chunked prefill, preemption by recompute.
 
-There are no prefill and decode phases. Each request has `num_computed_tokens` catching up to
-`num_tokens`; every step hands each request some tokens under `max_num_batched_tokens` and
-`max_num_seqs`. Decode is the case of one token. Running requests are served first, in admission
-order; then waiting ones in arrival order. When blocks run out, the most recently admitted
-running request is preempted: its blocks are freed and it goes back to the head of the queue, to
-be recomputed later (its full blocks usually still sit in the prefix cache).
+No prefill and decode phases: each request's `num_computed_tokens` catches up to its
+`num_tokens`, every step handing out tokens under `max_num_batched_tokens` and `max_num_seqs`
+(decode is the case of one token). Running requests go first in admission order, then waiting
+ones in arrival order. When blocks run out the most recently admitted running request is
+preempted: its blocks are freed and it is recomputed later (its full blocks usually still sit in
+the prefix cache).
 
-Speculative decoding: a request carries draft tokens (`spec_token_ids`): n-gram drafts the
-scheduler proposes itself when it schedules the request's decode, a model proposer's the runner
-proposed after the request's last step. It is scheduled with 1 + k tokens inside the token budget
-(drafts cut first when the budget or max_model_len is short), and model-based proposers get k
-lookahead slots for the KV of their next drafts. The drafts are not the request's tokens: only
-tokens already known enter the prefix cache, and after verification `num_computed_tokens` rolls
-back over the rejected drafts, whose KV is then overwritten. Whether a step drafts at all is the
-drafting policy's call (sluice/spec_decode/policy.py). Drafts continue from a request's last
-token. With async scheduling, drafts are proposed on the workers' device instead, after the
-tokens still in flight (n-gram: sluice/spec_decode/device_ngram.py; a model proposer's by its
-device pass after every step, sluice/spec_decode/model_proposer.py): the scheduler gives a
-decoding request k' draft slots (`scheduled_device_drafts`) and counts them as accepted until the
-step's tokens come back (`num_draft_slots_in_flight`; the blocks for them are allocated), so
-steps with drafts overlap like any other. A model proposer drafts after a step when the policy
-drafts in it or probes in the next (`propose_drafts`). Without async scheduling the scheduler
-proposes n-gram drafts from the tokens it has, a model proposer's come back with each step, and
-steps with drafts (every step of a model proposer) run synchronously.
-
-KV connectors (sluice/core/kv_connector.py): a waiting request's prefix may be loadable from
-elsewhere. A synchronous load happens in the step that computes the request's next tokens (the
-request is not scheduled again until that step's output is in); an asynchronous one parks the
-request in WAITING_FOR_REMOTE_KVS, passed over by admission (never head-of-line) until a worker
-reports the load done. Loaded blocks enter the prefix cache only after the load is known good;
-a failed block truncates the request there (recompute) or fails it. A request the connector
-still sends from keeps its blocks (`delay_free`) until the send is reported done; one aborted
-mid-load keeps them until the load ends or `kv_load_abort_timeout_s` passes, so no block is
-reused while a transfer may still write it. That bookkeeping is sluice/core/kv_transfers.py.
-An asynchronous load may bring the whole prompt and the first token the peer sampled after it
-(prefill/decode disaggregation): the token is the request's first output, and its next step
-computes the token's KV and samples the second.
-
-Structured outputs (sluice/structured_output/manager.py, given as `structured_output`): a
-constrained request waits in the queue, passed over, until its grammar is compiled (a grammar
-that fails to compile fails the request); each step carries the grammar masks of the constrained
-requests that sample in it (`grammar_bitmask`), and their matchers accept the tokens that come
-back. A constrained request is never scheduled while its last token is still in flight (async
-scheduling): its next mask depends on that token. The engine core waits for the step in flight
-instead of leaving such a request out (sluice/engine/core.py).
+Beside that, each feature keeps to its own collaborator:
+- Speculative decoding: a request is scheduled with 1 + k tokens (drafts cut first when the budget
+  or max_model_len is short); only known tokens enter the prefix cache, and rejected drafts roll
+  `num_computed_tokens` back. With async scheduling the drafts are proposed on the device and
+  their slots counted as accepted while the step is in flight (`num_draft_slots_in_flight`), so
+  such steps overlap like any other; without it, drafting steps run synchronously. Whether a step
+  drafts: sluice/spec_decode/policy.py.
+- KV connectors (sluice/core/kv_connector.py, bookkeeping in sluice/core/kv_transfers.py): a
+  prefix loaded synchronously in the step that computes the next tokens, or asynchronously with
+  the request parked in WAITING_FOR_REMOTE_KVS (never head-of-line); blocks enter the prefix
+  cache only once the load is known good, and blocks a transfer may still touch are not freed.
+- Structured outputs (sluice/structured_output/manager.py): a constrained request waits, passed
+  over, until its grammar compiles, and is never scheduled while its last token is in flight
+  (its next mask depends on it).
 """
 
 from __future__ import annotations

@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     parser = build_router_parser() if args[:1] == ["router"] else build_parser()
     ns = parser.parse_args(args)
+    ns.sluice_argv = ["sluice", *args]  # the command as typed, for benchmark records
     try:
         return ns.func(ns)
     except ValueError as e:

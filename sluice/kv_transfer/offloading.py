@@ -13,11 +13,12 @@ When to save. A block only leaves the GPU prefix cache after its last request fr
 saving at that moment loses nothing against saving as blocks fill, and it is one batched move
 per finished request rather than a move every step: saving each block as it filled (after every
 layer of every step, through the CUDA graphs' per-layer events) cost 23% of the offline
-throughput on an H100 (the nano-vllm workload: 20,635 -> 15,890 tok/s), nearly all of it host
-work and launches per step. So `request_finished` plans the save of the request's full blocks
-the tier lacks and delays the free (`delay_free`); the next step moves them (at its start, off
-the compute stream) and the worker reports the request in `finished_sending` once the copies
-are done; only then are the blocks freed and the slots loadable. Blocks of a preempted request
+throughput on an H100, nearly all of it host work and launches per step
+(benchmarks/journal/2026-11-23-step-boundary-and-cpu-kv-tier.md). So `request_finished` plans
+the save of the request's full blocks the tier lacks and delays the free (`delay_free`); the next
+step moves them (at its start, off the compute stream) and the worker reports the request in
+`finished_sending` once the copies are done; only then are the blocks freed and the slots
+loadable. Blocks of a preempted request
 are freed without a save (they stay in the GPU cache until evicted): a known gap.
 
 Scheduler half: the index of the tier. Slots of one block each (every layer), keyed by the

@@ -2,12 +2,12 @@
 with M at most MAX_ROWS, W [N, K] a layer's weight (nn.Linear layout).
 
 At these sizes a projection is bound by reading W once, and cuBLAS's kernels for them are slow
-to reach the bandwidth (on an H200, in CUDA graphs over distinct weights: Qwen3-0.6B's
-o_proj at one row 12.7 us in cuBLAS, 4.8 us here). Each program computes one [BLOCK_N, BLOCK_M]
-tile of y^T = W x^T: the weight rows are the tensor cores' long side, the few batch rows the
-short one. When the output has too few tiles to fill the GPU, K is split over programs (serial
-split-K): every split stores a float32 partial, and the last split of a tile to arrive sums
-them in split order (deterministic, no second launch) and resets the tile's arrival counter.
+to reach the bandwidth (benchmarks/journal/2026-11-22-small-batch-gemm.md). Each program
+computes one [BLOCK_N, BLOCK_M] tile of y^T = W x^T: the weight rows are the tensor cores' long
+side, the few batch rows the short one. When the output has too few tiles to fill the GPU, K is
+split over programs (serial split-K): every split stores a float32 partial, and the last split of
+a tile to arrive sums them in split order (deterministic, no second launch) and resets the
+tile's arrival counter.
 
 `silu_mul_linear` reads x as SwiGLU's [M, 2K] (gate, up) and computes `silu(gate) * up` on the
 fly, rounded to the dtype as `silu_and_mul` rounds it: the down projection then needs no
@@ -19,18 +19,16 @@ epilogues remove the norm launches at these sizes too: `linear_add` accumulates 
 `inv_rms_linear` scales each output row by 1 / rms of its input row, whose squares the program
 sums as it streams the row through its K loop (gate_up_proj reads the raw residual).
 
-Measured on the H200 (see benchmarks/README.md, `scripts/gemm_sweep.py`, and in the model with
-`sluice bench profile`): at one row the CUDA-core tiles of `GemmConfig.fma` (4 weight rows a
-program, K never split) beat the tensor-core tiles slightly (the 28 layers' projections 0.564
-against 0.576 ms a step); up to 16 rows the tensor-core tiles beat cuBLAS; at 32 rows the
-sweep's chain favoured them too, but in the model the projections took 0.71 ms a step against
-cuBLAS's 0.62, so `linear` leaves batches above MAX_ROWS = 16 to cuBLAS.
+Which tiles (`choose_config`): at one row the CUDA-core tiles of `GemmConfig.fma` (4 weight rows
+a program, K never split), slightly faster than the tensor-core tiles; the tensor-core tiles up
+to MAX_ROWS = 16 rows, where they beat cuBLAS; cuBLAS above, because at 32 rows the tiles that won
+a chain of projections lost in the model (benchmarks/journal/2026-11-22-small-batch-gemm.md,
+2026-11-25-short-context-decode-graphs.md; `benchmarks/tools/gemm_sweep.py` sweeps them).
 
 With PDL (sluice.model.pdl) each program asks for its weight slice in L2 before it waits for the
 kernel before; the CUDA-core tiles of one row also load their first weight tile into registers
-then (on an H100, a chain of the 112 projections at one row: 5.05-5.19 against 4.88-4.90 us a
-projection; 3.84 against 4.13-4.22 with every weight in L2). The tensor-core tiles do not:
-loading ahead by hand undoes Triton's pipelining of their loop.
+then (about 1.5% at batch 1: benchmarks/journal/2026-11-27-ttft-host-work-and-gemm-preload.md).
+The tensor-core tiles do not: loading ahead by hand undoes Triton's pipelining of their loop.
 
 The functions take CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1` (the tests). The grid
 depends only on python ints, so a launch can be captured in a CUDA graph. The split-K counters
@@ -120,7 +118,7 @@ def _skinny_mm_kernel(
         # The CUDA-core tiles (GemmConfig.fma): the first weight tile into registers before the
         # wait too, so that with PDL its bytes arrive while the kernel before still runs; the
         # loop then loads each next tile one iteration ahead. (With the tensor-core tiles this
-        # defeats Triton's pipelining of the loop: 7.3-8.5 against 4.6-5.7 us a projection.)
+        # defeats Triton's pipelining of the loop: slower, see the module's docstring.)
         w_next = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
     pdl_wait(USE_PDL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -117,10 +117,10 @@ class Sampler(nn.Module):
     def warm_up(self, logits: torch.Tensor) -> None:
         """Run every path now, not in the steps of the first requests that use it: the fused
         kernels on the model's logits and on the float32 copy that logit_bias and grammars make
-        (each a Triton variant: the first request with a logit_bias stalled every running
-        request for 0.7 s on an H200), and the torch path with every feature on (CUDA loads a
-        kernel on its first launch and waits for the device to go idle: the first top_p
-        request took 136 ms against 48, the first with logprobs 112 against 47). One variant
+        (each a Triton variant), and the torch path with every feature on (CUDA loads a kernel
+        on its first launch and waits for the device to go idle): otherwise a feature's first
+        request stalls every running one (benchmarks/journal/2026-11-28-first-use-stalls.md).
+        One variant
         serves every batch size. logits: [>= 2, V] in the model's dtype. Every random row has
         a generator of its own, so the shared one draws nothing."""
         logits = logits[:2]

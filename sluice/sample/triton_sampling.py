@@ -9,8 +9,8 @@ Per row, the sampled token is
   i.i.d. The first race picks c with probability S_c / sum S, the second v with S_v / S_c*
   (S_v = exp(logits[v] / T)), so v comes out with probability exactly softmax(logits / T)_v:
   the one-level race over all V columns, for V / BLOCK + BLOCK exponentials instead of V. (The
-  one-level race, one Philox word per column, was bound by the Philox integer work: 66 us for
-  256 rows of Qwen3's 151,936 columns on an H200.) A -inf logit has no mass and scores -inf
+  one-level race, one Philox word per column, was bound by the Philox integer work:
+  benchmarks/journal/2026-11-22-two-level-sampling.md.) A -inf logit has no mass and scores -inf
   whatever its noise, so a masked token is never drawn; a NaN logit is taken as -inf.
 
 Kernels. `_chunk_kernel`, one program per (row, chunk): the chunk's log2 S_c (random rows) or

@@ -11,12 +11,11 @@ off for the batch size), `min_accepted_tokens_per_step` (no drafts while the dra
 per request and step, a moving average, stay below it; 0: never off for acceptance; unset: 1.25, or
 k when k is 1) and `probe_interval` (steps between the checks that turn drafting back on; unset: 2
 for n-gram, whose checks run on the host, 16 for a model proposer, whose checks are steps that
-draft, and back off up to 64 times that while they find nothing). The defaults come from the H200's
-figures (`benchmarks/README.md`): a synchronous step with drafts cost about twice an overlapped step
-without at batch 1 and more at batch 8, and with n-gram drafts proposed on the device (async
-scheduling) a verification step still costs 1.28x a decode step at batch 1, 1.34x at batch 8 and
-1.20x at batch 32, where the `repeat` workload's drafts did not pay (0.96x with drafting always on):
-drafting pays at batch 1, and there from about one accepted draft token per step.
+draft, and back off up to 64 times that while they find nothing). The defaults follow from a
+verification step's cost: about two overlapped steps when synchronous, 1.2-1.3 decode steps with
+drafts on the device, so drafting pays at batch 1, and there from about one accepted draft token
+per step (benchmarks/journal/2026-11-22-ngram-speculation-first-measurements.md,
+2026-11-27-device-ngram-drafts.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A step with drafts verifies 1 + k tokens per request: with async scheduling (drafts proposed on
 the device) it overlaps like any step, and costs more device time than a step
-without (on an H200 at batch 1, 1.10 ms against 0.86 for Qwen3-0.6B); otherwise it runs
+without (1.28x at batch 1 for Qwen3-0.6B on an H200); otherwise it runs
 synchronously (how many drafts each request accepted decides where its next step starts, and its
 next drafts continue from its last token), about two overlapped steps. Drafting pays only when
 enough drafts are accepted, and less as the batch grows. Per step, `begin_step(batch_size)` says
@@ -17,10 +17,9 @@ whether the scheduler drafts:
   below half the threshold: with synchronous drafting steps each switch costs a step's overlap
   twice (the step in flight is taken before drafting, and the step after a drafting one starts
   with the device idle), so a policy that flips on and off around one threshold pays that for
-  nothing (measured on an H100, batch 1: 0.86x of no speculation while drafting 10% of the
-  steps, each on for a step or two). Device drafts switch for free, but a lower threshold lost
-  there too (H200, batch 1 on `repeat`: 0.99x at 0.9 against 1.15x at 1.25): the averages lag
-  the output's repeats by a step or more.
+  nothing. Device drafts switch for free, but a lower threshold lost there too: the averages lag
+  the output's repeats by a step or more (benchmarks/journal/
+  2026-11-25-first-run-serving-speculation-h100.md, 2026-11-27-device-ngram-drafts.md).
 
 While drafting is off for acceptance the averages are kept fresh by probes, one every
 `probe_interval` steps of a request:
@@ -33,12 +32,11 @@ While drafting is off for acceptance the averages are kept fresh by probes, one 
   With device drafts that step's drafts are proposed after the step before it
   (`probes_next_step`), and a step whose slots got no drafts (the step before did not propose)
   is not observed. Such a probe costs a drafting step and, since the proposer's pass is skipped
-  while drafting is off, a catch-up of the positions since the last (a random EAGLE head for
-  Qwen3-0.6B at batch 1 on an H200: about 4 ms a probe, 1.2 ms of it the verification step):
-  each probe that leaves drafting off quadruples the steps to the next, up to 64 times
-  `probe_interval`, and drafting on for the acceptance resets it. (On an H100 that head gave
-  0.91-0.93x of no speculation probing every 16 steps and 0.97x doubling up to 16 times; on an
-  H200 doubling gave 0.95x, the probes of the first few hundred steps most of the cost.)
+  while drafting is off, a catch-up of the positions since the last (several decode steps' worth
+  at batch 1): each probe that leaves drafting off quadruples the steps to the next, up to 64
+  times `probe_interval`, and drafting on for the acceptance resets it, because the probes of a
+  fresh engine's first few hundred steps were most of the cost
+  (benchmarks/journal/2026-11-28-first-use-stalls.md, its speculation section).
 
 Lifecycle, driven by the scheduler: `add_request` for a request that can speculate
 (`can_speculate`), `begin_step` once per scheduled step, `observe` per verified row (and for a

@@ -107,8 +107,8 @@ class RejectionSampler:
         random row uses min-p, top-k and top-p (every row with a generator of its own: the
         shared one is left as it was). target_logits: [2, k + 1, V] as verification makes
         them (their values do not matter). CUDA loads a kernel on its first launch and waits
-        for the device to go idle to do so: on an H200 the first verification of a run
-        otherwise took 131 ms in this sampler's torch ops, against 0.5 ms for each next one."""
+        for the device to go idle to do so, which otherwise stalls the first verification of a
+        run (benchmarks/journal/2026-11-28-first-use-stalls.md)."""
         num_rows, num_positions, _ = target_logits.shape
         device = target_logits.device
         drafts = torch.zeros((num_rows, num_positions - 1), dtype=torch.int64, device=device)

@@ -3,8 +3,8 @@
 It admits up to `max_num_seqs` requests and, every `step_ms`, gives each running request one
 token (a fixed pseudo-random id in [3, 600)) until its max_tokens, as an engine's decode steps
 do, so the front end (AsyncLLM, the OpenAI server) can be loaded at GPU rates on any machine:
-`scripts/frontend_capacity.py` measures how many tokens per second the server streams and what
-it costs per token. It answers the utility calls a server makes (stats, check_integrity,
+`benchmarks/tools/frontend_capacity.py` measures how many tokens per second the server streams
+and what it costs per token. It answers the utility calls a server makes (stats, check_integrity,
 reset_prefix_cache) and exits with its parent. Not an engine: no KV cache, no sampling; for
 measuring the front end only.
 

@@ -49,29 +49,28 @@ logger = logging.getLogger("sluice")
 _MAX_GRAPH_BATCH = 512
 # Decode steps whose contexts are all shorter than this replay the short-context decode graphs
 # (where the attention backend's plan for them differs). From 2 requests (Qwen3-0.6B on an
-# H200) the Triton backend splits no context under 2 x MIN_KEYS_PER_SPLIT = 512 keys: the
-# unified kernel at 16 requests of 192 keys took 15.9 us against 21.8 with the 4 splits a graph
-# captured for 40,960 keys runs; and from 16 requests it takes narrower tiles there
-# (SHORT_DECODE_CONTEXT, the same 512). One request splits a short context into 8 slices of
-# 64 keys (FEW_PROGRAMS_SM_FRACTION), fewer splits than a long one gets.
+# H200) the Triton backend splits no context under 2 x MIN_KEYS_PER_SPLIT = 512 keys, where a
+# graph captured for max_model_len would run the splits of the longest context; and from 16
+# requests it takes narrower tiles there (SHORT_DECODE_CONTEXT, the same 512). One request splits
+# a short context into 8 slices of 64 keys (FEW_PROGRAMS_SM_FRACTION), fewer splits than a long
+# one gets (benchmarks/journal/2026-11-25-short-context-decode-graphs.md).
 SHORT_CONTEXT_TOKENS = 512
 _PREFILL_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _MAX_PREFILL_GRAPH_TOKENS = _PREFILL_GRAPH_TOKENS[-1]
 
 # A lone fresh prompt replays the dense-prefill graph of its padded size when it fills at
 # least this share of it, or the graph is this small: dense attention computes every padding
-# row, the paged kernel skips them. H200, one Qwen3-0.6B layer (cuDNN over the padded size
-# against the Triton kernel over the prompt): 56 us against 58 at 70% of 2,048 tokens, 152
-# against 174 at 80% of 4,096, 484 against 515 at 80% of 8,192; at 512 tokens and fewer
-# dense won at every fill (16 against 16-23 us).
+# row, the paged kernel skips them. The break-even is near 0.55-0.77 of the padded size from
+# 1,024 tokens up, under 0.5 at 512 and fewer (benchmarks/journal/2026-11-27-dense-prefill.md;
+# benchmarks/tools/dense_fill_sweep.py measures it).
 DENSE_MIN_FILL = 0.8
 DENSE_ALWAYS_UP_TO = 512
 # A lone prompt chunk over a cached prefix may run dense attention, eagerly, from this many
 # tokens (an estimate): gathering the prefix's K/V out of the paged cache is then small next to
 # the attention. Token budgets below it never do.
 DENSE_OVER_PREFIX_MIN_TOKENS = 2048
-# cuDNN builds an execution plan for each new shape of its attention: 44 to 85 ms on an H200
-# (`benchmarks/cudnn-plan-h200.json`), as long as the step itself. So dense attention runs only
+# cuDNN builds an execution plan for each new shape of its attention, as long as the step itself
+# (benchmarks/journal/2026-11-27-no-midrun-planning.md). So dense attention runs only
 # on shapes planned before the first request: the dense-prefill graphs' sizes (fresh prompts
 # run dense only there), and over a cached prefix only a chunk of the whole token budget over
 # whole budgets (a long prompt's middle chunks), whose plans warm_up builds. The gathered and
@@ -227,9 +226,8 @@ class GraphRunner:
         # The LM head runs eagerly on the rows that sample (1 to max_num_seqs), and cuBLAS picks
         # its kernel by row count. CUDA loads a kernel lazily on its first launch, and that load
         # waits for the device to go idle: mid-run the host stalled in the LM head for a whole
-        # step (H200: 18 to 23 ms in each of the first 18 prompt steps of the nano-vllm
-        # workload, 5 to 11 ms at 15 decode batch sizes), and the device then idled while the
-        # next step was prepared. Launch every row count once now.
+        # step, and the device then idled while the next step was prepared
+        # (benchmarks/journal/2026-11-22-lm-head-lazy-loading.md). Launch every row count once.
         rows = self.scheduler_config.max_num_seqs
         states = hidden[:rows] if hidden.shape[0] >= rows else hidden.new_zeros(
             rows, hidden.shape[1])

@@ -21,7 +21,9 @@ def test_bench_pd_runs_the_whole_comparison_on_the_cpu(qwen3_dir: str, tmp_path:
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "PD/coloc" in run.stdout and "transfer 200 tokens" in run.stdout
-    result = json.loads(output.read_text())
+    record = json.loads(output.read_text())
+    assert record["schema"] == "sluice.bench/1" and record["bench"] == "pd"
+    result = record["results"]
     for side in ("colocated", "pd"):
         assert result[side]["48:8@inf"]["completed"] == 4
     transfer = result["transfer"]["200"]

@@ -69,6 +69,14 @@ def run_bench(base_url: str, result_file: Path, *extra: str) -> subprocess.Compl
     return out
 
 
+def read_results(path: Path) -> dict:
+    """The results of the record `--save-result` wrote: vLLM's keys, and the client's CPU."""
+    record = json.loads(path.read_text())
+    assert record["schema"] == "sluice.bench/1" and record["bench"] == "serve"
+    assert record["command"][:3] == ["sluice", "bench", "serve"]
+    return record["results"]
+
+
 def check_result(stdout: str, result: dict) -> None:
     lines = stdout.splitlines()
     start = lines.index("============ Serving Benchmark Result ============")
@@ -107,7 +115,7 @@ def test_bench_serve_completions_against_sluice_serve(server: str, tmp_path: Pat
     listed = httpx.get(f"{server}/v1/models", timeout=10).json()["data"][0]["id"]
     out = run_bench(server, tmp_path / "completions.json", "--percentile-metrics",
                     "ttft,tpot,itl,e2el")
-    result = json.loads((tmp_path / "completions.json").read_text())
+    result = read_results(tmp_path / "completions.json")
     check_result(out.stdout, result)
     assert result["model_id"] == listed and result["backend"] == "openai"
     assert result["request_rate"] == "inf" and result["max_concurrency"] is None
@@ -120,7 +128,7 @@ def test_bench_serve_chat_with_rate_and_concurrency(server: str, qwen3_dir: str,
                     "--tokenizer", qwen3_dir, "--request-rate", "20", "--burstiness", "0.5",
                     "--max-concurrency", "2", "--goodput", "ttft:600000", "tpot:600000",
                     "--percentile-metrics", "ttft,tpot,itl,e2el")
-    result = json.loads((tmp_path / "chat.json").read_text())
+    result = read_results(tmp_path / "chat.json")
     check_result(out.stdout, result)
     assert result["backend"] == "openai-chat" and result["max_concurrency"] == 2
     assert result["max_concurrent_requests"] <= 2
@@ -135,7 +143,7 @@ def test_bench_serve_chat_with_rate_and_concurrency(server: str, qwen3_dir: str,
 def test_bench_serve_random_prompts_have_the_asked_length(server: str, qwen3_dir: str,
                                                           tmp_path: Path) -> None:
     run_bench(server, tmp_path / "lens.json", "--tokenizer", qwen3_dir)
-    result = json.loads((tmp_path / "lens.json").read_text())
+    result = read_results(tmp_path / "lens.json")
     # input_lens are the server's usage.prompt_tokens: the prompts tokenize to the asked length.
     assert result["input_lens"] == [INPUT_LEN] * NUM_PROMPTS
     assert result["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
@@ -149,7 +157,7 @@ def test_bench_serve_two_client_processes_complete_the_same_requests_as_one(
         out = run_bench(server, path, "--tokenizer", qwen3_dir, "--max-concurrency", "4",
                         "--num-clients", str(num_clients), "--seed", "7",
                         "--percentile-metrics", "ttft,tpot,itl,e2el")
-        results[num_clients] = result = json.loads(path.read_text())
+        results[num_clients] = result = read_results(path)
         check_result(out.stdout, result)
         assert result["num_clients"] == num_clients and result["max_concurrent_requests"] <= 4
     one, two = results[1], results[2]

@@ -28,6 +28,8 @@ def test_kv_pool_bench_reports_each_backend_against_recompute(
     assert printed.startswith("command: sluice") and "\nmachine: " in printed
     assert "pool/recomp" in printed
     record = json.loads(out.read_text())
+    assert record["schema"] == "sluice.bench/1" and record["bench"] == "kv-pool"
+    record = record["results"]
     assert [(r["backend"], r["prompt_len"]) for r in record["rows"]] == [
         (b, n) for b in backends for n in (48, 96)]
     for row in record["rows"]:

@@ -27,7 +27,9 @@ def test_bench_kv_pool_serve_compares_two_instances_with_and_without_a_pool(
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "pool/no" in run.stdout
-    result = json.loads(output.read_text())
+    record = json.loads(output.read_text())
+    assert record["schema"] == "sluice.bench/1" and record["bench"] == "kv-pool-serve"
+    result = record["results"]
     assert result["no_pool"]["completed"] == result["pool"]["completed"] == 10
     assert all(not i["kv_connector"] for i in result["no_pool"]["instances"])
     pooled = [i["kv_connector"] for i in result["pool"]["instances"]]

@@ -148,7 +148,9 @@ def test_bench_serve_with_two_clients_reports_failures_and_cpu_util(tmp_path: Pa
             capture_output=True, text=True, timeout=120,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     assert out.returncode == 0, out.stdout + out.stderr
-    result = json.loads((tmp_path / "r.json").read_text())
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert record["schema"] == "sluice.bench/1" and record["bench"] == "serve"
+    result = record["results"]
     assert (result["completed"], result["failed"]) == (4, 4)
     errors = sorted(e.split(":")[0] for e in result["errors"] if e)
     assert errors == ["HTTP 503"] * 2 + ["error event"] * 2

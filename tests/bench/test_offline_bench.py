@@ -32,9 +32,9 @@ from sluice.bench.workloads import nano_vllm_workload
 from sluice.model.hf_config import parse_hf_config
 from sluice.model.tiny import _hf_config, make_tiny_model
 
-THROUGHPUT_KEYS = {"machine", "gpu", "command", "model", "num_requests", "prompt_tokens",
-                   "output_tokens", "seconds", "output_tok_s", "total_tok_s", "roofline_tok_s",
-                   "roofline_fraction", "hf_tok_s", "ratio_vs_hf", "sluice_version", "date"}
+THROUGHPUT_KEYS = {"model", "num_requests", "prompt_tokens", "output_tokens", "seconds",
+                   "output_tok_s", "total_tok_s", "roofline_tok_s", "roofline_fraction",
+                   "hf_tok_s", "ratio_vs_hf"}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def run_sluice(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True,
                           text=True, timeout=300, env={**os.environ})
+
+
+def read_record(path: Path, bench: str) -> dict:
+    """The record a benchmark wrote (schema sluice.bench/1), its envelope checked."""
+    record = json.loads(path.read_text())
+    assert record["schema"] == "sluice.bench/1" and record["bench"] == bench
+    assert record["command"][:3] == ["sluice", "bench", bench]
+    assert record["machine"]["device"] == "cpu" and record["machine"]["gpu"] is None
+    assert record["date"] and record["sluice_version"]
+    return record
 
 
 def qwen3_0_6b_cost() -> ModelCost:
@@ -139,7 +149,8 @@ def test_bench_throughput_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> No
                         "--num-requests", "5", "--max-input-len", "40", "--max-output-len", "12",
                         "--repeat-cached", "1", "--output", str(out_json))
     assert result.returncode == 0, result.stderr
-    record = json.loads(out_json.read_text())
+    envelope = read_record(out_json, "throughput")
+    record = envelope["results"]
     assert THROUGHPUT_KEYS <= set(record)
     # The second run of the same prompts, cache kept, is served their full blocks.
     first, second = record["runs"]
@@ -151,7 +162,7 @@ def test_bench_throughput_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> No
     assert record["num_requests"] == 5
     assert record["prompt_tokens"] == workload.prompt_tokens
     assert record["output_tokens"] == workload.output_tokens
-    assert record["gpu"] == "cpu" and record["model"] == tiny_dir
+    assert record["device"] == "cpu" and record["model"] == tiny_dir
     assert record["seconds"] > 0 and record["output_tok_s"] > 0
     assert record["output_tok_s"] == pytest.approx(record["output_tokens"] / record["seconds"])
     assert record["total_tok_s"] == pytest.approx(
@@ -160,7 +171,7 @@ def test_bench_throughput_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> No
     assert record["roofline_fraction"] == pytest.approx(
         record["output_tok_s"] / record["roofline_tok_s"])
     assert record["hf_tok_s"] is None and record["ratio_vs_hf"] is None
-    assert record["command"].startswith("sluice bench throughput --model")
+    assert envelope["command"][3:5] == ["--model", tiny_dir]
     assert "output tok/s" in result.stdout and "roofline (NVIDIA H200 spec" in result.stdout
 
 
@@ -170,7 +181,7 @@ def test_bench_latency_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> None:
                         "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "5",
                         "--prefill-lens", "16,40", "--num-iters", "2", "--output", str(out_json))
     assert result.returncode == 0, result.stderr
-    record = json.loads(out_json.read_text())
+    record = read_record(out_json, "latency")["results"]
     assert [d["batch_size"] for d in record["decode"]] == [1, 3]
     for d in record["decode"]:
         assert d["itl_ms"] > 0 and d["t_out_s"] > 0 and d["t_1_s"] > 0
@@ -179,7 +190,7 @@ def test_bench_latency_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> None:
         assert d["output_tok_s"] == pytest.approx(d["batch_size"] / step_s)
     assert [p["prefill_len"] for p in record["prefill"]] == [16, 40]
     assert all(p["ttft_ms"] > 0 for p in record["prefill"])
-    assert record["gpu"] == "cpu" and record["num_iters"] == 2
+    assert record["device"] == "cpu" and record["num_iters"] == 2
     assert "ITL (ms/token)" in result.stdout and "TTFT (ms)" in result.stdout
 
 
@@ -190,7 +201,7 @@ def test_bench_profile_of_one_request_on_cpu(tiny_dir: str, tmp_path: Path) -> N
                         "--num-requests", "1", "--max-input-len", "12", "--max-output-len", "6",
                         "--profile-steps", "2", "--profile-at", "1", "--output", str(out_json))
     assert result.returncode == 0, result.stderr
-    record = json.loads(out_json.read_text())
+    record = read_record(out_json, "profile")["results"]
     assert record["phases_s"]["engine_step_total"] > 0
     [window] = record["profiler_windows"]  # the worker's torch.profiler over steps 1 and 2
     assert window["first_step"] == 1 and window["steps"] == 2
@@ -205,7 +216,7 @@ def test_bench_profile_of_fixed_lengths_with_the_host_profile(tiny_dir: str,
                         "--fixed-lengths", "--profile-steps", "0", "--host-profile", "5",
                         "--output", str(out_json))
     assert result.returncode == 0, result.stderr
-    record = json.loads(out_json.read_text())
+    record = read_record(out_json, "profile")["results"]
     assert record["output_tokens"] == 10 and record["steps"] == 5  # one prefill, four decodes
     assert {"launch.prepare", "launch.sample"} <= set(record["phases_s"])
     functions = record["host_functions"]
@@ -233,7 +244,7 @@ def test_bench_spec_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path, workload: s
                         "--input-len", "48", "--segment-len", "12", "--output-len", "12",
                         "--num-iters", "1", "--output", str(out_json))
     assert result.returncode == 0, result.stderr
-    record = json.loads(out_json.read_text())
+    record = read_record(out_json, "spec")["results"]
     assert record["speculative_config"]["method"] == "ngram"
     # The drafting policy's defaults, filled in: what the engine ran.
     assert record["speculative_config"]["disable_by_batch_size"] == 2
@@ -270,7 +281,7 @@ def test_bench_spec_none_measures_two_engines_without_speculation(tiny_dir: str,
                         "--input-len", "16", "--output-len", "24", "--num-iters", "2",
                         "--bench-speculative-config", "none", "--output", str(out_json))
     assert result.returncode == 0, result.stderr
-    record = json.loads(out_json.read_text())
+    record = read_record(out_json, "spec")["results"]
     assert record["speculative_config"] is None
     (point,) = record["points"]
     assert point["tokens_equal"] == 1.0 and "num_drafts" not in point
@@ -321,9 +332,7 @@ def test_unavailable_hf_baseline_is_reported_not_raised() -> None:
     result = HFBaselineResult("4.40.0", unavailable_reason="transformers 4.40.0 has no "
                               "continuous batching API")
     assert result.output_tok_s is None
-    record = {
-        "command": "sluice bench throughput", "machine": {"hostname": "h", "gpu": "cpu",
-                                                          "torch": "2", "transformers": "4.40.0"},
+    results = {
         "model": "m", "architecture": "Qwen3ForCausalLM", "dtype": "bfloat16", "device": "cpu",
         "num_requests": 1, "prompt_tokens": 10, "output_tokens": 5, "seconds": 1.0,
         "output_tok_s": 5.0, "total_tok_s": 15.0,
@@ -332,6 +341,9 @@ def test_unavailable_hf_baseline_is_reported_not_raised() -> None:
         "roofline_tok_s": 100.0, "roofline_seconds": 0.05, "roofline_fraction": 0.05,
         "hf_tok_s": result.output_tok_s, "hf_unavailable_reason": result.unavailable_reason,
     }
+    record = {"command": ["sluice", "bench", "throughput"],
+              "machine": {"hostname": "h", "gpu": None, "cpus": 2, "torch": "2"},
+              "results": results}
     text = format_throughput(record, hf_requested=True)
     assert "HF baseline unavailable: transformers 4.40.0 has no continuous batching API" in text
     assert "reached 5.0%" in text
@@ -350,7 +362,7 @@ def test_bench_structured_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path) -> No
                         "--num-requests", "6", "--max-input-len", "40", "--max-output-len", "16",
                         "--output", str(out_json))
     assert result.returncode == 0, result.stderr
-    record = json.loads(out_json.read_text())
+    record = read_record(out_json, "structured")["results"]
     first, half = record["runs"]
     assert (first["fraction"], first["num_constrained"], first["ratio_vs_unconstrained"]) == (
         0.0, 0, 1.0)

@@ -20,8 +20,11 @@ def test_pool_bench_reports_every_backend_against_local(tmp_path: Path,
     printed = capsys.readouterr().out
     assert "command: python" in printed and "machine: cpu" in printed
     record = json.loads(out.read_text())
-    assert [r["backend"] for r in record["results"]] == ["local", "redis"]  # local first
-    local, redis = record["results"]
+    assert record["schema"] == "sluice.bench/1" and record["bench"] == "pool-backends"
+    assert record["machine"]["cpus"] and "load_1min" in record["machine"]
+    backends = record["results"]["backends"]
+    assert [r["backend"] for r in backends] == ["local", "redis"]  # local first
+    local, redis = backends
     assert local["vs_local"] == {"put": 1.0, "put_again": 1.0, "exists": 1.0, "get": 1.0}
     assert redis["get_gb_s"] > 0 and redis["exists_keys_s"] > 0
     assert redis["vs_local"]["get"] == pytest.approx(redis["get_gb_s"] / local["get_gb_s"])

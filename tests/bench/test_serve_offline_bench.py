@@ -25,7 +25,9 @@ def test_bench_serve_vs_offline_reports_each_served_run_against_offline(
          "--output", str(output)],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(output.read_text())
+    record = json.loads(output.read_text())
+    assert record["schema"] == "sluice.bench/1" and record["bench"] == "serve-vs-offline"
+    result = record["results"]
     offline, served = result["offline"], result["served"]
     # Each prompt generates its own output length (ignore_eos), offline and served alike.
     assert [(s["max_concurrency"], s["num_clients"]) for s in served] == [(None, 1), (2, 1)]
@@ -34,8 +36,8 @@ def test_bench_serve_vs_offline_reports_each_served_run_against_offline(
         assert s["total_output_tokens"] == offline["output_tokens"]
         assert s["fraction_of_offline"] == pytest.approx(
             s["output_throughput"] / offline["output_throughput"])
-    assert "/offline" in run.stdout and result["command"].startswith(
-        "sluice bench serve-vs-offline")
+    assert "/offline" in run.stdout
+    assert record["command"][:3] == ["sluice", "bench", "serve-vs-offline"]
     assert result["server_args"] == "--api-server-count 2"
 
 

@@ -49,7 +49,7 @@ def test_a_drift_of_the_machine_over_a_point_does_not_move_the_speed_up(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # 2% slower with every call: the engine timed later in a point would look slower.
     emulate_clock(monkeypatch, lambda call: 1e-3 * (1 + 0.02 * call))
-    record = spec_decode.run_spec(bench_args("--workload", "random", "--num-iters", "5"))
+    record = spec_decode.run_spec(bench_args("--workload", "random", "--num-iters", "5"))["results"]
     for point in record["points"]:
         assert point["num_draft_tokens"] == 0  # random prompts: both engines do the same work
         assert point["speedup"] == pytest.approx(1.0, abs=1e-9)
@@ -60,7 +60,8 @@ def test_a_drift_of_the_machine_over_a_point_does_not_move_the_speed_up(
 def test_both_engines_time_their_runs_over_the_same_prefix_cache_state() -> None:
     # `continue`: the baseline engine made the prompts' continuations, so its cache held them
     # before any timed run; the speculative engine's did not.
-    record = spec_decode.run_spec(bench_args("--workload", "continue", "--num-iters", "2"))
+    record = spec_decode.run_spec(bench_args("--workload", "continue",
+                                             "--num-iters", "2"))["results"]
     assert record["num_gpu_blocks"]["baseline"] == record["num_gpu_blocks"]["speculative"]
     for point in record["points"]:
         # 24 prompt tokens in blocks of 16: the first block is a hit, the last token never is.

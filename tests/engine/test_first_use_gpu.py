@@ -1,6 +1,7 @@
 """On a GPU: after start-up, no Triton kernel is compiled in a request's step, whatever the
 request asks of the sampler and whether speculation drafts (a compile stalls every request
-running with it: 0.24 to 0.7 s on an H200, `benchmarks/first-use-stalls-h200.json`). Each
+running with it: 0.24 to 0.7 s on an H200,
+`benchmarks/results/latency/2026-11-28-first-use-stalls-h200.json`). Each
 launch of an engine warms these paths up (Sampler.warm_up, RejectionSampler.warm_up,
 DeviceNgram.warm_up). Skipped without CUDA (the CPU runs no Triton kernel in an engine)."""
 

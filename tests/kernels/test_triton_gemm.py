@@ -143,7 +143,8 @@ def test_a_strided_input_is_read_in_place():
 
 
 def test_choose_config_for_qwen3_0_6b_decode():
-    """The measured choices (benchmarks/README.md, H200): one row in CUDA-core tiles of 4
+    """The measured choices (H200: benchmarks/journal/2026-11-22-small-batch-gemm.md and
+    2026-11-25-short-context-decode-graphs.md): one row in CUDA-core tiles of 4
     weight rows over 1024 of K; 16-row tiles up to 16 rows; q/k/v and o in 32-wide weight
     tiles, o with K split in four; gate_up in 64-wide tiles; down (SiLU-and-mul folded in)
     64-wide with K split in eight; cuBLAS above 16 rows."""

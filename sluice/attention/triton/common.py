@@ -163,10 +163,9 @@ def fp8_to_fp16(x):
     transposing ldmatrix, so an 8-bit V tile was read back one byte at a time (128 byte loads
     per thread for a 128-key tile). This asm is declared impure, which keeps the conversion
     where it is written, so the 16-bit tile is staged and read with ldmatrix as a 16-bit
-    cache's is. Decode attention on an H100 (`benchmarks/fp8-kv-convert-v-first-h100.json`,
-    e4m3, V then converted to bfloat16): 256 requests x 600 keys 156 -> 136 us, 128 x 1,000 keys
-    129 -> 110 us (best tiles of each). Keys need no such care: their operand is read
-    untransposed."""
+    cache's is (256 requests x 600 keys on an H100: 156 -> 136 us,
+    benchmarks/journal/2026-11-28-fp8-attention-ptx-v.md). Keys need no such care: their
+    operand is read untransposed."""
     bits = x.to(tl.int8, bitcast=True)
     if x.dtype == tl.float8e5:
         return tl.inline_asm_elementwise(_E5M2_TO_F16, "=r,=r,r", [bits], dtype=tl.float16,
@@ -277,11 +276,10 @@ def attend_tile(
         # three). q in float16's range converts exactly (saturated past +-65504; bfloat16
         # values under 2**-14 lose low bits, nothing next to the other products), so each
         # product in the scores is the bfloat16 dot's (exact in both; the hardware's sums may
-        # differ in order); P in [0, 1] keeps 11 significant bits rather than 8. sm90
-        # PTX, bfloat16 model, 64-key tiles: the loop's instructions from 11.7 to 7.5 a key. On
-        # an H100 (`fp8-kv-fp16-dots-h100.json`, against V converted to bfloat16): 1 request x
-        # 192 keys 6.42 -> 5.50 us (bfloat16's cache: 5.59), 256 x 600 134.3 -> 131.1, 128 x
-        # 1,000 107.2 -> 105.7. q's conversion is loop-invariant (hoisted).
+        # differ in order); P in [0, 1] keeps 11 significant bits rather than 8. The loop runs
+        # fewer instructions a key, which made a short context as fast as a bf16 cache's
+        # (benchmarks/journal/2026-11-28-fp8-vs-vllm-e5m2-fp16-dots.md). q's conversion is
+        # loop-invariant (hoisted).
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         k = k.to(tl.float16)
         v = fp8_to_fp16(v)

@@ -2,10 +2,9 @@
 `qk_norm_rope_store_kv` (sluice.model.triton_ops) and the unified kernel's decode path do in two.
 
 For a small decode batch on a GPU each layer is a chain of short launches, and every launch
-boundary costs about as much as a small kernel's work (on an H200, a chain of the 112 projections
-of Qwen3-0.6B at one row took 4.4 us a projection with cold weights and 4.1 us with every weight
-in L2: the time is the boundaries, not the bytes). Folding the q/k norm, RoPE and the KV store
-into the attention kernel removes one boundary per layer.
+boundary costs about as much as a small kernel's work: the time is the boundaries, not the bytes
+(benchmarks/journal/2026-11-27-fused-decode-attention.md). Folding the q/k norm, RoPE and the KV
+store into the attention kernel removes one boundary per layer.
 
 Grid: (requests, KV heads), one query token per request (token i is request i's, as in every
 decode batch). A program:

@@ -3,7 +3,7 @@ padded size P against the paged Triton kernel over the L real tokens of a lone f
 Qwen3-0.6B layer (16 / 8 heads, head_dim 128, bf16), L2 flushed before each replay. The graph
 runner's DENSE_MIN_FILL and DENSE_ALWAYS_UP_TO come from this. CUDA only.
 
-    python scripts/dense_fill_sweep.py OUT.json
+    python benchmarks/tools/dense_fill_sweep.py OUT.json
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from sluice.attention.dense import dense_causal_attention
 from sluice.attention.triton_backend import TritonBackend
 from sluice.bench.kernels import SCALE, GraphTimer, make_step
+from sluice.bench.record import make_record, write_record
 
 SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
 FILLS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -36,10 +37,7 @@ def main(output: str) -> None:
             row["paged_us"][str(fill)] = round(paged * 1e6, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    with open(output, "w") as f:
-        json.dump({"command": "python scripts/dense_fill_sweep.py " + output,
-                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "rows": rows}, f, indent=1)
+    write_record(output, make_record("dense-fill-sweep", {"rows": rows}, device=device))
 
 
 if __name__ == "__main__":

@@ -3,14 +3,13 @@
 time per call, and cProfile's top functions by own and by cumulative time over as many more
 calls. CUDA only.
 
-    python scripts/ttft_profile.py OUT.json [--prompt-len 1024] [--calls 30]
+    python benchmarks/tools/ttft_profile.py OUT.json [--prompt-len 1024] [--calls 30]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import random
@@ -21,6 +20,7 @@ import time
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.bench.record import make_record, write_record
 from sluice.bench.workloads import benchmark_model_dir, cache_root, random_prompts
 
 
@@ -59,8 +59,7 @@ def main(argv: list[str]) -> None:
                      "own_ms": tottime / ns.calls * 1e3, "cumulative_ms": cumtime / ns.calls * 1e3})
     by_own = sorted(rows, key=lambda r: -r["own_ms"])[:40]
     by_cum = sorted(rows, key=lambda r: -r["cumulative_ms"])[:60]
-    report = {"command": "python scripts/ttft_profile.py " + " ".join(argv),
-              "gpu": torch.cuda.get_device_name(), "ttft_ms_median": statistics.median(walls),
+    report = {"ttft_ms_median": statistics.median(walls),
               "ttft_ms": walls, "by_own_time": by_own, "by_cumulative_time": by_cum}
     print(f"median TTFT {report['ttft_ms_median']:.3f} ms over {ns.calls} calls")
     for row in by_cum:
@@ -70,8 +69,8 @@ def main(argv: list[str]) -> None:
     for row in by_own[:25]:
         print(f"{row['cumulative_ms']:8.3f} {row['own_ms']:8.3f} {row['calls_per_generate']:6.1f} "
               f"{row['function']}")
-    with open(ns.output, "w") as f:
-        json.dump(report, f, indent=1)
+    write_record(ns.output, make_record("ttft-profile", report, device="cuda",
+                                        command=["python", sys.argv[0], *argv]))
     llm.shutdown()
 
 

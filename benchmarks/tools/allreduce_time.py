@@ -3,7 +3,8 @@
 layer count, at several token counts. A microbenchmark of the collective, not a profile of the
 engine: it bounds what TP's communication costs a step.
 
-    python scripts/allreduce_time.py [--world-size 2] [--hidden 1024] [--layers 28] [--out F]
+    python benchmarks/tools/allreduce_time.py [--world-size 2] [--hidden 1024] [--layers 28]
+        [--out F]
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ def run(rank: int, world: int, port: int, hidden: int, layers: int, out: str | N
         rows.append({"tokens": tokens, "bytes": x.numel() * 2, "per_call_us": per_call_us,
                      "per_step_ms": per_call_us * 2 * layers / 1e3})
     if rank == 0:
-        result = {"world_size": world, "hidden": hidden, "layers": layers,
-                  "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                  "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "rows": rows}
-        print(json.dumps(result, indent=1), flush=True)
+        from sluice.bench.record import make_record, write_record
+
+        record = make_record("allreduce-time", {
+            "world_size": world, "hidden": hidden, "layers": layers,
+            "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "rows": rows},
+            device="cuda:0")
+        print(json.dumps(record, indent=1), flush=True)
         if out:
-            with open(out, "w") as f:
-                json.dump(result, f, indent=1)
+            write_record(out, record)
     dist.destroy_process_group()
 
 

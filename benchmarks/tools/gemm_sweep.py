@@ -8,14 +8,13 @@ copies (no L2 reuse between calls, as in the model):
 2. the whole decode chain of 28 layers' four projections, cuBLAS against triton_gemm.linear /
    silu_mul_linear (what the model runs) and against the best configuration of each shape.
 
-    PYTHONPATH=. python scripts/gemm_sweep.py OUT_DIR [ROWS]  # writes OUT_DIR/gemm-sweep.json
-                                                              # ROWS: e.g. 1,4,16 (the default)
+    PYTHONPATH=. python benchmarks/tools/gemm_sweep.py OUT_DIR [ROWS]
+        # writes OUT_DIR/gemm-sweep.json; ROWS: e.g. 1,4,16 (the default)
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -23,6 +22,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from sluice.bench.record import make_record, write_record
 from sluice.model import triton_gemm, triton_ops
 from sluice.model.triton_gemm import GemmConfig, choose_config, skinny_mm
 
@@ -103,9 +103,7 @@ def main() -> None:
     with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 1)) as pool:
         # fill Triton's cache in parallel; drop what does not fit
         unfit = {job for job in pool.map(_compile, jobs, chunksize=4) if job is not None}
-    result = {"command": "PYTHONPATH=. python scripts/gemm_sweep.py " + " ".join(sys.argv[1:]),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "configs_swept": len(jobs) - len(unfit), "shapes": {}, "chain_us": {}}
+    result = {"configs_swept": len(jobs) - len(unfit), "shapes": {}, "chain_us": {}}
     best_configs: dict[tuple[str, int], GemmConfig] = {}
     for name, (n, k) in SHAPES.items():
         silu = name == "down"
@@ -159,8 +157,8 @@ def main() -> None:
                for kind in ("cublas", "sluice", "best")}
         result["chain_us"][f"m={m}"] = row
         print(f"28 layers' projections, {m} rows: {row} us", flush=True)
-    with open(os.path.join(out_dir, "gemm-sweep.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_record(os.path.join(out_dir, "gemm-sweep.json"),
+                 make_record("gemm-sweep", result, device="cuda"))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ synthetic engine core (sluice/testing/synthetic_core.py: one token per running r
 --step-ms, no model) and `sluice bench serve` against it. Prints the benchmark's result block and
 the server process's CPU seconds per streamed token.
 
-    python scripts/frontend_capacity.py --step-ms 5 -- --num-prompts 256 \\
+    python benchmarks/tools/frontend_capacity.py --step-ms 5 -- --num-prompts 256 \\
         --random-input-len 562 --random-output-len 562 --random-range-ratio 0.82
-    python scripts/frontend_capacity.py --step-ms 2.5 -- --max-concurrency 32 ...
+    python benchmarks/tools/frontend_capacity.py --step-ms 2.5 -- --max-concurrency 32 ...
 
 With --step-ms 5 and 256 requests the engine side offers 256 tokens per 5 ms (51k tok/s): a run
 whose TPOT stays at the step time streamed every token as fast as the "engine" made it; a TPOT
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 sys.path.insert(0, str(ROOT))
 
 from sluice.testing.servers import free_port  # noqa: E402

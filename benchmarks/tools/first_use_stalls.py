@@ -2,7 +2,7 @@
 prompt tokens and 32 generated ones through LLM.generate, after a greedy warm-up generation,
 with the Triton variants built during the first (a stall here stalls every running request).
 
-    PYTHONPATH=. python scripts/first_use_stalls.py [MODEL]
+    PYTHONPATH=. python benchmarks/tools/first_use_stalls.py [MODEL]
 
 MODEL: a model folder (default: the benchmark model, random Qwen3-0.6B). On a GPU."""
 

@@ -1,16 +1,17 @@
 """A/B two source trees of sluice with one `sluice bench` command, runs alternated.
 
-    python scripts/ab_trees.py --base DIR --new DIR [--pairs 3] [--metric decode[batch_size].itl_ms]
-        [--output JSON] -- bench latency --batch-sizes 1,4 --num-iters 5
+    python benchmarks/tools/ab_trees.py --base DIR --new DIR [--pairs 3]
+        [--metric decode[batch_size].itl_ms] [--output JSON] -- bench latency --batch-sizes 1,4
 
 Each run is `python -m sluice <command> --output <tmp>.json` started in the tree's own folder
 (so `sluice` is that tree's package: `python -m` puts the working folder first on the path),
 one after the other: pair i runs new then base when i is even, base then new when it is odd, so
 that a drift of the machine's speed lands on both alike. The metric is read from each run's
-JSON: `FIELD`, `A.B` (nested), or `LIST[KEY].FIELD` (one value per element of LIST, labelled by
-its KEY: `decode[batch_size].itl_ms` gives `bench latency`'s ITL per batch size). Prints each
-pair's new / base ratio per label and their median; `--output` writes every run's values, the
-ratios and both trees' git revisions.
+results (a record's `results`, or the whole file of a tree from before the record schema):
+`FIELD`, `A.B` (nested), or `LIST[KEY].FIELD` (one value per element of LIST, labelled by its
+KEY: `decode[batch_size].itl_ms` gives `bench latency`'s ITL per batch size). Prints each pair's
+new / base ratio per label and their median; `--output` writes a record (sluice.bench.record)
+of every run's values, the ratios and both trees' git revisions.
 
 A CUDA machine's engines differ from start to start by a few percent, so compare trees within
 one call (one start), never across calls. Only for speed, never for output: the trees' greedy
@@ -62,7 +63,7 @@ def git_revision(tree: Path) -> str | None:
 
 
 def run_once(tree: Path, command: list[str], timeout_s: float) -> dict[str, Any]:
-    """One `python -m sluice <command>` from `tree`; its JSON record."""
+    """One `python -m sluice <command>` from `tree`; the JSON it wrote."""
     with tempfile.TemporaryDirectory(prefix="sluice-ab-") as tmp:
         out = os.path.join(tmp, "record.json")
         env = dict(os.environ)
@@ -77,6 +78,11 @@ def run_once(tree: Path, command: list[str], timeout_s: float) -> dict[str, Any]
                                f"{result.returncode}:\n{tail}")
         with open(out) as f:
             return json.load(f)
+
+
+def results_of(data: dict[str, Any]) -> dict[str, Any]:
+    """A record's results; a tree from before the record schema wrote its results bare."""
+    return data["results"] if str(data.get("schema", "")).startswith("sluice.bench/") else data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,12 +109,15 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: list[dict[str, Any]] = []
     pairs: list[dict[str, float]] = []
+    machine: dict[str, Any] | None = None  # the runs' machine, from the first record holding it
     for i in range(ns.pairs):
         order = ["new", "base"] if i % 2 == 0 else ["base", "new"]
         values: dict[str, dict[str, float]] = {}
         for name in order:
-            record = run_once(trees[name], command, ns.timeout)
-            values[name] = read_metric(record, ns.metric)
+            data = run_once(trees[name], command, ns.timeout)
+            if machine is None and "schema" in data:
+                machine = data["machine"]
+            values[name] = read_metric(results_of(data), ns.metric)
             runs.append({"pair": i, "tree": name, "values": values[name]})
             print(f"pair {i} {name:>4}: " + "  ".join(
                 f"{label}={value:.4g}" for label, value in values[name].items()), flush=True)
@@ -121,11 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{label}: " + "/".join(f"{p[label]:.3f}" for p in pairs if label in p)
         + f" (median {medians[label]:.3f})" for label in labels))
     if ns.output:
-        report = {"command": ["sluice", *command], "metric": ns.metric,
-                  "trees": {name: {"path": str(tree), "git": git_revision(tree)}
-                            for name, tree in trees.items()},
-                  "runs": runs, "ratios_new_over_base": pairs, "median_ratio": medians}
-        Path(ns.output).write_text(json.dumps(report, indent=1) + "\n")
+        from sluice.bench.record import make_record, write_record
+
+        record = make_record("ab-trees", {
+            "sluice_command": ["sluice", *command], "metric": ns.metric,
+            "trees": {name: {"path": str(tree), "git": git_revision(tree)}
+                      for name, tree in trees.items()},
+            "runs": runs, "ratios_new_over_base": pairs, "median_ratio": medians},
+            command=["python", "benchmarks/tools/ab_trees.py", *(sys.argv[1:] if argv is None
+                                                                 else argv)])
+        if machine:
+            record["machine"] = machine
+        write_record(ns.output, record)
     return 0
 
 

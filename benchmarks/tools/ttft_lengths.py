@@ -2,13 +2,12 @@
 lengths again: whether a step of a new shape pays for planning its kernels (cuDNN builds an
 execution plan for each new attention shape). Also the engine's start-up time. CUDA only.
 
-    python scripts/ttft_lengths.py OUT.json [--lengths 19000,21000,23000,27000,30000]
+    python benchmarks/tools/ttft_lengths.py OUT.json [--lengths 19000,21000,23000,27000,30000]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -17,6 +16,7 @@ import time
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.bench.record import make_record, write_record
 from sluice.bench.workloads import benchmark_model_dir, cache_root, random_prompts
 
 
@@ -35,9 +35,7 @@ def main(argv: list[str]) -> None:
     prompts = {n: random_prompts(2, n, 151936, rng) for n in lengths}
     llm.generate([{"prompt_token_ids": random_prompts(1, 1024, 151936, rng)[0]}], params,
                  use_tqdm=False)
-    record: dict = {"command": "python scripts/ttft_lengths.py " + " ".join(argv),
-                    "gpu": torch.cuda.get_device_name(), "startup_s": round(startup_s, 2),
-                    "ttft_ms": {}}
+    record: dict = {"startup_s": round(startup_s, 2), "ttft_ms": {}}
     for n in lengths:
         times = []
         for prompt in prompts[n]:
@@ -49,8 +47,8 @@ def main(argv: list[str]) -> None:
         print(f"{n:>7} tokens: first of its length {times[0]:8.2f} ms, again {times[1]:8.2f} ms",
               flush=True)
     print(f"start-up {startup_s:.2f} s")
-    with open(ns.output, "w") as f:
-        json.dump(record, f, indent=1)
+    write_record(ns.output, make_record("ttft-lengths", record, device="cuda",
+                                        command=["python", sys.argv[0], *argv]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """How close dense prefill attention (cuDNN) keeps a bfloat16 model to float32, against the paged
 Triton kernel it replaces, on the benchmark model (Qwen3-0.6B architecture, random weights).
 
-    python scripts/dense_prefill_check.py OUT.json [--prompt-lens 200,1000,4000,8000]
+    python benchmarks/tools/dense_prefill_check.py OUT.json [--prompt-lens 200,1000,4000,8000]
 
 Lone fresh prompts of random ids (past 8,192 tokens in chunks: the later ones over a cached
 prefix) run through three engines, one after the other: float32 (paged
@@ -22,6 +22,7 @@ import sys
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.bench.record import make_record, write_record
 from sluice.bench.workloads import benchmark_model_dir, cache_root, random_prompts
 
 
@@ -56,9 +57,7 @@ def main(argv: list[str]) -> None:
     ref = run(model, "float32", prompts, dense=False)
     runs = {"bf16_dense": run(model, "bfloat16", prompts, dense=True),
             "bf16_paged": run(model, "bfloat16", prompts, dense=False)}
-    report = {"command": "python scripts/dense_prefill_check.py " + " ".join(argv),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "cudnn": torch.backends.cudnn.version(), "prompts": []}
+    report = {"cudnn": torch.backends.cudnn.version(), "prompts": []}
     for i, n in enumerate(lens):
         row = {"prompt_len": n}
         for name, results in runs.items():
@@ -71,8 +70,8 @@ def main(argv: list[str]) -> None:
                                                  == runs["bf16_paged"][i]["tokens"])
         report["prompts"].append(row)
         print(json.dumps(row), flush=True)
-    with open(ns.output, "w") as f:
-        json.dump(report, f, indent=1)
+    write_record(ns.output, make_record("dense-prefill-check", report, device="cuda",
+                                        command=["python", sys.argv[0], *argv]))
 
 
 if __name__ == "__main__":
