@@ -17,7 +17,6 @@ above it means the front end (or the client: see its CPU line) fell behind. Ever
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 sys.path.insert(0, str(ROOT))
 
+from sluice.bench.record import read_results  # noqa: E402
 from sluice.testing.servers import free_port  # noqa: E402
 from sluice.testing.synthetic_core import MAX_SEQS_ENV, STEP_MS_ENV  # noqa: E402
 
@@ -92,8 +92,7 @@ def main() -> int:
         used = cpu_seconds(server.pid) - before
         if bench.returncode != 0 or not result.exists():
             return bench.returncode or 1
-        record = json.loads(result.read_text())
-        tokens = record["total_output_tokens"]
+        tokens = read_results(result)["total_output_tokens"]
         print(f"synthetic engine: a token per running request every {ns.step_ms:g} ms, at most "
               f"{ns.max_num_seqs} requests")
         print(f"server process CPU: {used:.2f} s over the run, {1e6 * used / tokens:.1f} us "

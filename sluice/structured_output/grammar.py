@@ -11,7 +11,7 @@ Kinds, as in vLLM's xgrammar backend: `json` a JSON schema (xgrammar's strict mo
 properties beyond the schema's unless it allows them); `json_object` the schema
 `{"type": "object"}`; `regex`; `choice` the strings as the alternatives of an EBNF grammar;
 `grammar` EBNF in xgrammar's dialect (`root ::= ...`); `structural_tag` xgrammar's structural
-tag JSON (how tool calls are constrained, see sluice/structured_output/tools.py).
+tag JSON (how tool calls are constrained, see sluice/entrypoints/openai/structured.py).
 `disable_any_whitespace` makes JSON compact (no whitespace between its tokens); otherwise any
 whitespace is allowed there, as in vLLM.
 """

@@ -100,6 +100,7 @@ def run(input_address: str, output_address: str, parent_pid: int, step_s: float,
 
 if __name__ == "__main__":
     startup = json.loads(sys.argv[1])
-    run(startup["input_address"], startup["output_address"], startup["parent_pid"],
+    # The engine core's startup message (sluice.engine.core_client): one front end's sockets.
+    run(startup["input_addresses"][0], startup["output_addresses"][0], startup["parent_pid"],
         float(os.environ.get(STEP_MS_ENV, "5")) / 1000,
         int(os.environ.get(MAX_SEQS_ENV, "256")))
