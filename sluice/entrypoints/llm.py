@@ -97,7 +97,10 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """Each conversation rendered with the chat template (with `tools` when given, as
+        vLLM's), then generated."""
         conversations = messages
         if not conversations or isinstance(conversations[0], dict):
             conversations = [messages]  # type: ignore[list-item]
@@ -105,7 +108,7 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             token_ids = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=True,
+                conversation, chat_template=chat_template, tokenize=True, tools=tools,
                 add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
             if hasattr(token_ids, "keys"):  # transformers 5 returns a BatchEncoding
                 token_ids = token_ids["input_ids"]

@@ -204,3 +204,18 @@ def test_structured_outputs_are_valid_on_real_prompts(gguf_llm: LLM) -> None:
     assert value["age"] == 3
     assert re.fullmatch(r"\d{3}-\d{3}-\d{4}", texts[1])
     assert texts[2] == "positive"
+
+
+def test_chat_renders_the_tools_given(gguf_llm: LLM, smollm2_reference: HFReference) -> None:
+    from sluice.model.builtin import SMOLLM2_CHAT_TEMPLATE
+
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    conversation = [{"role": "user", "content": "Weather in Paris?"}]
+    out = gguf_llm.chat(conversation, SamplingParams(max_tokens=1), use_tqdm=False,
+                        chat_template=SMOLLM2_CHAT_TEMPLATE, tools=tools)[0]
+    want = smollm2_reference.chat_ids(conversation, tools=tools,
+                                      chat_template=SMOLLM2_CHAT_TEMPLATE)
+    assert out.prompt_token_ids == want
+    assert '"name": "get_weather"' in smollm2_reference.tokenizer.decode(want)
