@@ -155,7 +155,7 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
         engines[name] = build_llm(ns)
     llm, device, dtype = engines["baseline"]
     engine = llm.llm_engine
-    model = engine.model_config.model
+    model = engine.model_config.name or engine.model_config.model
     dtype_name = str(dtype).removeprefix("torch.")
     rng = random.Random(ns.seed)
     text = ns.workload in TEXT_WORKLOADS
@@ -224,6 +224,7 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
                      "itl_ms": 1e3 * decode_s / steps_tokens,
                      "decode_tok_s": decode_tokens / decode_s,
                      "mean_output_len": sum(lengths) / b,
+                     "mean_prompt_len": sum(map(len, prompts[b])) / b,
                      "prefix_cache_hit_rate": hits / queries if queries else 0.0}
             if name == "speculative":
                 point.update(speedup=statistics.median(speedups), speedup_min=min(speedups),
@@ -281,11 +282,16 @@ def format_spec(record: dict[str, Any]) -> str:
         f"command: {command_text(record)}",
         f"machine: {describe_machine(record['machine'])}",
         f"model: {results['model']} ({results['dtype']}); workload {results['workload']}: "
-        f"{results['input_len']} prompt tokens, {results['output_len']} output tokens, greedy",
+        + (f"chat prompts of {results['points'][0]['mean_prompt_len']:.0f} tokens on average "
+           f"(batch {results['points'][0]['batch_size']}), replies up to "
+           f"{results['output_len']} tokens (EOS ends them), greedy"
+           if results["workload"] in TEXT_WORKLOADS else
+           f"{results['input_len']} prompt tokens, {results['output_len']} output tokens, "
+           "greedy"),
         f"speculative: {json.dumps(results['speculative_config'])}",
         f"{'batch':>6} {'ITL base':>9} {'ITL spec':>9} {'speed-up':>9} {'range':>11} {'accept':>7} "
         f"{'mean len':>9} {'tok/step':>9} {'drafted':>8} {'off:batch':>10} {'off:accept':>11} "
-        f"{'equal':>6}",
+        f"{'equal':>6} {'out len':>8}",
     ]
     lines += [f"{p['batch_size']:>6} {p['baseline_itl_ms']:>9.3f} {p['itl_ms']:>9.3f} "
               f"{p['speedup']:>8.2f}x {p['speedup_min']:>5.2f}-{p['speedup_max']:<5.2f} "
@@ -293,12 +299,14 @@ def format_spec(record: dict[str, Any]) -> str:
               f"{p.get('mean_acceptance_length', 0):>9.2f} {p.get('tokens_per_step', 0):>9.2f} "
               f"{p.get('drafting_step_fraction', 0):>8.1%} "
               f"{p.get('num_steps_off_batch_size', 0):>10} "
-              f"{p.get('num_steps_off_acceptance', 0):>11} {p['tokens_equal']:>6.1%}"
+              f"{p.get('num_steps_off_acceptance', 0):>11} {p['tokens_equal']:>6.1%} "
+              f"{p.get('mean_output_len', results['output_len']):>8.1f}"
               for p in results["points"]]
     lines.append("speed-up: median over consecutive iterations (A B B A) of baseline / "
                  "speculative decode time, range: their spread; tok/step: decode tokens per "
                  "request and step; drafted: share of the timed steps that drafted (the drafting "
-                 "policy); off: steps without drafts for the batch size / for low acceptance")
+                 "policy); off: steps without drafts for the batch size / for low acceptance; "
+                 "out len: tokens per reply (mean)")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from sluice.bench.hf_baseline import (
     HFBaselineResult,
@@ -268,6 +269,31 @@ def test_bench_spec_end_to_end_on_cpu(tiny_dir: str, tmp_path: Path, workload: s
     assert two["tokens_per_step"] == 1.0
     assert "speed-up" in result.stdout and "speculative:" in result.stdout
     assert "drafted" in result.stdout
+
+
+@pytest.mark.parametrize("workload", ["copy", "chat"])
+def test_bench_spec_on_real_text_prompts(tiny_dir: str, tmp_path: Path, workload: str) -> None:
+    """The text workloads render their conversations with the model's chat template and let
+    replies end at EOS: the figures count the tokens the replies have."""
+    from sluice.bench.text_prompts import conversations
+
+    out_json = tmp_path / "spec.json"
+    result = run_sluice("bench", "spec", "--model", tiny_dir, "--device", "cpu",
+                        "--dtype", "float32", "--workload", workload, "--batch-sizes", "1,3",
+                        "--output-len", "12", "--num-iters", "1", "--output", str(out_json))
+    assert result.returncode == 0, result.stderr
+    record = read_record(out_json, "spec")["results"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    for point in record["points"]:
+        batch = conversations(workload, point["batch_size"])
+        prompt_lens = [len(tokenizer.apply_chat_template(c, add_generation_prompt=True,
+                                                         tokenize=True, return_dict=False))
+                       for c in batch]
+        assert point["mean_prompt_len"] == pytest.approx(sum(prompt_lens) / len(batch))
+        assert 1 <= point["mean_output_len"] <= 12 and point["tokens_equal"] == 1.0
+        assert point["speedup"] == pytest.approx(point["decode_tok_s"]
+                                                 / point["baseline_decode_tok_s"])
+    assert f"workload {workload}: chat prompts of" in result.stdout
 
 
 def test_bench_spec_none_measures_two_engines_without_speculation(tiny_dir: str,
