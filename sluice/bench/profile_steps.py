@@ -30,7 +30,7 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> None:
-    from sluice.entrypoints.cli import add_engine_args
+    from sluice.engine.flags import add_engine_args
 
     parser = subparsers.add_parser("profile", help="time the phases of engine steps")
     parser.add_argument("--num-requests", type=int, default=64)

@@ -44,6 +44,7 @@ from sluice.spec_decode.model_proposer import (
 )
 from sluice.spec_decode.policy import can_speculate
 from sluice.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from sluice.worker.cuda_graphs import capture_sizes
 from sluice.worker.input_batch import StagedBuffer
 from sluice.worker.sampling_inputs import build_sampling_metadata
 
@@ -132,9 +133,11 @@ class SpecDecoder:
                 sources = StepSources(builder.buf_input_ids.device, builder.buf_positions.device,
                                       builder.buf_query_start_loc.device,
                                       builder.graph_block_tables)
+                max_size = self.runner.scheduler_config.max_num_seqs
+                capture = capture_graphs and builder.graph_block_tables is not None
                 self.model_proposer.decode_batches = DecodeBatches(
-                    self.model_proposer, self.runner.scheduler_config.max_num_seqs, sources,
-                    capture=capture_graphs and builder.graph_block_tables is not None)
+                    self.model_proposer, max_size, sources,
+                    graph_sizes=capture_sizes(max_size) if capture else None)
 
     def verify(self, step: StepInputs, hidden: torch.Tensor, rows: list[int],
                output: ModelRunnerOutput) -> None:
