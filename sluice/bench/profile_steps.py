@@ -100,7 +100,7 @@ def main(ns: argparse.Namespace) -> int:
     if runner is not None:
         runner.launch = _timed(phases, "launch", runner.launch)
         # Parts of launch: the graph replay's host call, and sampling (logits on).
-        runner._sample = _timed(phases, "launch.sample", runner._sample)
+        runner.sample = _timed(phases, "launch.sample", runner.sample)
         runner.input_builder.prepare = _timed(phases, "launch.prepare",
                                               runner.input_builder.prepare)
     original_replay = DecodeGraphs.replay
