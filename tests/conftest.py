@@ -17,44 +17,26 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 ARCHS = ("qwen3", "llama", "qwen2")
 
-# Tests that may share the machine with another test: no time bound, no race window that a busy
-# CPU could close, no fixed resource. scripts/test.sh runs these on two pytest-xdist workers at
-# nice 19, and beside them everything else one at a time at normal priority (servers, clusters,
-# kills and heartbeats, whose bounds assume the CPU when they need it; tests that must act while
-# a PD transfer is under way hold it with SLUICE_PD_FAULT_SEND_HOLD_FILE rather than race a
-# delay). A file not listed here runs one test at a time.
-PARALLEL = (
-    "tests/kernels/", "tests/worker/", "tests/core/", "tests/sample/", "tests/model/",
-    "tests/spec_decode/", "tests/structured_output/", "tests/distributed/test_parallel_layers.py",
-    "tests/engine/test_detokenizer.py", "tests/engine/test_fp8_kv_cache.py",
-    "tests/engine/test_generate_matches_hf.py", "tests/engine/test_llm_api.py",
-    "tests/engine/test_output_stream.py", "tests/engine/test_wire.py",
-)
-# Files of the same kind whose tests start processes (commands, servers, tensor-parallel
-# ranks): each file's tests run on one worker (an xdist_group), so its module-scoped servers
-# start once, while the other worker runs other tests.
-PARALLEL_BY_FILE = (
-    "tests/test_cli.py", "tests/distributed/test_tp_engine.py", "tests/bench/test_ab_trees.py",
-    "tests/bench/test_bench_serve_e2e.py", "tests/bench/test_offline_bench.py",
-    "tests/bench/test_serve_offline_bench.py", "tests/bench/test_spec_bench_fairness.py",
-    "tests/bench/test_serve_metrics.py", "tests/bench/test_pool_backends_bench.py",
-)
-# Tests of those files that do have a time bound, so run alone.
-ALONE = ("tests/distributed/test_tp_engine.py::test_a_killed_rank_ends_the_engine_within_5_s",)
+# Which tests may share the machine: scripts/test.sh runs every test not marked `serial` on two
+# pytest-xdist workers at nice 19, and beside them the `serial` ones one at a time at normal
+# priority (servers, clusters, kills and heartbeats, whose bounds assume the CPU when they need
+# it; tests that must act while a PD transfer is under way hold it with
+# SLUICE_PD_FAULT_SEND_HOLD_FILE rather than race a delay). A test file says so itself:
+#   pytestmark = pytest.mark.serial      a time bound, a race window a busy CPU could close, a
+#                                        fixed resource: its tests run alone
+#   pytestmark = pytest.mark.one_worker  its tests start processes (commands, servers, ranks)
+#                                        but have no time bound: they run on one worker (an
+#                                        xdist_group), so its module-scoped servers start once
+# and a test of a one_worker file that has a time bound is marked serial itself. Unmarked
+# files (in-process tests with no time bound) run on either worker.
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = config.rootpath
     grouped = []
     for item in items:
-        path = item.path.relative_to(root).as_posix()
-        if f"{path}::{item.name}".startswith(ALONE):
-            continue
-        if path.startswith(PARALLEL):
-            item.add_marker(pytest.mark.parallel)
-        elif path in PARALLEL_BY_FILE:
-            item.add_marker(pytest.mark.parallel)
-            item.add_marker(pytest.mark.xdist_group(path))
+        if item.get_closest_marker("serial") is None and item.get_closest_marker("one_worker"):
+            item.add_marker(pytest.mark.xdist_group(item.path.relative_to(config.rootpath)
+                                                    .as_posix()))
             grouped.append(item)
     # The files' groups are the longest units of work: handed out first, none is left to run
     # alone at the end while the other worker idles.

@@ -11,6 +11,8 @@ import pytest
 
 from sluice.model.tiny import make_tiny_model
 
+pytestmark = pytest.mark.one_worker
+
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("ab_trees", REPO / "scripts" / "ab_trees.py")
 ab_trees = importlib.util.module_from_spec(_spec)

@@ -24,6 +24,8 @@ from sluice.executor.multiproc import MultiprocExecutor
 from sluice.spec_decode.eagle_model import make_tiny_eagle
 from tests.engine.test_executor import alive, worker_pids
 
+pytestmark = pytest.mark.one_worker
+
 # 32-token prefill chunks; 19 usable blocks of 8 tokens cannot hold every request at once.
 BASE = dict(dtype="float32", block_size=8, max_model_len=152, max_num_batched_tokens=32, seed=0)
 PREEMPTING = dict(num_gpu_blocks_override=20)
@@ -207,6 +209,7 @@ class _StoppedWorkers:
         self.terminated = True
 
 
+@pytest.mark.serial  # a time bound: alone, not beside the file's other tests
 def test_a_killed_rank_ends_the_engine_within_5_s_and_stops_the_others(
         qwen3_dir: str) -> None:
     llm = LLM(model=qwen3_dir, tensor_parallel_size=2, **BASE)

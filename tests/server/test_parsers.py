@@ -13,6 +13,8 @@ from sluice.entrypoints.openai.protocol import ToolCall
 from sluice.entrypoints.openai.reasoning import Qwen3ReasoningParser, partial_tag_suffix
 from sluice.entrypoints.openai.tool_parsers import HermesToolParser
 
+pytestmark = pytest.mark.serial
+
 
 def cut(text: str, cuts: list[int]) -> list[str]:
     points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
