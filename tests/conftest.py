@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models saved by Hugging Face transformers (float32), with the
-built-in byte-level BPE tokenizer, loaded by sluice through the same loader as real folders."""
+built-in byte-level BPE tokenizer, loaded by sluice through the same loader as real folders
+(tests/tiny_models.py); and which tests may run beside others (the markers below)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import os
 import pytest
 import torch
 
+# One factory of tiny models for every test (tests/tiny_models.py); named here too for the
+# tests that take them from the conftest.
+from tests.tiny_models import ARCHS, save_hf_model
+
 # Keep tests on the CPU and deterministic whatever machine runs them.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One pytest-xdist worker of N (scripts/test.sh) gets its share of the cores: more threads than
 # cores would only make the workers take turns.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
-
-ARCHS = ("qwen3", "llama", "qwen2")
 
 # Which tests may share the machine: scripts/test.sh runs every test not marked `serial` on two
 # pytest-xdist workers at nice 19, and beside them the `serial` ones one at a time at normal
@@ -42,49 +45,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # alone at the end while the other worker idles.
     first = set(grouped)
     items[:] = grouped + [item for item in items if item not in first]
-
-
-def save_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: object) -> str:
-    """Build a tiny transformers model of `arch`, save it with its tokenizer, return the folder."""
-    import transformers
-
-    from sluice.model.tiny import build_tokenizer
-
-    tokenizer = build_tokenizer(out_dir)
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        initializer_range=0.1,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-    )
-    if arch == "qwen3":
-        config = transformers.Qwen3Config(**common, tie_word_embeddings=True)
-        model_cls = transformers.Qwen3ForCausalLM
-    elif arch == "llama":
-        config = transformers.LlamaConfig(
-            **common, tie_word_embeddings=False,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
-        model_cls = transformers.LlamaForCausalLM
-    elif arch == "qwen2":
-        config = transformers.Qwen2Config(**common, tie_word_embeddings=False)
-        model_cls = transformers.Qwen2ForCausalLM
-    else:
-        raise ValueError(arch)
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 @pytest.fixture(scope="session")

@@ -249,7 +249,7 @@ def test_a_killed_rank_ends_the_engine_within_5_s_and_stops_the_others(
 ])
 def test_sizes_the_model_cannot_split_are_value_errors_naming_both_numbers(
         tmp_path, overrides: dict, size: int, message: str) -> None:
-    from tests.conftest import save_hf_model
+    from tests.tiny_models import save_hf_model
 
     model_dir = (save_hf_model(str(tmp_path), "llama", **overrides) if overrides else None)
     args = EngineArgs(model=model_dir or _tiny_dir(tmp_path), tensor_parallel_size=size,
@@ -270,7 +270,7 @@ def test_more_ranks_than_visible_gpus_is_a_value_error(
 
 
 def _tiny_dir(tmp_path) -> str:
-    from tests.conftest import save_hf_model
+    from tests.tiny_models import save_hf_model
 
     return save_hf_model(str(tmp_path), "qwen3")
 
