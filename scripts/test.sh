@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs the test suite (CPU only), setting up its environment on first use.
-# With no arguments: the tests marked `parallel` (tests/conftest.py) on SLUICE_TEST_WORKERS
-# pytest-xdist workers (2) at low priority, and at the same time the rest one at a time; the
-# exit status is non-zero when either part failed. With arguments: one pytest run of exactly those.
+# With no arguments: the tests not marked `serial` (tests/conftest.py) on SLUICE_TEST_WORKERS
+# pytest-xdist workers (2) at low priority, and at the same time the `serial` ones one at a
+# time; the exit status is non-zero when either part failed. With arguments: one pytest run of exactly those.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
@@ -20,13 +20,13 @@ fi
 # time). The second part's output is printed when both have finished.
 status=0
 parallel_log="$(mktemp)"
-nice -n 19 "$PY" -m pytest -p no:cacheprovider -m parallel -n "${SLUICE_TEST_WORKERS:-2}" \
+nice -n 19 "$PY" -m pytest -p no:cacheprovider -m "not serial" -n "${SLUICE_TEST_WORKERS:-2}" \
   --dist loadgroup >"$parallel_log" 2>&1 &
 parallel_pid=$!
 trap 'kill "$parallel_pid" 2>/dev/null || true; rm -f "$parallel_log"' EXIT
-echo "sluice: the tests marked parallel run alongside at nice 19; their output follows at the end"
-"$PY" -m pytest -p no:cacheprovider -m "not parallel" || status=$?
+echo "sluice: the tests not marked serial run alongside at nice 19; their output follows at the end"
+"$PY" -m pytest -p no:cacheprovider -m serial || status=$?
 wait "$parallel_pid" || status=$?
-echo "sluice: the tests marked parallel:"
+echo "sluice: the tests not marked serial:"
 cat "$parallel_log"
 exit "$status"

@@ -4,13 +4,13 @@ from typing import TYPE_CHECKING, Any
 
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput
 from sluice.sampling_params import SamplingParams, StructuredOutputsParams
+from sluice.version import __version__
 
 if TYPE_CHECKING:
     from sluice.entrypoints.llm import LLM
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams",
-           "StructuredOutputsParams"]
-__version__ = "0.1.0"
+           "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,12 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# Imported at run time (not only for type checkers) so that msgspec can resolve the annotations
+# when EngineConfig travels to worker processes.
+from sluice.model.hf_config import HFModelConfig
+from sluice.spec_decode.config import SpeculativeConfig
+from sluice.validation import verify_positive
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -56,13 +62,6 @@ class SchedulerConfig:
     # Speculative decoding (None: off). Read by the scheduler (1 + k tokens per decode, lookahead
     # slots) and by the model runner (proposer, verification).
     speculative_config: SpeculativeConfig | None = None
-
-
-def verify_positive(name: str, value: int | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp")
@@ -180,10 +179,3 @@ class EngineConfig:
     hf_config: HFModelConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer_config: KVTransferConfig | None = None
-
-
-# At the end: these modules import verify_positive from here. Imported at run time (not only for
-# type checkers) so that msgspec can resolve the annotations when EngineConfig travels to worker
-# processes.
-from sluice.model.hf_config import HFModelConfig  # noqa: E402
-from sluice.spec_decode.config import SpeculativeConfig  # noqa: E402

@@ -14,8 +14,6 @@ from typing import Any
 
 import zmq
 
-import sluice
-
 # Unix socket paths longer than this do not fit sockaddr_un; such a temp dir falls back to TCP.
 _MAX_IPC_PATH = 100
 
@@ -45,7 +43,7 @@ def spawn_module(module: str, startup_json: str, env: dict[str, Any] | None = No
     """Start `python -m module startup_json` with this checkout importable. `pass_fds`: file
     descriptors the child inherits; `new_session`: out of the terminal's process group, so a
     Ctrl-C reaches it only through its parent."""
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(sluice.__file__)))
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # above sluice/
     child_env = dict(os.environ)
     child_env.update(env or {})
     child_env["PYTHONPATH"] = os.pathsep.join(

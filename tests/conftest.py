@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models saved by Hugging Face transformers (float32), with the
-built-in byte-level BPE tokenizer, loaded by sluice through the same loader as real folders."""
+built-in byte-level BPE tokenizer, loaded by sluice through the same loader as real folders
+(tests/tiny_models.py); and which tests may run beside others (the markers below)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+# One factory of tiny models for every test (tests/tiny_models.py); named here too for the
+# tests that take them from the conftest.
+from tests.tiny_models import ARCHS, save_hf_model
+
 # Keep tests on the CPU and deterministic whatever machine runs them.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One pytest-xdist worker of N (scripts/test.sh) gets its share of the cores: more threads than
@@ -16,95 +21,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
-ARCHS = ("qwen3", "llama", "qwen2")
-
-# Tests that may share the machine with another test: no time bound, no race window that a busy
-# CPU could close, no fixed resource. scripts/test.sh runs these on two pytest-xdist workers at
-# nice 19, and beside them everything else one at a time at normal priority (servers, clusters,
-# kills and heartbeats, whose bounds assume the CPU when they need it; tests that must act while
-# a PD transfer is under way hold it with SLUICE_PD_FAULT_SEND_HOLD_FILE rather than race a
-# delay). A file not listed here runs one test at a time.
-PARALLEL = (
-    "tests/kernels/", "tests/worker/", "tests/core/", "tests/sample/", "tests/model/",
-    "tests/spec_decode/", "tests/structured_output/", "tests/distributed/test_parallel_layers.py",
-    "tests/engine/test_detokenizer.py", "tests/engine/test_fp8_kv_cache.py",
-    "tests/engine/test_generate_matches_hf.py", "tests/engine/test_llm_api.py",
-    "tests/engine/test_output_stream.py", "tests/engine/test_wire.py",
-    "tests/engine/test_trained_model.py",
-)
-# Files of the same kind whose tests start processes (commands, servers, tensor-parallel
-# ranks): each file's tests run on one worker (an xdist_group), so its module-scoped servers
-# start once, while the other worker runs other tests.
-PARALLEL_BY_FILE = (
-    "tests/test_cli.py", "tests/distributed/test_tp_engine.py", "tests/bench/test_ab_trees.py",
-    "tests/bench/test_bench_serve_e2e.py", "tests/bench/test_offline_bench.py",
-    "tests/bench/test_serve_offline_bench.py", "tests/bench/test_spec_bench_fairness.py",
-    "tests/bench/test_serve_metrics.py", "tests/bench/test_pool_backends_bench.py",
-)
-# Tests of those files that do have a time bound, so run alone.
-ALONE = ("tests/distributed/test_tp_engine.py::test_a_killed_rank_ends_the_engine_within_5_s",)
+# Which tests may share the machine: scripts/test.sh runs every test not marked `serial` on two
+# pytest-xdist workers at nice 19, and beside them the `serial` ones one at a time at normal
+# priority (servers, clusters, kills and heartbeats, whose bounds assume the CPU when they need
+# it; tests that must act while a PD transfer is under way hold it with
+# SLUICE_PD_FAULT_SEND_HOLD_FILE rather than race a delay). A test file says so itself:
+#   pytestmark = pytest.mark.serial      a time bound, a race window a busy CPU could close, a
+#                                        fixed resource: its tests run alone
+#   pytestmark = pytest.mark.one_worker  its tests start processes (commands, servers, ranks)
+#                                        but have no time bound: they run on one worker (an
+#                                        xdist_group), so its module-scoped servers start once
+# and a test of a one_worker file that has a time bound is marked serial itself. Unmarked
+# files (in-process tests with no time bound) run on either worker.
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = config.rootpath
     grouped = []
     for item in items:
-        path = item.path.relative_to(root).as_posix()
-        if f"{path}::{item.name}".startswith(ALONE):
-            continue
-        if path.startswith(PARALLEL):
-            item.add_marker(pytest.mark.parallel)
-        elif path in PARALLEL_BY_FILE:
-            item.add_marker(pytest.mark.parallel)
-            item.add_marker(pytest.mark.xdist_group(path))
+        if item.get_closest_marker("serial") is None and item.get_closest_marker("one_worker"):
+            item.add_marker(pytest.mark.xdist_group(item.path.relative_to(config.rootpath)
+                                                    .as_posix()))
             grouped.append(item)
     # The files' groups are the longest units of work: handed out first, none is left to run
     # alone at the end while the other worker idles.
     first = set(grouped)
     items[:] = grouped + [item for item in items if item not in first]
-
-
-def save_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: object) -> str:
-    """Build a tiny transformers model of `arch`, save it with its tokenizer, return the folder."""
-    import transformers
-
-    from sluice.model.tiny import build_tokenizer
-
-    tokenizer = build_tokenizer(out_dir)
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        initializer_range=0.1,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-    )
-    if arch == "qwen3":
-        config = transformers.Qwen3Config(**common, tie_word_embeddings=True)
-        model_cls = transformers.Qwen3ForCausalLM
-    elif arch == "llama":
-        config = transformers.LlamaConfig(
-            **common, tie_word_embeddings=False,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
-        model_cls = transformers.LlamaForCausalLM
-    elif arch == "qwen2":
-        config = transformers.Qwen2Config(**common, tie_word_embeddings=False)
-        model_cls = transformers.Qwen2ForCausalLM
-    else:
-        raise ValueError(arch)
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 @pytest.fixture(scope="session")

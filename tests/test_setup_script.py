@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[1]
 
 STUB = """#!/usr/bin/env bash

@@ -30,6 +30,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
+from sluice.attention.causal import causal_attention
 from sluice.attention.kv_layout import as_cached, select_rows
 from sluice.attention.metadata import AttentionMetadata
 
@@ -99,9 +100,7 @@ def _close_to_reference(out: torch.Tensor, query: torch.Tensor, keys: torch.Tens
                         values: torch.Tensor, scale: float) -> bool:
     """out [Q, H, D] against the reference backend's float32 attention of the queries as the
     last Q positions of keys / values [S, KVH, D], within bfloat16's reach."""
-    from sluice.attention.torch_ref import _causal_attention  # torch_ref imports this module
-
-    ref = _causal_attention(query.float(), keys, values, scale)
+    ref = causal_attention(query.float(), keys, values, scale)
     return bool((out.float() - ref).abs().max() < 0.05)
 
 

@@ -32,7 +32,7 @@ _BACKENDS = ("local", "redis", "mooncake")
 
 
 def add_parser(bench_sub: Any) -> None:
-    from sluice.entrypoints.cli import add_engine_args
+    from sluice.engine.flags import add_engine_args
 
     parser = bench_sub.add_parser(
         "kv-pool", help="TTFT recomputed vs local prefix hit vs global KV pool hit per backend")
@@ -152,7 +152,7 @@ def run_kv_pool(ns: argparse.Namespace) -> dict[str, Any]:
 
 def _kv_bytes_per_token(ns: argparse.Namespace) -> int:
     """KV bytes of one token over every layer, from the model's config (no engine yet)."""
-    from sluice.entrypoints.cli import engine_args_from
+    from sluice.engine.flags import engine_args_from
     from sluice.model.loader import resolve_dtype
 
     config = engine_args_from(ns).create_engine_config()

@@ -21,7 +21,7 @@ _DEFAULT_TIER_GIB = 8.0
 
 
 def add_parser(bench_sub: Any) -> None:
-    from sluice.entrypoints.cli import add_engine_args
+    from sluice.engine.flags import add_engine_args
 
     parser = bench_sub.add_parser(
         "kv-tier", help="TTFT recomputed vs GPU prefix hit vs CPU-tier hit, load bandwidth")

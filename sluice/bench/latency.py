@@ -45,7 +45,7 @@ def parse_sizes(name: str, text: str) -> list[int]:
 
 
 def add_parser(bench_sub: Any) -> None:
-    from sluice.entrypoints.cli import add_engine_args
+    from sluice.engine.flags import add_engine_args
 
     parser = bench_sub.add_parser(
         "latency", help="decode inter-token latency per batch size and TTFT per prompt length")

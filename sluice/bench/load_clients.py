@@ -40,9 +40,9 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
@@ -50,6 +50,7 @@ import sluice
 from sluice.bench.http_stream import ConnectionPool
 from sluice.bench.openai_client import PreparedRequest, RequestInput, prepare, send_request
 from sluice.bench.serve_metrics import RequestTiming
+from sluice.event_loop import run_event_loop, running_loop_name
 
 SCHEMA_VERSION = 1
 # Lead of the common start over the parent's clock when it sends ClientStart: enough for every
@@ -57,8 +58,6 @@ SCHEMA_VERSION = 1
 _START_LEAD_S = 0.1
 _MAX_CLOCK_SKEW_S = 1.0
 _MAX_LINE_BYTES = 1 << 31
-
-T = TypeVar("T")
 
 
 class ClientJob(msgspec.Struct, tag="job", frozen=True):
@@ -115,23 +114,6 @@ class ClientsRun:
                    cpu_wait=None if None in waits else [w / r.end_s  # type: ignore[operator]
                                                         for w, r in zip(waits, results)],
                    event_loop=results[0].event_loop)
-
-
-def running_loop_name() -> str:
-    """"uvloop" or "asyncio": the loop this coroutine runs on."""
-    return ("uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop")
-            else "asyncio")
-
-
-def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run, on uvloop when it is installed (a cheaper loop per event)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    if not hasattr(uvloop, "run"):  # uvloop < 0.18
-        return asyncio.run(main)
-    return uvloop.run(main)
 
 
 def concurrency_shares(max_concurrency: int | None, num_clients: int) -> list[int | None]:

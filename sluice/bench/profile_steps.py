@@ -30,7 +30,7 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> None:
-    from sluice.entrypoints.cli import add_engine_args
+    from sluice.engine.flags import add_engine_args
 
     parser = subparsers.add_parser("profile", help="time the phases of engine steps")
     parser.add_argument("--num-requests", type=int, default=64)
@@ -100,7 +100,7 @@ def main(ns: argparse.Namespace) -> int:
     if runner is not None:
         runner.launch = _timed(phases, "launch", runner.launch)
         # Parts of launch: the graph replay's host call, and sampling (logits on).
-        runner._sample = _timed(phases, "launch.sample", runner._sample)
+        runner.sample = _timed(phases, "launch.sample", runner.sample)
         runner.input_builder.prepare = _timed(phases, "launch.prepare",
                                               runner.input_builder.prepare)
     original_replay = DecodeGraphs.replay

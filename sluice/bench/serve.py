@@ -28,7 +28,6 @@ from sluice.bench import datasets
 from sluice.bench.load_clients import (
     ClientsRun,
     concurrency_shares,
-    run_event_loop,
     run_in_process,
     run_in_processes,
 )
@@ -40,6 +39,7 @@ from sluice.bench.serve_metrics import (
     parse_goodput,
     result_dict,
 )
+from sluice.event_loop import run_event_loop
 
 DATASETS = ("random", "shared-prefix")
 

@@ -85,7 +85,7 @@ def _engine_flags(ns: argparse.Namespace) -> list[str]:
 
 
 def _offline_engine_args(ns: argparse.Namespace) -> Any:
-    from sluice.entrypoints.cli import add_engine_args, engine_args_from
+    from sluice.engine.flags import add_engine_args, engine_args_from
 
     parser = argparse.ArgumentParser(prog="sluice bench serve-vs-offline --engine-args")
     add_engine_args(parser)

@@ -56,7 +56,7 @@ DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_
 
 
 def add_parser(bench_sub: Any) -> None:
-    from sluice.entrypoints.cli import add_engine_args
+    from sluice.engine.flags import add_engine_args
 
     parser = bench_sub.add_parser(
         "spec", help="decode speed-up of speculative decoding vs none, same run")

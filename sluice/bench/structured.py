@@ -43,7 +43,7 @@ SCHEMA = {
 
 
 def add_parser(bench_sub: Any) -> None:
-    from sluice.entrypoints.cli import add_engine_args
+    from sluice.engine.flags import add_engine_args
 
     parser = bench_sub.add_parser(
         "structured", help="throughput with a share of json_schema requests, against none")

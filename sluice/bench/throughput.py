@@ -33,7 +33,7 @@ _WARMUP_REQUESTS, _WARMUP_PROMPT_LEN, _WARMUP_MAX_TOKENS = 4, 32, 8
 
 def add_parser(bench_sub: Any) -> None:
     from sluice.bench.roofline import GPU_SPECS
-    from sluice.entrypoints.cli import add_engine_args
+    from sluice.engine.flags import add_engine_args
 
     parser = bench_sub.add_parser(
         "throughput", help="offline throughput on nano-vllm's workload, against the roofline")
@@ -62,7 +62,7 @@ def build_llm(ns: argparse.Namespace) -> tuple[Any, Any, Any]:
     """The LLM of the engine flags (the random Qwen3-0.6B if no --model), its device and dtype."""
     from sluice import LLM
     from sluice.bench.workloads import benchmark_model_dir, cache_root
-    from sluice.entrypoints.cli import engine_args_from
+    from sluice.engine.flags import engine_args_from
     from sluice.model.loader import resolve_dtype
     from sluice.worker.model_runner import resolve_device
 

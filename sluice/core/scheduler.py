@@ -29,59 +29,45 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from sluice.config import KVTransferConfig, SchedulerConfig
+from sluice.core.drafts import Drafts
+from sluice.core.grammar_gate import GrammarBackend, GrammarGate, is_constrained
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.kv_connector import KVConnectorScheduler
 from sluice.core.kv_transfers import KVTransfers
 from sluice.core.outputs import (
-    CachedRequestData,
     EngineCoreOutput,
     FirstToken,
     ModelRunnerOutput,
-    NewRequestData,
+    PositionLogprobs,
     SchedulerOutput,
-    SpecDecodingStats,
 )
 from sluice.core.request import Request, RequestStatus
-from sluice.spec_decode.ngram_proposer import NgramProposer
-from sluice.spec_decode.policy import Drafting, DraftingPolicy, can_speculate
-
-if TYPE_CHECKING:
-    from sluice.structured_output.manager import StructuredOutputManager
+from sluice.core.step_plan import StepPlan
 
 logger = logging.getLogger("sluice")
 
 
-@dataclass(slots=True)
-class _StepPlan:
-    """One step being put together: what is scheduled so far and what budget is left."""
-
-    token_budget: int
-    now: float
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    preempted: set[str] = field(default_factory=set)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    device_drafts: dict[str, int] = field(default_factory=dict)  # req_id -> draft slots
-    num_partial_prefills: int = 0
-
-    def add(self, request: Request, num_new: int, is_partial: bool) -> None:
-        self.num_scheduled_tokens[request.request_id] = num_new
-        self.token_budget -= num_new
-        self.num_partial_prefills += is_partial
+def _output(request: Request, new_token_ids: list[int], kv_transfer_params: dict | None,
+            logprobs: list[PositionLogprobs] | None = None,
+            prompt_logprobs: list[PositionLogprobs | None] | None = None) -> EngineCoreOutput:
+    """What the front end hears of a request: its new tokens, how it ended (if it did)."""
+    return EngineCoreOutput(
+        req_id=request.request_id, new_token_ids=new_token_ids,
+        finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
+        new_logprobs=logprobs, new_prompt_logprobs=prompt_logprobs,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        first_scheduled_time=request.first_scheduled_time, kv_transfer_params=kv_transfer_params)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  connector: KVConnectorScheduler | None = None,
                  kv_transfer_config: KVTransferConfig | None = None,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: GrammarBackend | None = None) -> None:
         self.config = config
-        self.structured_output = structured_output
+        self.grammar = GrammarGate(structured_output)
         # Requests that ended outside a step (a grammar that did not compile): their outputs
         # go out with the next (take_outputs_without_step).
         self._outputs_without_step: list[EngineCoreOutput] = []
@@ -100,40 +86,19 @@ class Scheduler:
         # The connector's transfers: loads in flight, delayed frees, aborted loads.
         self.kv_transfers = (KVTransfers(connector, kv_transfer_config, kv_cache_manager)
                              if connector is not None else None)
+        # Speculative decoding's drafting decisions (None: speculation off).
         spec = config.speculative_config
-        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
-        # A draft model (or EAGLE head) writes the KV of its next drafts past the verified tokens.
-        self.num_lookahead_tokens = (self.num_spec_tokens
-                                     if spec is not None and spec.method != "ngram" else 0)
-        self.spec_decoding_stats = None
-        self.drafting: DraftingPolicy | None = None
-        # n-gram drafts are proposed here, from the tokens known; a model's on the workers.
-        self.ngram: NgramProposer | None = None
-        # With async scheduling, drafts are proposed on the workers' device instead, after the
-        # tokens still in flight (sluice/spec_decode/device_ngram.py; a model proposer's by its
-        # device pass after each step): steps that draft overlap like any other.
-        self.device_drafts = False
-        self._drafting_now = False  # the policy's decision for the step being scheduled
-        if spec is not None:
-            self.spec_decoding_stats = SpecDecodingStats(
-                self.num_spec_tokens, num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
-            self.drafting = DraftingPolicy(spec)
-            if spec.method == "ngram":
-                self.ngram = NgramProposer(spec)
-            self.device_drafts = config.async_scheduling
+        self.drafts = Drafts(spec, config) if spec is not None else None
+        self.spec_decoding_stats = self.drafts.stats if self.drafts is not None else None
 
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.sampling_params.structured_outputs is not None:
-            if self.structured_output is None:
-                raise ValueError("structured_outputs: this engine has no structured-output "
-                                 "backend")
-            self.structured_output.add_request(request)
-        if self.drafting is not None and can_speculate(request.sampling_params):
-            self.drafting.add_request(request.request_id)
+        self.grammar.add_request(request)
+        if self.drafts is not None:
+            self.drafts.add_request(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -164,17 +129,13 @@ class Scheduler:
     def has_constrained_token_in_flight(self) -> bool:
         """Whether a running constrained request's last token is still in flight (async
         scheduling): it cannot be scheduled until its grammar has seen that token."""
-        return any(request.num_output_placeholders
-                   and request.sampling_params.structured_outputs is not None
-                   for request in self.running)
+        return self.grammar.token_in_flight(self.running)
 
     def drafts_need_tokens_in_flight(self) -> bool:
         """Whether the drafting policy wants n-gram drafts in the next step for requests whose
         last token is still in flight (async scheduling): drafts continue from that token, so
         the engine core takes the step in flight first."""
-        return (self.ngram is not None and not self.device_drafts
-                and self.drafting.wants_drafts(len(self.running))
-                and any(request.num_output_placeholders for request in self.running))
+        return self.drafts is not None and self.drafts.needs_tokens_in_flight(self.running)
 
     def runs_synchronously(self, output: SchedulerOutput) -> bool:
         """Whether the step must be taken before the next is scheduled, even with async
@@ -182,7 +143,7 @@ class Scheduler:
         next step starts), and without device drafts every step of a model proposer (its KV
         pass and drafts read the step's tokens on the host)."""
         return bool(output.scheduled_spec_decode_tokens) or (
-            self.drafting is not None and self.ngram is None and not self.device_drafts)
+            self.drafts is not None and self.drafts.model_drafts_on_host())
 
     def has_requests_to_schedule(self) -> bool:
         """Whether a step could compute anything: False while every unfinished request waits
@@ -197,6 +158,11 @@ class Scheduler:
         """The request's blocks in token order (for connectors)."""
         return self.kv_cache_manager.get_block_ids(request_id)
 
+    def take_outputs_without_step(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that ended in schedule() (a grammar that did not compile)."""
+        outputs, self._outputs_without_step = self._outputs_without_step, []
+        return outputs
+
     # ---- one step ------------------------------------------------------------------------
 
     def cache_scheduled_blocks(self) -> None:
@@ -207,76 +173,30 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.kv_cache_manager.flush_pending_cache()
-        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, now=time.time())
+        plan = StepPlan(token_budget=self.config.max_num_batched_tokens, now=time.time())
         if self.kv_transfers is not None:
             self.kv_transfers.free_expired(plan.now)
-        if self.drafting is not None:
-            self._drafting_now = self._begin_drafting_step()
+        if self.drafts is not None:
+            self.drafts.begin_step(len(self.running))
         self._schedule_running(plan)
         # Then waiting requests in arrival order, unless this step had to preempt.
         if not plan.preempted:
             self._schedule_waiting(plan)
-        if any(plan.device_drafts.values()):
-            self._keep_device_drafts_verifiable(plan)
+        if self.drafts is not None:
+            self.drafts.keep_device_drafts_verifiable(plan, self.requests)
 
-        output = SchedulerOutput(
-            scheduled_new_reqs=plan.new_reqs,
-            scheduled_cached_reqs=plan.cached_reqs,
-            num_scheduled_tokens=plan.num_scheduled_tokens,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - plan.token_budget,
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=plan.preempted,
-            scheduled_spec_decode_tokens=plan.spec_tokens,
-            scheduled_device_drafts=plan.device_drafts,
-            propose_drafts=self._proposes_drafts(),
-        )
+        output = plan.to_output(self.config.max_num_batched_tokens, self.finished_req_ids,
+                                self.drafts is not None and self.drafts.proposes_drafts())
         self.finished_req_ids = set()
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         if self.connector is not None:
             for req_id in plan.num_scheduled_tokens:
                 self.kv_cache_manager.update_block_hashes(self.requests[req_id])
             output.kv_connector_metadata = self.connector.build_connector_meta(output, self)
-        # The tokens are as good as computed once handed to the runner (the runner writes their
-        # KV before anyone reads it), which is also what the prefix cache assumed above. A chunk
-        # that reaches the end of the known tokens samples one more: a placeholder until then.
-        any_constrained = self._has_constrained_requests()
-        constrained: list[str] = []
-        for req_id, num_new in plan.num_scheduled_tokens.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += num_new
-            num_spec = len(plan.spec_tokens.get(req_id, ())) or plan.device_drafts.get(req_id, 0)
-            if request.num_computed_tokens == (request.num_tokens + request.num_output_placeholders
-                                               + request.num_draft_slots_in_flight + num_spec):
-                request.num_output_placeholders += 1
-                request.num_draft_slots_in_flight += num_spec
-                if any_constrained and request.sampling_params.structured_outputs is not None:
-                    constrained.append(req_id)
-        if constrained:
-            output.grammar_bitmask = self.structured_output.grammar_bitmask(constrained)
+        output.grammar_bitmask = self.grammar.bitmask(plan.hand_over(self.requests))
         return output
 
-    def _has_constrained_requests(self) -> bool:
-        """Whether any request has structured outputs (else their per-request checks are
-        skipped: steps without them do no extra work)."""
-        return self.structured_output is not None and bool(self.structured_output.requests)
-
-    def take_outputs_without_step(self) -> list[EngineCoreOutput]:
-        """Outputs of requests that ended in schedule() (a grammar that did not compile)."""
-        outputs, self._outputs_without_step = self._outputs_without_step, []
-        return outputs
-
-    def _grammar_ready(self, request: Request) -> bool:
-        """Whether a constrained waiting request's grammar is compiled; one whose compile
-        failed is failed (its output waits in take_outputs_without_step)."""
-        if not self.structured_output.is_ready(request.request_id):
-            return False
-        error = self.structured_output.compile_error(request.request_id)
-        if error is None:
-            return True
-        self._fail_request(request, error, self._outputs_without_step)
-        return False
-
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         """Running requests first, in admission order; preempts from the back for blocks."""
         cfg = self.config
         req_index = 0
@@ -285,12 +205,9 @@ class Scheduler:
             num_new = 0
             if (self.kv_transfers is None  # else not while its load's step is out
                     or not self.kv_transfers.in_step_load(request.request_id)):
-                if self._drafting_now:
-                    if self.device_drafts:
-                        self._device_draft_slots(request)
-                    elif self.ngram is not None:
-                        self._propose_ngram(request)
-                num_new = self._num_tokens_to_schedule(request, plan.token_budget)
+                if self.drafts is not None:
+                    self.drafts.prepare(request)
+                num_new = plan.num_tokens_for_running(request, self.config)
             if num_new == 0:
                 req_index += 1
                 continue
@@ -309,28 +226,12 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            # The drafts that fit are the tail of the scheduled tokens.
-            num_spec = num_new - (request.num_tokens + request.num_output_placeholders
-                                  + request.num_draft_slots_in_flight
-                                  - request.num_computed_tokens)
-            if self.device_drafts:
-                # A request with draft slots in flight is on the device's count of its tokens
-                # until they come back, drafting or not: its row is fixed there.
-                if request.spec_token_ids or request.num_draft_slots_in_flight:
-                    plan.device_drafts[request.request_id] = max(num_spec, 0)
-                request.spec_token_ids = []
-            elif request.spec_token_ids and num_spec > 0:
-                plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
-            plan.cached_reqs.append(CachedRequestData(
-                req_id=request.request_id,
-                resumed_from_preemption=False,
-                new_block_ids=[b.block_id for b in new_blocks],
-                num_computed_tokens=request.num_computed_tokens,
-            ))
-            plan.add(request, num_new, is_partial)
+            if self.drafts is not None:
+                self.drafts.take_scheduled(request, num_new, plan)
+            plan.add_running(request, [b.block_id for b in new_blocks], num_new, is_partial)
             req_index += 1
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in arrival order while budget, sequences and blocks last.
         Requests that cannot go yet for a connector's reason (KV still loading, the connector
         not sure yet) are passed over and keep their place."""
@@ -343,8 +244,7 @@ class Scheduler:
                     passed_over.append(self.waiting.popleft())
                     continue
                 self.kv_transfers.end_async_load(request)
-            if (request.sampling_params.structured_outputs is not None
-                    and not self._grammar_ready(request)):
+            if not self.grammar.admits(request, self._fail_outside_step):
                 if self.waiting and self.waiting[0] is request:
                     passed_over.append(self.waiting.popleft())
                 continue
@@ -357,7 +257,7 @@ class Scheduler:
                 break
         self.waiting.extendleft(reversed(passed_over))
 
-    def _admit(self, request: Request, plan: _StepPlan) -> bool | None:
+    def _admit(self, request: Request, plan: StepPlan) -> bool | None:
         """Schedule the waiting request at the head of the queue, or park it while its KV
         loads: True (taken off the queue), False (no room: stop admitting), None (pass it
         over this step)."""
@@ -417,76 +317,41 @@ class Scheduler:
         self.running.append(request)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = plan.now
-        if request.status == RequestStatus.PREEMPTED:
-            plan.cached_reqs.append(CachedRequestData(
-                req_id=request.request_id,
-                resumed_from_preemption=True,
-                new_block_ids=block_ids,
-                num_computed_tokens=request_num_computed,
-                num_loaded_tokens=request.num_loaded_tokens,
-            ))
-        else:
-            plan.new_reqs.append(NewRequestData(
-                req_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=request.sampling_params,
-                block_ids=block_ids,
-                num_computed_tokens=request_num_computed,
-                output_token_ids=list(request.output_token_ids),
-                num_loaded_tokens=request.num_loaded_tokens,
-            ))
+        plan.add_admitted(request, block_ids, num_new, is_partial)
         request.status = RequestStatus.RUNNING
-        plan.add(request, num_new, is_partial)
         return True
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+
+        def fail(request: Request, message: str) -> None:
+            self._fail_request(request, message, outputs)
+
         failed_loads: set[str] = set()
         if self.kv_transfers is not None and runner_output.kv_connector_output is not None:
             failed_loads, first_tokens = self.kv_transfers.update(
-                runner_output.kv_connector_output,
-                lambda request, message: self._fail_request(request, message, outputs))
+                runner_output.kv_connector_output, fail)
             for req_id, first_token in first_tokens:
                 self._take_first_token(self.requests[req_id], first_token, outputs)
             self.kv_transfers.end_sync_loads(scheduler_output, failed_loads)
-        spec_token_ids = runner_output.spec_token_ids
+        proposed = runner_output.spec_token_ids
         # Per request: a model proposer's drafts, or the drafting policy's n-gram probes (to
         # settle, to start).
-        start_probes = self.ngram is not None and self.drafting.probes_wanted(len(self.running))
-        after_new_tokens = self.drafting is not None and (
-            spec_token_ids is not None or start_probes or self.drafting.has_probes())
-        any_constrained = self._has_constrained_requests()
+        after_new_tokens = self.drafts is not None and self.drafts.begin_update(
+            len(self.running), proposed)
+        any_constrained = self.grammar.active()
         for i, (req_id, sampled) in enumerate(zip(runner_output.req_ids,
                                                   runner_output.sampled_token_ids)):
             request = self.requests.get(req_id)
             if request is None or request.is_finished() or req_id in failed_loads:
                 continue  # aborted while the step ran, or recomputing after a failed load
             request.num_output_placeholders -= min(len(sampled), 1)  # one sampling position
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            num_slots = (len(drafts) if drafts
-                         else scheduler_output.scheduled_device_drafts.get(req_id, 0))
-            if num_slots and sampled:
-                # Verified: the target's token at every accepted draft, plus one. The KV of the
-                # rejected drafts is garbage: forget it (it is overwritten later).
-                num_accepted = len(sampled) - 1
-                request.num_draft_slots_in_flight -= num_slots
-                num_drafts = (len(drafts) if drafts
-                              else runner_output.num_device_drafts.get(req_id, 0))
-                if num_drafts:
-                    self.spec_decoding_stats.observe(num_drafts, num_accepted)
-                if num_drafts or self.ngram is not None:
-                    # (A model proposer's slots hold no drafts when the step before did not
-                    # propose: nothing to measure. An n-gram proposer that found none: 0.)
-                    self.drafting.observe(req_id, num_accepted)
-                if request.status == RequestStatus.PREEMPTED:
-                    num_slots = 0  # preempted in flight: its KV is gone, nothing to roll back
-                else:
-                    request.num_computed_tokens -= num_slots - num_accepted
-            constrained = (any_constrained
-                           and request.sampling_params.structured_outputs is not None)
-            if constrained and sampled and not self._advance_grammar(request, sampled, outputs):
+            num_slots = 0 if self.drafts is None else self.drafts.settle_verified(
+                request, sampled, scheduler_output, runner_output)
+            constrained = any_constrained and is_constrained(request)
+            if constrained and sampled and not self.grammar.accept(request, sampled, fail):
                 continue
             new_token_ids: list[int] = []
             for token_id in sampled:
@@ -494,17 +359,15 @@ class Scheduler:
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
                     break
-            if (constrained and new_token_ids and not request.is_finished()
-                    and self.structured_output.is_terminated(req_id)):
-                request.status = RequestStatus.FINISHED_STOPPED  # the grammar ended (no EOS)
+            if constrained and new_token_ids:
+                self.grammar.stop_if_terminated(request)
             if num_slots and new_token_ids:
                 # The accepted drafts are tokens now: their full blocks can be shared.
                 self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             request.spec_token_ids = []
             if after_new_tokens and not request.is_finished():
-                self._after_new_tokens(request, new_token_ids,
-                                       None if spec_token_ids is None else spec_token_ids[i],
-                                       start_probes)
+                self.drafts.after_new_tokens(request, new_token_ids,
+                                             None if proposed is None else proposed[i])
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if not new_token_ids and prompt_logprobs is None:
                 continue
@@ -518,30 +381,9 @@ class Scheduler:
                 # Preempted while its token was in flight, it waits in the queue.
                 (self.running if request in self.running else self.waiting).remove(request)
                 kv_transfer_params = self._free_request(request)
-            outputs.append(EngineCoreOutput(
-                req_id=req_id,
-                new_token_ids=new_token_ids,
-                finish_reason=request.get_finished_reason(),
-                stop_reason=request.stop_reason,
-                new_logprobs=logprobs,
-                new_prompt_logprobs=prompt_logprobs,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                first_scheduled_time=request.first_scheduled_time,
-                kv_transfer_params=kv_transfer_params,
-            ))
+            outputs.append(_output(request, new_token_ids, kv_transfer_params, logprobs,
+                                   prompt_logprobs))
         return outputs
-
-    def _advance_grammar(self, request: Request, sampled: list[int],
-                         outputs: list[EngineCoreOutput]) -> bool:
-        """The matcher accepts the new tokens; False (the request failed) if one breaks the
-        grammar, which the step's mask should have made impossible."""
-        accepted = self.structured_output.accept_tokens(request.request_id, sampled)
-        if accepted == len(sampled):
-            return True
-        self._fail_request(request, f"structured_outputs: token {sampled[accepted]} does not "
-                                    f"match the grammar of request {request.request_id!r}",
-                           outputs)
-        return False
 
     # ---- KV connector ----------------------------------------------------------------
 
@@ -565,13 +407,10 @@ class Scheduler:
         logprobs = None
         if first_token.logprobs is not None and request.sampling_params.logprobs is not None:
             logprobs = [first_token.logprobs]
-        outputs.append(EngineCoreOutput(
-            req_id=request.request_id, new_token_ids=[first_token.token_id],
-            finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
-            new_logprobs=logprobs, num_cached_tokens=max(request.num_cached_tokens, 0),
-            first_scheduled_time=request.first_scheduled_time,
-            kv_transfer_params=kv_transfer_params))
+        outputs.append(_output(request, [first_token.token_id], kv_transfer_params, logprobs))
 
+    def _fail_outside_step(self, request: Request, message: str) -> None:
+        self._fail_request(request, message, self._outputs_without_step)
 
     def _fail_request(self, request: Request, message: str,
                       outputs: list[EngineCoreOutput]) -> None:
@@ -582,122 +421,13 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED_ERROR
         request.stop_reason = message
-        kv_transfer_params = self._free_request(request)
-        outputs.append(EngineCoreOutput(
-            req_id=request.request_id, new_token_ids=[], finish_reason="error",
-            stop_reason=message, num_cached_tokens=max(request.num_cached_tokens, 0),
-            first_scheduled_time=request.first_scheduled_time,
-            kv_transfer_params=kv_transfer_params))
+        outputs.append(_output(request, [], self._free_request(request)))
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
-        # Tokens in flight, counting every draft slot as accepted.
-        placeholders = request.num_output_placeholders + request.num_draft_slots_in_flight
-        if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
-                             or request.num_tokens + placeholders >= self.config.max_model_len
-                             or request.sampling_params.structured_outputs is not None):
-            # The token in flight is its last one, or its grammar must see it first.
-            return 0
-        num_new = (request.num_tokens + placeholders + len(request.spec_token_ids)
-                   - request.num_computed_tokens)
-        if self.config.long_prefill_token_threshold > 0:
-            num_new = min(num_new, self.config.long_prefill_token_threshold)
-        # KV never goes past max_model_len positions.
-        num_new = min(num_new, token_budget,
-                      self.config.max_model_len - request.num_computed_tokens)
-        return max(num_new, 0)
-
     def _num_lookahead(self, num_tokens_after_step: int) -> int:
-        """Lookahead slots for a request that will have this many tokens' KV after the step:
-        up to k, never past max_model_len (a block-table row holds no more)."""
-        return max(0, min(self.num_lookahead_tokens,
-                          self.config.max_model_len - num_tokens_after_step))
-
-    # ---- speculative decoding ------------------------------------------------------------
-
-    def _begin_drafting_step(self) -> bool:
-        """The drafting policy's decision for the step being scheduled, counted."""
-        decision = self.drafting.begin_step(len(self.running))
-        stats = self.spec_decoding_stats
-        if decision is Drafting.ON:
-            stats.num_steps_drafting += 1
-        elif decision is Drafting.OFF_BATCH_SIZE:
-            stats.num_steps_off_batch_size += 1
-        elif decision is Drafting.OFF_ACCEPTANCE:
-            stats.num_steps_off_acceptance += 1
-        return decision is Drafting.ON
-
-    def _proposes_drafts(self) -> bool:
-        """Whether a model proposer drafts after the step being scheduled: when it drafts
-        (synchronous steps: for the next one), and with device drafts also when the policy's
-        next step is a probe (the drafts must be there by then)."""
-        if self.drafting is None or self.ngram is not None:
-            return False
-        return self._drafting_now or (self.device_drafts and self.drafting.probes_next_step())
-
-    def _propose_ngram(self, request: Request) -> None:
-        """N-gram drafts for a request about to decode from a known last token (none while a
-        token of it is in flight, or while it still prefills)."""
-        if (request.num_output_placeholders
-                or request.num_computed_tokens != request.num_tokens - 1
-                or not request.num_output_tokens
-                or not self.drafting.tracks(request.request_id)):
-            return
-        drafts = self.ngram.propose(request.tokens_as_array())
-        if not drafts:
-            self.drafting.observe(request.request_id, 0)  # a drafting step that gains nothing
-        request.spec_token_ids = self._trim_drafts(request, drafts)
-
-    def _device_draft_slots(self, request: Request) -> None:
-        """Draft slots for a request about to decode, proposed on the device after its last
-        token (known or in flight): k, fewer near max_tokens and max_model_len counting every
-        draft in flight as accepted; none while it still prefills. The slots stand in
-        spec_token_ids until _schedule_running moves them to the plan."""
-        in_flight = request.num_output_placeholders + request.num_draft_slots_in_flight
-        if (request.num_computed_tokens != request.num_tokens + in_flight - 1
-                or not (request.num_output_tokens or request.num_output_placeholders)
-                or not self.drafting.tracks(request.request_id)):
-            return
-        request.spec_token_ids = self._trim_drafts(request, [-1] * self.num_spec_tokens,
-                                                   in_flight)
-
-    def _keep_device_drafts_verifiable(self, plan: _StepPlan) -> None:
-        """A step with device drafts verifies every row it samples with the rejection sampler,
-        which applies no penalties, min_tokens or logprobs: if a request of the step needs one
-        of those, the step drafts nothing (each request decodes its one token)."""
-        if all(can_speculate(self.requests[req_id].sampling_params)
-               for req_id in plan.num_scheduled_tokens):
-            return
-        for req_id, num_slots in plan.device_drafts.items():
-            plan.num_scheduled_tokens[req_id] -= num_slots
-            plan.token_budget += num_slots
-            plan.device_drafts[req_id] = 0
-
-    def _after_new_tokens(self, request: Request, new_token_ids: list[int],
-                          proposed: list[int] | None, start_probe: bool) -> None:
-        """A request's tokens of a step are in: a model proposer's drafts for the next step;
-        the drafting policy's n-gram probes settled, and started while drafting is off for
-        acceptance."""
-        if proposed is not None:
-            request.spec_token_ids = self._trim_drafts(request, proposed)
-            return
-        if self.ngram is None:
-            return
-        req_id = request.request_id
-        self.drafting.observe_tokens(req_id, new_token_ids)
-        if start_probe and new_token_ids and self.drafting.wants_probe(req_id):
-            # Not trimmed to max_tokens: a probe the request's end leaves unsettled is dropped.
-            self.drafting.start_probe(req_id, self.ngram.propose(request.tokens_as_array()))
-
-    def _trim_drafts(self, request: Request, drafts: list[int],
-                     num_in_flight: int = 0) -> list[int]:
-        """Drafts worth verifying: all accepted plus the bonus token must stay within
-        max_tokens, and their KV within max_model_len, after `num_in_flight` tokens still in
-        flight (their draft slots counted as accepted)."""
-        room = min(request.max_tokens - request.num_output_tokens - num_in_flight - 1,
-                   self.config.max_model_len - request.num_tokens - num_in_flight)
-        return drafts[:max(room, 0)]
+        """KV slots past the step's tokens for a model proposer's next drafts (Drafts)."""
+        return 0 if self.drafts is None else self.drafts.num_lookahead(num_tokens_after_step)
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params
@@ -733,10 +463,9 @@ class Scheduler:
         request_id = request.request_id
         self.finished_req_ids.add(request_id)
         del self.requests[request_id]
-        if self.drafting is not None:
-            self.drafting.remove_request(request_id)
-        if self.structured_output is not None:
-            self.structured_output.remove(request_id)
+        if self.drafts is not None:
+            self.drafts.remove_request(request_id)
+        self.grammar.remove(request_id)
         if self.kv_transfers is None:
             self.kv_cache_manager.free(request)
             return None

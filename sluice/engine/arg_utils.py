@@ -13,12 +13,12 @@ from sluice.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    verify_positive,
 )
 from sluice.distributed.head_split import check_tp_size
 from sluice.model.hf_config import HFModelConfig, load_hf_config
 from sluice.model.hub import resolve_model_path, sluice_cache_dir
 from sluice.spec_decode.config import SpeculativeConfig
+from sluice.validation import verify_positive
 
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 

@@ -41,7 +41,6 @@ from sluice.engine.processors import (
     PromptType,
     RequestOutputKind,
     load_eos_token_ids,
-    load_tokenizer,
 )
 from sluice.engine.stats import (
     IterationStats,
@@ -62,6 +61,7 @@ from sluice.engine.wire import (
     UtilityRequest,
 )
 from sluice.errors import EngineDeadError
+from sluice.model.tokenizer import load_tokenizer
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
 

@@ -28,6 +28,7 @@ from sluice.core.outputs import EngineCoreOutput, SchedulerOutput
 from sluice.core.request import EngineCoreRequest, Request, RequestStatus
 from sluice.core.scheduler import Scheduler
 from sluice.executor.base import Executor, StepFuture
+from sluice.executor.factory import create_executor
 from sluice.structured_output.manager import StructuredOutputManager
 
 # How long a step with nothing to run but grammars compiling sleeps on them.
@@ -37,7 +38,7 @@ _COMPILE_WAIT_S = 0.05
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self.executor = executor if executor is not None else Executor.create(config)
+        self.executor = executor if executor is not None else create_executor(config)
         try:
             self._initialize(config)
         except BaseException:

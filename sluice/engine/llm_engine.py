@@ -15,8 +15,8 @@ from sluice.engine.processors import (
     PromptType,
     RequestOutputKind,
     load_eos_token_ids,
-    load_tokenizer,
 )
+from sluice.model.tokenizer import load_tokenizer
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
 

@@ -20,15 +20,6 @@ from sluice.sampling_params import SamplingParams
 PromptType = str | dict[str, Any] | list[int]
 
 
-def load_tokenizer(path: str) -> Any:
-    """A transformers fast tokenizer from a model folder (tokenizer.json + tokenizer_config)."""
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        raise ValueError(f"tokenizer folder {path!r} has no tokenizer.json")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 def load_eos_token_ids(model_dir: str, hf_config: HFModelConfig, tokenizer: Any) -> set[int]:
     """EOS ids from generation_config.json, config.json and the tokenizer, together."""
     ids: set[int] = set()

@@ -6,6 +6,7 @@ message. Both give the engine core the same calls, so the scheduler never knows 
 runs: `determine_num_blocks` (the minimum over ranks), `initialize_kv_cache`, `kv_cache_spec`,
 `execute_model` (returns at once; `.result()` of what it returns waits for the step),
 `start_profile` / `stop_profile` (a torch.profiler window on every rank), `shutdown`.
+`create_executor` (sluice/executor/factory.py) picks one by `distributed_executor_backend`.
 """
 
 from __future__ import annotations
@@ -27,19 +28,6 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.kv_cache_spec: KVCacheSpec | None = None
-
-    @staticmethod
-    def create(config: EngineConfig) -> Executor:
-        backend = config.parallel_config.distributed_executor_backend
-        if backend == "uni":
-            from sluice.executor.uniproc import UniprocExecutor
-
-            return UniprocExecutor(config)
-        if backend == "mp":
-            from sluice.executor.multiproc import MultiprocExecutor
-
-            return MultiprocExecutor(config)
-        raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}")
 
     @abstractmethod
     def determine_num_blocks(self) -> int:

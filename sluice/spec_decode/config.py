@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
-from sluice.config import verify_positive
+from sluice.validation import verify_positive
 
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle"]
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)

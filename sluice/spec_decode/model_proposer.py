@@ -535,12 +535,12 @@ class DecodeBatches:
     hold no blocks, so they store nothing."""
 
     def __init__(self, proposer: ModelProposer, max_size: int, sources: StepSources,
-                 capture: bool) -> None:
-        from sluice.worker.cuda_graphs import capture_sizes
-
+                 graph_sizes: list[int] | None) -> None:
+        """graph_sizes: the padded batch sizes to capture as CUDA graphs, the largest
+        `max_size` (None: no graphs, one eager shape)."""
         self.proposer = proposer
         self.sources = sources
-        self.sizes = capture_sizes(max_size) if capture else [max_size]
+        self.sizes = graph_sizes or [max_size]
         self.max_size = max_size
         k = proposer.k
         self.k = k
@@ -574,7 +574,7 @@ class DecodeBatches:
         self._one_each = torch.from_numpy(self._one_each_np.astype(np.int32)).to(dev)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.num_runs = 0
-        if capture:
+        if graph_sizes:
             self._capture()
 
     def propose(self, rows: np.ndarray, num_wanted: np.ndarray, num_blocks: np.ndarray,

@@ -166,7 +166,7 @@ class StructuredOutputManager:
     def _make_compiler(self) -> xgrammar.GrammarCompiler:
         import xgrammar as xgr
 
-        from sluice.engine.processors import load_tokenizer
+        from sluice.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(self.tokenizer_path)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)

@@ -269,7 +269,7 @@ def main() -> None:
     ns = parser.parse_args()
     server = SSEServer(openai_handler(ns.events_per_write, stepped=ns.step_ms is not None),
                        port=ns.port, step_s=(ns.step_ms or 0.0) / 1000)
-    from sluice.bench.load_clients import run_event_loop  # uvloop when installed
+    from sluice.event_loop import run_event_loop  # uvloop when installed
 
     run_event_loop(server.serve(lambda: print(server.url, flush=True)))
 

@@ -49,7 +49,6 @@ from sluice.model.hf_config import HFModelConfig
 from sluice.model.loader import load_model, resolve_dtype
 from sluice.sample.sampler import Sampler, compute_topk_logprobs
 from sluice.sampling_params import SamplingParams
-from sluice.spec_decode.policy import can_speculate
 from sluice.worker.graph_runner import GraphRunner
 from sluice.worker.input_batch import CachedRequestState, StagedBuffer
 from sluice.worker.kv_cache import determine_num_blocks
@@ -292,39 +291,10 @@ class ModelRunner:
         if device_rows is not None:
             for i in np.flatnonzero(device_rows):
                 states[i].history_step = handle  # its history now lacks this step's tokens
-        spec = self.spec
-        if draft_fix_up is not None and spec.model_proposer is not None:
-            # A model proposer's drafts on the device: verify (or sample), then its pass.
-            spec.store_hidden(step, hidden)
-            if sample_rows and any(scheduler_output.scheduled_device_drafts.values()):
-                self._launch_parity ^= 1
-                spec.verify_on_device(step, hidden, sample_rows, handle, self._launch_parity)
-            else:
-                self._sample(step, hidden, sample_rows, handle, scheduler_output.grammar_bitmask)
-            spec.propose_on_device(step, hidden, handle, sample_rows,
-                                   scheduler_output.propose_drafts)
-            return handle
-        if sample_rows and any(scheduler_output.scheduled_device_drafts.values()):
-            self._launch_parity ^= 1
-            self.spec.verify_on_device(step, hidden, sample_rows, handle, self._launch_parity)
-            return handle
-        if self.spec is not None and (self.spec.model_proposer is not None or step.drafts):
-            if previous is not None:
-                previous.result()  # verification appends this step's tokens after those
-            # Rows with drafts are verified by the rejection sampler, and so are the others
-            # (as rows of no drafts: one read-back for the step) unless one needs what only
-            # the sampler applies (penalties, min_tokens, logprobs).
-            verify_rows = sample_rows
-            if not all(can_speculate(states[i].sampling_params) for i in sample_rows):
-                verify_rows = [i for i in sample_rows if step.num_drafts[i]]
-                self._sample(step, hidden, [i for i in sample_rows if not step.num_drafts[i]],
-                             handle, scheduler_output.grammar_bitmask)
-                handle.result()
-            self.spec.verify(step, hidden, verify_rows, output)
-            if self.spec.model_proposer is not None:
-                self.spec.propose(step, hidden, output, scheduler_output.propose_drafts)
-            return handle
-        self._sample(step, hidden, sample_rows, handle, scheduler_output.grammar_bitmask)
+        if self.spec is not None:
+            self.spec.sample_step(step, hidden, sample_rows, handle, scheduler_output)
+        else:
+            self.sample(step, hidden, sample_rows, handle, scheduler_output.grammar_bitmask)
         return handle
 
     def _end_connector_step(self, scheduler_output: SchedulerOutput,
@@ -349,18 +319,18 @@ class ModelRunner:
         return {i for i, state in enumerate(step.states)
                 if invalid.intersection(table[state.row, :num_blocks[state.row]].tolist())}
 
-    def _sample(self, step: StepInputs, hidden: torch.Tensor, sample_rows: list[int],
-                handle: StepHandle, grammar: GrammarBitmask | None = None) -> None:
+    def sample(self, step: StepInputs, hidden: torch.Tensor, sample_rows: list[int],
+               handle: StepHandle, grammar: GrammarBitmask | None = None) -> None:
         """Sample one token for each row of `sample_rows` (queued on the device); `grammar`:
         the step's structured-output masks."""
         if not sample_rows:
             return
         states = step.states
-        self._launch_parity ^= 1
+        parity = self.next_launch_parity()
         if step.num_tokens == len(states) and len(sample_rows) == len(states):
             sample_hidden = hidden[:len(states)]  # all decodes, all sampling
         else:
-            indices = self.buf_logits_indices[self._launch_parity]
+            indices = self.buf_logits_indices[parity]
             last = step.query_start_loc[:-1] + step.num_scheduled - 1
             indices.np[:len(sample_rows)] = last[sample_rows]
             sample_hidden = hidden[indices.to_device(len(sample_rows))]
@@ -380,7 +350,13 @@ class ModelRunner:
             self.sampling_reuse.keep(sample_states, metadata)
         sampler_output = self.sampler(logits, metadata)
         handle.set_samples(sample_rows, sample_states, sampler_output,
-                           self._sampled_host[self._launch_parity])
+                           self._sampled_host[parity])
+
+    def next_launch_parity(self) -> int:
+        """Which of the two staging buffers of each kind the next sampling launch writes (they
+        alternate: see __init__)."""
+        self._launch_parity ^= 1
+        return self._launch_parity
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -44,12 +44,13 @@ from sluice.spec_decode.model_proposer import (
 )
 from sluice.spec_decode.policy import can_speculate
 from sluice.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from sluice.worker.cuda_graphs import capture_sizes
 from sluice.worker.input_batch import StagedBuffer
 from sluice.worker.sampling_inputs import build_sampling_metadata
 
 if TYPE_CHECKING:
     from sluice.attention import AttentionMetadata
-    from sluice.core.outputs import ModelRunnerOutput
+    from sluice.core.outputs import ModelRunnerOutput, SchedulerOutput
     from sluice.sample.metadata import SamplingMetadata
     from sluice.worker.input_batch import CachedRequestState
     from sluice.worker.model_runner import ModelRunner
@@ -132,9 +133,50 @@ class SpecDecoder:
                 sources = StepSources(builder.buf_input_ids.device, builder.buf_positions.device,
                                       builder.buf_query_start_loc.device,
                                       builder.graph_block_tables)
+                max_size = self.runner.scheduler_config.max_num_seqs
+                capture = capture_graphs and builder.graph_block_tables is not None
                 self.model_proposer.decode_batches = DecodeBatches(
-                    self.model_proposer, self.runner.scheduler_config.max_num_seqs, sources,
-                    capture=capture_graphs and builder.graph_block_tables is not None)
+                    self.model_proposer, max_size, sources,
+                    graph_sizes=capture_sizes(max_size) if capture else None)
+
+    def sample_step(self, step: StepInputs, hidden: torch.Tensor, sample_rows: list[int],
+                    handle: StepHandle, scheduler_output: SchedulerOutput) -> None:
+        """The tokens of a launched step whose runner speculates (the one way out of
+        ModelRunner.launch with speculation on): its drafts verified, on the device or on the
+        host, or its rows sampled; then a model proposer's pass over the step."""
+        runner = self.runner
+        grammar = scheduler_output.grammar_bitmask
+        verifies_on_device = bool(sample_rows) and any(
+            scheduler_output.scheduled_device_drafts.values())
+        if self.draft_fix_up is not None and self.model_proposer is not None:
+            # A model proposer's drafts on the device: verify (or sample), then its pass.
+            self.store_hidden(step, hidden)
+            if verifies_on_device:
+                self.verify_on_device(step, hidden, sample_rows, handle)
+            else:
+                runner.sample(step, hidden, sample_rows, handle, grammar)
+            self.propose_on_device(step, hidden, handle, sample_rows,
+                                   scheduler_output.propose_drafts)
+        elif verifies_on_device:
+            self.verify_on_device(step, hidden, sample_rows, handle)
+        elif self.model_proposer is not None or step.drafts:
+            if handle.previous is not None:
+                handle.previous.result()  # verification appends this step's tokens after those
+            # Rows with drafts are verified by the rejection sampler, and so are the others
+            # (as rows of no drafts: one read-back for the step) unless one needs what only
+            # the sampler applies (penalties, min_tokens, logprobs).
+            verify_rows = sample_rows
+            if not all(can_speculate(step.states[i].sampling_params) for i in sample_rows):
+                verify_rows = [i for i in sample_rows if step.num_drafts[i]]
+                runner.sample(step, hidden, [i for i in sample_rows if not step.num_drafts[i]],
+                              handle, grammar)
+                handle.result()
+            self.verify(step, hidden, verify_rows, handle.output)
+            if self.model_proposer is not None:
+                self.propose(step, hidden, handle.output, scheduler_output.propose_drafts)
+        else:
+            # An n-gram step without drafts (the scheduler proposes them) samples as any step.
+            runner.sample(step, hidden, sample_rows, handle, grammar)
 
     def verify(self, step: StepInputs, hidden: torch.Tensor, rows: list[int],
                output: ModelRunnerOutput) -> None:
@@ -170,10 +212,11 @@ class SpecDecoder:
             output.sampled_token_ids[i] = tokens
 
     def verify_on_device(self, step: StepInputs, hidden: torch.Tensor, rows: list[int],
-                         handle: StepHandle, parity: int) -> None:
+                         handle: StepHandle) -> None:
         """Rejection-sample the device drafts of `rows` (every row the step samples; rows
         without draft slots sample their one token), without waiting: the emitted tokens stay
         on the device for the next step's fix-up and come back to the host with `handle`."""
+        parity = self.runner.next_launch_parity()
         slots = step.draft_slots[rows]
         max_slots = int(slots.max())
         positions = _logit_positions(step, rows, slots)

@@ -12,6 +12,8 @@ import pytest
 
 from sluice.model.tiny import make_tiny_model
 
+pytestmark = pytest.mark.one_worker
+
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("ab_trees",
                                                REPO / "benchmarks" / "tools" / "ab_trees.py")

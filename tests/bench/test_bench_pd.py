@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.serial
+
 
 def test_bench_pd_runs_the_whole_comparison_on_the_cpu(qwen3_dir: str, tmp_path: Path) -> None:
     output = tmp_path / "pd.json"

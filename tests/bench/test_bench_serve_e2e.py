@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytestmark = pytest.mark.one_worker
+
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 8, 32, 8
 
 

@@ -38,6 +38,8 @@ from sluice.testing.sse_server import (
     usage_chunk,
 )
 
+pytestmark = pytest.mark.serial
+
 TEXTS = ["Hel", "lo", " wor", "ld", "!"]
 
 

@@ -12,6 +12,8 @@ import pytest
 from sluice.entrypoints.cli import main
 from sluice.testing import servers
 
+pytestmark = pytest.mark.serial
+
 ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "16", "--max-model-len", "256",
         "--prompt-lens", "48,96", "--num-iters", "1", "--staging-bytes", str(1 << 20)]
 

@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.kv_transfer.conftest import require
+
+pytestmark = pytest.mark.serial
 
 
 def test_bench_kv_pool_serve_compares_two_instances_with_and_without_a_pool(

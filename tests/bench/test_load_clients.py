@@ -37,6 +37,8 @@ from sluice.testing.sse_server import (
     sse,
 )
 
+pytestmark = pytest.mark.serial
+
 
 def test_concurrency_is_split_as_evenly_as_can_be() -> None:
     assert concurrency_shares(5, 2) == [3, 2]

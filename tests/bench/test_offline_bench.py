@@ -33,6 +33,8 @@ from sluice.bench.workloads import nano_vllm_workload
 from sluice.model.hf_config import parse_hf_config
 from sluice.model.tiny import _hf_config, make_tiny_model
 
+pytestmark = pytest.mark.one_worker
+
 THROUGHPUT_KEYS = {"model", "num_requests", "prompt_tokens", "output_tokens", "seconds",
                    "output_tok_s", "total_tok_s", "roofline_tok_s", "roofline_fraction",
                    "hf_tok_s", "ratio_vs_hf"}

@@ -10,6 +10,8 @@ import pytest
 from sluice.bench import pool_backends
 from tests.kv_transfer.conftest import require
 
+pytestmark = pytest.mark.one_worker
+
 
 def test_pool_bench_reports_every_backend_against_local(tmp_path: Path,
                                                         capsys: pytest.CaptureFixture) -> None:

@@ -21,6 +21,8 @@ from sluice.bench.serve_metrics import (
     result_dict,
 )
 
+pytestmark = pytest.mark.one_worker
+
 # A: 4 tokens, TTFT 100 ms, ITLs 20/30/50 ms, E2E 200 ms -> TPOT (200-100)/3 = 33.33 ms.
 # B: 1 token, TTFT = E2E = 300 ms -> no TPOT (needs > 1 token), no ITL.
 # C: failed; its prompt and timings must count nowhere.

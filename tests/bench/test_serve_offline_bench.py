@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.one_worker
+
 
 def test_bench_serve_vs_offline_reports_each_served_run_against_offline(
         qwen3_dir: str, tmp_path: Path) -> None:

@@ -17,6 +17,8 @@ from sluice.bench.spec_decode import paired_speedups, run_order
 from sluice.entrypoints.llm import LLM
 from sluice.model.tiny import default_model_dir
 
+pytestmark = pytest.mark.one_worker
+
 NAMES = ("baseline", "speculative")
 
 

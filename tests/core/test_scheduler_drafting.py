@@ -66,7 +66,7 @@ def test_drafts_come_only_after_the_token_in_flight_is_back() -> None:
     assert request.num_computed_tokens == request.num_tokens - 1
     stats = scheduler.spec_decoding_stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 2)
-    assert scheduler.drafting.expected_accepted_tokens() == 2.0
+    assert scheduler.drafts.policy.expected_accepted_tokens() == 2.0
 
 
 def test_off_for_the_batch_size_no_drafts_and_the_steps_overlap() -> None:
@@ -92,7 +92,7 @@ def test_requests_that_cannot_speculate_get_no_drafts_and_no_probes() -> None:
     finish_step(scheduler, scheduler.schedule(), {"penalised": [7]})
     output = scheduler.schedule()
     assert not output.scheduled_spec_decode_tokens
-    assert not scheduler.drafting.tracks("penalised")
+    assert not scheduler.drafts.policy.tracks("penalised")
     finish_step(scheduler, output, {"penalised": [5]})
     assert scheduler.spec_decoding_stats.num_steps_drafting == 0  # no request could draft
 
@@ -102,15 +102,15 @@ def test_low_acceptance_turns_drafting_off_and_a_host_probe_turns_it_on() -> Non
                                probe_interval=1)
     add(scheduler, "a", [1, 2, 3, 4, 5, 6])  # nothing recurs: the first probe finds nothing
     finish_step(scheduler, scheduler.schedule(), {"a": [7]})
-    assert scheduler.drafting.expected_accepted_tokens() == 0.0
+    assert scheduler.drafts.policy.expected_accepted_tokens() == 0.0
     # The output starts repeating 7 8: probes see it, drafting comes back on.
     for token in (8, 7, 8, 7, 8, 7, 8):
         output = scheduler.schedule()
         assert not output.scheduled_spec_decode_tokens
         finish_step(scheduler, output, {"a": [token]})
-        if scheduler.drafting.wants_drafts(1):
+        if scheduler.drafts.policy.wants_drafts(1):
             break
-    assert scheduler.drafting.wants_drafts(1)
+    assert scheduler.drafts.policy.wants_drafts(1)
     last = scheduler.requests["a"].output_token_ids[-1]
     drafted = scheduler.schedule()
     following = 8 if last == 7 else 7

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import save_hf_model
+from tests.tiny_models import save_hf_model
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,8 @@ from sluice.executor.multiproc import MultiprocExecutor
 from sluice.spec_decode.eagle_model import make_tiny_eagle
 from tests.engine.test_executor import alive, worker_pids
 
+pytestmark = pytest.mark.one_worker
+
 # 32-token prefill chunks; 19 usable blocks of 8 tokens cannot hold every request at once.
 BASE = dict(dtype="float32", block_size=8, max_model_len=152, max_num_batched_tokens=32, seed=0)
 PREEMPTING = dict(num_gpu_blocks_override=20)
@@ -229,6 +231,7 @@ class _StoppedWorkers:
         self.terminated = True
 
 
+@pytest.mark.serial  # a time bound: alone, not beside the file's other tests
 def test_a_killed_rank_ends_the_engine_within_5_s_and_stops_the_others(
         qwen3_dir: str) -> None:
     llm = LLM(model=qwen3_dir, tensor_parallel_size=2, **BASE)
@@ -268,7 +271,7 @@ def test_a_killed_rank_ends_the_engine_within_5_s_and_stops_the_others(
 ])
 def test_sizes_the_model_cannot_split_are_value_errors_naming_both_numbers(
         tmp_path, overrides: dict, size: int, message: str) -> None:
-    from tests.conftest import save_hf_model
+    from tests.tiny_models import save_hf_model
 
     model_dir = (save_hf_model(str(tmp_path), "llama", **overrides) if overrides else None)
     args = EngineArgs(model=model_dir or _tiny_dir(tmp_path), tensor_parallel_size=size,
@@ -289,7 +292,7 @@ def test_more_ranks_than_visible_gpus_is_a_value_error(
 
 
 def _tiny_dir(tmp_path) -> str:
-    from tests.conftest import save_hf_model
+    from tests.tiny_models import save_hf_model
 
     return save_hf_model(str(tmp_path), "qwen3")
 

@@ -29,6 +29,8 @@ from sluice.engine.stats import IterationStats, SchedulerStats, StatsLogger
 from sluice.engine.wire import WIRE_VERSION, AddRequest
 from sluice.outputs import RequestOutput
 
+pytestmark = pytest.mark.serial
+
 ENGINE_KWARGS: dict[str, Any] = dict(dtype="float32", block_size=8, max_model_len=256, seed=0)
 TIMEOUT_S = 60.0
 DELTA, CUMULATIVE, FINAL_ONLY = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE,

@@ -18,6 +18,8 @@ from sluice import LLM, SamplingParams
 from tests.connectors import count_computed_tokens
 from tests.kv_transfer.test_disagg_transfer import require_backend
 
+pytestmark = pytest.mark.serial
+
 BLOCK = 8
 ENGINE = dict(dtype="float32", block_size=BLOCK, max_model_len=256, seed=0, device="cpu")
 

@@ -18,6 +18,8 @@ from sluice.engine.core import EngineCore
 from sluice.errors import EngineDeadError
 from sluice.executor.multiproc import MultiprocExecutor
 
+pytestmark = pytest.mark.serial
+
 ENGINE = dict(dtype="float32", max_model_len=256, block_size=8, seed=0,
               max_num_batched_tokens=48)  # prompts of up to 90 tokens prefill in chunks
 PROMPTS = [list(range(10, 100)), list(range(200, 231)), list(range(90, 100)) * 5,

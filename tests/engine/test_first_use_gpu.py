@@ -12,7 +12,8 @@ import torch
 
 from sluice import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.serial,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 FEATURES = {
     "temperature": dict(temperature=0.8),

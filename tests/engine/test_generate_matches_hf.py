@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
-from tests.conftest import ARCHS
+from tests.tiny_models import ARCHS
 
 MAX_TOKENS = 24
 # Prompt lengths: several longer than the 32-token prefill chunk used below.

@@ -13,6 +13,8 @@ import pytest
 from sluice import LLM, SamplingParams
 from tests.connectors import count_computed_tokens
 
+pytestmark = pytest.mark.serial
+
 BLOCK = 16
 PROMPT_LEN = 160  # 10 blocks
 # 12 usable blocks: one long request's 11 at a time, so each evicts the other from the GPU.

@@ -17,6 +17,8 @@ import pytest
 from sluice import LLM, SamplingParams, StructuredOutputsParams
 from sluice.engine.processors import RequestOutputKind
 
+pytestmark = pytest.mark.serial
+
 ENGINE = dict(dtype="float32", max_model_len=512, block_size=8, seed=0, device="cpu")
 SCHEMA = {
     "type": "object",

@@ -29,6 +29,7 @@ from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import HFModelConfig, parse_hf_config
 from sluice.model.registry import get_model_class
 from sluice.worker.compile import install_fused_ops
+from tests.tiny_models import TINY_DIMS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_POSITIONS = 4096
@@ -294,14 +295,11 @@ def test_rms_norm_rejects_rows_too_long_for_one_block():
 
 # --- end to end: the models with the fused ops installed -------------------------------------
 
+# tests/tiny_models.py's shape with a smaller vocab and MLP, as config.json fields.
 TINY_CONFIG = dict(
+    TINY_DIMS,
     vocab_size=128,
-    hidden_size=64,
     intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
     max_position_embeddings=256,
     rms_norm_eps=1e-6,
     rope_theta=10000.0,

@@ -32,6 +32,8 @@ from sluice.kv_transfer.disagg.receiver import DecodeKVManager
 from sluice.kv_transfer.disagg.sender import PrefillKVManager
 from tests.kv_transfer.test_disagg_transfer import require_backend
 
+pytestmark = pytest.mark.serial
+
 BLOCK, HEAD_DIM, LAYERS, NUM_BLOCKS = 4, 4, 2, 32
 
 

@@ -36,6 +36,8 @@ from sluice.kv_transfer.disagg.receiver import DecodeKVManager
 from sluice.kv_transfer.disagg.sender import PrefillKVManager
 from sluice.testing.servers import free_port
 
+pytestmark = pytest.mark.serial
+
 BACKENDS = ("fake", "mooncake")
 
 

@@ -26,6 +26,8 @@ from sluice.testing import servers
 from tests.kv_transfer.conftest import Staged, require, staging_buffer, url_and_options
 from tests.kv_transfer.conftest import payloads as make_payloads
 
+pytestmark = pytest.mark.serial
+
 SIZE = (64 << 10) - 24  # a KV block-like payload, not a round number on purpose
 SLOT = value_size(SIZE)
 

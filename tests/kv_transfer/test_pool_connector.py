@@ -27,6 +27,8 @@ from sluice.testing import servers
 from tests.connectors import count_computed_tokens
 from tests.kv_transfer.conftest import require
 
+pytestmark = pytest.mark.serial
+
 BLOCK = 16
 PROMPT_LEN = 160  # 10 blocks; the 9 before the last token's can come from the pool
 FULL = (PROMPT_LEN - 1) // BLOCK * BLOCK

@@ -29,6 +29,8 @@ from sluice.testing import servers
 from tests.kv_transfer.conftest import require
 from tests.server.conftest import ENGINE_KWARGS, ServerProcess, launch_server
 
+pytestmark = pytest.mark.serial
+
 BLOCK = ENGINE_KWARGS["block_size"]  # 8
 PROMPT_LEN = 200
 FULL = (PROMPT_LEN - 1) // BLOCK * BLOCK  # 192 tokens from the pool, 8 computed

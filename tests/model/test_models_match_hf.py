@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 from sluice.attention.kv_layout import allocate_kv_caches
@@ -21,28 +20,15 @@ from sluice.attention.torch_ref import TorchRefBackend
 from sluice.model.attention import attention_layers, bind_kv_caches
 from sluice.model.hf_config import HFModelConfig, load_hf_config
 from sluice.model.loader import load_model
+from tests.tiny_models import build_hf_model
 
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=300,
-    max_position_embeddings=512,
-)
+VOCAB_SIZE = 300
 
-# name -> (HF config class, HF model class, extra config)
-VARIANTS: dict[str, tuple[type, type, dict]] = {
-    "qwen3": (
-        transformers.Qwen3Config,
-        transformers.Qwen3ForCausalLM,
-        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
-    ),
+# name -> (arch, config fields beyond tests/tiny_models.py's shape)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "qwen3": ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
     "llama_llama3_rope": (
-        transformers.LlamaConfig,
-        transformers.LlamaForCausalLM,
+        "llama",
         {
             "rope_parameters": {
                 "rope_type": "llama3",
@@ -55,12 +41,8 @@ VARIANTS: dict[str, tuple[type, type, dict]] = {
             "tie_word_embeddings": False,
         },
     ),
-    "llama_tied": (
-        transformers.LlamaConfig,
-        transformers.LlamaForCausalLM,
-        {"tie_word_embeddings": True},
-    ),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {}),
 }
 
 PROMPT_LENS = [13, 6, 21]
@@ -69,9 +51,9 @@ PROMPT_LENS = [13, 6, 21]
 def make_hf_model(variant: str, model_dir: Path, **save_kwargs) -> nn.Module:
     """A random tiny HF model saved to `model_dir`. Weights are redrawn wider than HF's init
     (and norms/biases away from 1/0) so a misplaced tensor moves the logits visibly."""
-    config_class, model_class, extra = VARIANTS[variant]
-    torch.manual_seed(0)
-    hf_model = model_class(config_class(**TINY, **extra)).eval()
+    arch, extra = VARIANTS[variant]
+    hf_model = build_hf_model(arch, seed=0, vocab_size=VOCAB_SIZE, max_position_embeddings=512,
+                              **extra)
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
             if "norm" in name:
@@ -85,7 +67,7 @@ def make_hf_model(variant: str, model_dir: Path, **save_kwargs) -> nn.Module:
 def make_prompts(seed: int = 1) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [
-        torch.randint(0, TINY["vocab_size"], (n,), generator=generator).tolist()
+        torch.randint(0, VOCAB_SIZE, (n,), generator=generator).tolist()
         for n in PROMPT_LENS
     ]
 
@@ -222,7 +204,7 @@ def test_decode_steps_match_hf(variant):
             if step < n
         }
         for req, logits in runner.step(chunks).items():
-            assert logits.shape == (1, TINY["vocab_size"])
+            assert logits.shape == (1, VOCAB_SIZE)
             got[req].append(logits)
     assert_logits_match(got, expected)
 

@@ -15,6 +15,8 @@ from sluice.router.proxy import _carries_token, _failed_before_first_token, prom
 from sluice.router.server import RouterArgs
 from sluice.router.workers import Worker
 
+pytestmark = pytest.mark.serial
+
 
 def workers(*loads: int) -> list[Worker]:
     return [Worker(f"http://127.0.0.1:{9000 + i}", "prefill", 8998, healthy=True,

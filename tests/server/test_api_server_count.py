@@ -28,6 +28,8 @@ from tests.server.conftest import ServerProcess, launch_server
 from tests.server.test_openai_server import wait_for_idle_engine
 from tests.server.test_server_errors import StreamReader
 
+pytestmark = pytest.mark.serial
+
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello, my name is",
            "The quick brown fox", "In the beginning", "def fibonacci(n):", "Water boils at"]
 

@@ -25,6 +25,8 @@ from sluice.entrypoints.openai.tool_parsers import HermesToolParser
 from tests.server.conftest import ServerProcess, launch_server
 from tests.server.test_server_errors import assert_error
 
+pytestmark = pytest.mark.serial
+
 MODEL = "qwen-like"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -17,6 +17,8 @@ from sluice.outputs import RequestOutput
 from tests.server.conftest import ServerProcess
 from tests.server.test_server_errors import assert_error
 
+pytestmark = pytest.mark.serial
+
 MODEL = "tiny"
 TEXT = "The quick brown fox jumps over the lazy dog"
 

@@ -41,6 +41,8 @@ from tests.server.test_disagg_serving import (
     transfers_held,
 )
 
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(scope="module", params=["fake", "mooncake"])
 def pd_tp(request: pytest.FixtureRequest, qwen3_dir: str,

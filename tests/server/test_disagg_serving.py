@@ -35,6 +35,8 @@ from sluice.testing.servers import free_port
 from tests.kv_transfer.test_disagg_transfer import require_backend
 from tests.server.conftest import ENGINE_FLAGS, ServerProcess
 
+pytestmark = pytest.mark.serial
+
 MODEL = "tiny"
 FLAGS = [*ENGINE_FLAGS, "--served-model-name", MODEL]
 

@@ -22,6 +22,8 @@ from tests.server.conftest import ServerProcess, launch_server
 from tests.server.test_openai_server import wait_for_idle_engine, wait_until_running
 from tests.server.test_server_errors import StreamReader, assert_error
 
+pytestmark = pytest.mark.serial
+
 MODEL = "tiny"
 # A request body of this many bytes at most on the small-limit server.
 SMALL_BODY_LIMIT = 2_000_000

@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import ServerProcess, launch_server
 
+pytestmark = pytest.mark.serial
+
 MODEL = "tiny-metrics"
 # 140 blocks of 8 tokens: four requests of 100 + 300 tokens (1600) cannot all fit.
 NUM_BLOCKS = 140

@@ -18,6 +18,8 @@ from sluice import LLM, SamplingParams
 from sluice.outputs import RequestOutput
 from tests.server.conftest import ServerProcess
 
+pytestmark = pytest.mark.serial
+
 MODEL = "tiny"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 

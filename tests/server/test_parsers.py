@@ -20,6 +20,8 @@ from sluice.entrypoints.openai.tool_parsers import (
     ToolParser,
 )
 
+pytestmark = pytest.mark.serial
+
 
 def cut(text: str, cuts: list[int]) -> list[str]:
     points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})

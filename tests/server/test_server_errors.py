@@ -19,6 +19,8 @@ import pytest
 from tests.engine.test_executor import alive
 from tests.server.conftest import ServerProcess
 
+pytestmark = pytest.mark.serial
+
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"

@@ -19,6 +19,8 @@ from sluice.engine.stats import IterationStats, SchedulerStats
 from sluice.entrypoints.openai.metrics import PrometheusStatsListener
 from tests.server.conftest import ServerProcess, launch_server
 
+pytestmark = pytest.mark.serial
+
 MODEL = "tiny-spec"
 K = 3
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,

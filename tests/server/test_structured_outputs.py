@@ -19,6 +19,8 @@ from sluice import LLM, SamplingParams
 from tests.server.conftest import ServerProcess
 from tests.server.test_server_errors import assert_error
 
+pytestmark = pytest.mark.serial
+
 MODEL = "tiny"
 # Bounded strings by pattern (xgrammar's maxLength strings admit raw control characters, which
 # strict JSON parsers refuse; see the README), so a random model's reply ends well within

@@ -29,6 +29,8 @@ def tool(name: str, description: str, argument: str) -> dict[str, Any]:
                        "required": [argument]}}}
 
 
+pytestmark = pytest.mark.serial  # a server process
+
 WEATHER = tool("get_weather", "Get the current weather in a city", "city")
 TIME = tool("get_time", "Get the current local time in a timezone", "timezone")
 SEARCH = tool("search_web", "Search the web for a query", "query")

@@ -13,8 +13,7 @@ import torch
 
 from sluice import LLM, SamplingParams
 from sluice.spec_decode.eagle_model import make_tiny_eagle
-
-from ..conftest import save_hf_model
+from tests.tiny_models import save_hf_model
 
 # Prompts that repeat themselves, so prompt lookup finds drafts, plus one that does not.
 PROMPTS = [

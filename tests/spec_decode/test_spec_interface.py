@@ -21,9 +21,10 @@ from sluice.core.outputs import SpecDecodingStats
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import core_process_args
 from sluice.engine.core_proc import make_scheduler_stats
+from sluice.engine.flags import engine_args_from
 from sluice.engine.stats import IterationStats, SchedulerStats, StatsLogger
 from sluice.engine.wire import EngineCoreOutputs, ResponseDecoder, UtilityReply
-from sluice.entrypoints.cli import build_parser, engine_args_from, main
+from sluice.entrypoints.cli import build_parser, main
 from sluice.spec_decode.config import SpeculativeConfig
 
 # Drafting on at every batch size and acceptance (the drafting policy out of the way).

@@ -161,7 +161,7 @@ def test_the_managers_bitmask_rows_are_the_matchers_allowed_tokens(qwen3_dir: st
 
 
 def load(model_dir: str):  # noqa: ANN201
-    from sluice.engine.processors import load_tokenizer
+    from sluice.model.tokenizer import load_tokenizer
 
     return load_tokenizer(model_dir)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
-from sluice.entrypoints.cli import add_engine_args, engine_args_from
+from sluice.engine.flags import add_engine_args, engine_args_from
 from sluice.worker import graph_runner
 from sluice.worker.cuda_graphs import DecodeGraphs
 

@@ -36,7 +36,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-import sluice
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import AsyncLLM
 from sluice.engine.core_client import CoreAttachment
@@ -60,6 +59,7 @@ from sluice.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from sluice.entrypoints.openai.serving_engine import OpenAIServing, ServingOptions
 from sluice.entrypoints.openai.text_inputs import ids_json
 from sluice.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from sluice.version import __version__
 
 logger = logging.getLogger("sluice")
 
@@ -294,7 +294,7 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
     engine.add_stats_listener(metrics)
     state = ServerState()
 
-    app = FastAPI(title="sluice", version=sluice.__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="sluice", version=__version__, docs_url=None, redoc_url=None)
     app.state.server_state = state
     app.state.metrics = metrics
     app.state.serving = serving
@@ -311,7 +311,7 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": sluice.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

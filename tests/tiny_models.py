@@ -1,0 +1,69 @@
+"""The tests' tiny random models: one shape (TINY_DIMS: hidden 64, 2 layers, 4 query heads and 2
+KV heads of 16 dims, MLP 128) for each architecture sluice loads, built by Hugging Face
+transformers in float32 (`build_hf_model`) and saved with the built-in byte-level BPE tokenizer
+where a test needs a model folder (`save_hf_model`), which sluice loads through the same loader
+as real folders. A test that needs another shape passes its fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+ARCHS = ("qwen3", "llama", "qwen2")
+TINY_DIMS: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+# arch -> (transformers config class, model class)
+_HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "llama": ("LlamaConfig", "LlamaForCausalLM"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+# The folders' own choices per arch: Qwen3 ties its embeddings, Llama has llama3 RoPE scaling.
+_FOLDER_CONFIG: dict[str, dict[str, Any]] = {
+    "qwen3": dict(tie_word_embeddings=True),
+    "llama": dict(tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
+    "qwen2": dict(tie_word_embeddings=False),
+}
+
+
+def build_hf_model(arch: str, seed: int = 0, overrides: dict[str, Any] | None = None,
+                   **config: Any) -> Any:
+    """A random transformers model of `arch` (qwen3 | llama | qwen2) in float32, eval mode: its
+    config class given TINY_DIMS and `config` (which win), then `overrides` set on the config;
+    the weights drawn after torch.manual_seed(seed)."""
+    import transformers
+
+    if arch not in _HF_CLASSES:
+        raise ValueError(arch)
+    config_name, model_name = _HF_CLASSES[arch]
+    hf_config = getattr(transformers, config_name)(**{**TINY_DIMS, **config})
+    for key, value in (overrides or {}).items():
+        setattr(hf_config, key, value)
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(hf_config).to(torch.float32).eval()
+
+
+def save_hf_model(out_dir: str, arch: str, seed: int = 0, **overrides: object) -> str:
+    """Build a tiny transformers model of `arch`, save it with its tokenizer, return the folder.
+    `overrides`: config fields set after the config is made (another shape, another vocab)."""
+    from sluice.model.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer(out_dir)
+    model = build_hf_model(
+        arch, seed, overrides,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        **_FOLDER_CONFIG.get(arch, {}))
+    model.save_pretrained(out_dir)
+    return out_dir
