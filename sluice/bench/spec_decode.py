@@ -30,8 +30,9 @@ the cost of speculating for nothing). On a trained chat model, two real-text wor
 (sluice/bench/text_prompts.py), each prompt a conversation rendered with the model's chat
 template and each reply ending where the model ends it (EOS, or `--output-len`): `copy`, answers
 that repeat much of their prompt (summarise, proofread or repeat a paragraph, repeat code with a
-change), and `chat`, open-ended questions. There ITL and tok/s count the tokens the replies have
-(the same on both engines: greedy), ITL over the longest reply of the batch. The acceptance rate
+change), and `chat`, open-ended questions. There ITL and tok/s count the tokens each engine's
+replies have (the same on both, greedy, unless 16-bit rounding parts them: then the speed-up
+compares time per token), ITL over the longest reply of the batch. The acceptance rate
 says how much the output did repeat, and `tokens_equal` how many output tokens equal the run
 without speculation (greedy: all, up to floating-point ties between a batched verification and
 a one-token decode).
@@ -208,11 +209,15 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
                 t_1s[name].append(timed(name, prompts[b], 1)[0])
         decode_runs = {name: [max(t - t_1, 1e-9) for (t, _), t_1 in zip(runs[name], t_1s[name])]
                        for name in names}
-        speedups = paired_speedups(decode_runs["baseline"], decode_runs["speculative"])
-        lengths = [len(tokens) for tokens in runs["baseline"][0][1]]
-        # Decode tokens: the batch's after each request's first; per step, the longest's.
-        decode_tokens = sum(lengths) - b
-        steps_tokens = max(max(lengths) - 1, 1)
+        # Each engine's decode tokens: the batch's after each request's first, and per step the
+        # longest reply's. The same on both unless their greedy replies part (16-bit rounding
+        # of a batched verification against a one-token decode): then time per token compares.
+        lengths = {name: [len(tokens) for tokens in runs[name][0][1]] for name in names}
+        decode_tokens = {name: max(sum(lengths[name]) - b, 1) for name in names}
+        steps_tokens = {name: max(max(lengths[name]) - 1, 1) for name in names}
+        speedups = paired_speedups(
+            [t / decode_tokens["baseline"] for t in decode_runs["baseline"]],
+            [t / decode_tokens["speculative"] for t in decode_runs["speculative"]])
         for name in names:
             t_out = statistics.median(t for t, _ in runs[name])
             t_1 = statistics.median(t_1s[name])
@@ -221,9 +226,9 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
             decode_s = statistics.median(decode_runs[name])
             queries, hits = (a - z for a, z in zip(counters_after[name], counters_before[name]))
             point = {"batch_size": b, "t_out_s": t_out, "t_1_s": t_1,
-                     "itl_ms": 1e3 * decode_s / steps_tokens,
-                     "decode_tok_s": decode_tokens / decode_s,
-                     "mean_output_len": sum(lengths) / b,
+                     "itl_ms": 1e3 * decode_s / steps_tokens[name],
+                     "decode_tok_s": decode_tokens[name] / decode_s,
+                     "mean_output_len": sum(lengths[name]) / b,
                      "mean_prompt_len": sum(map(len, prompts[b])) / b,
                      "prefix_cache_hit_rate": hits / queries if queries else 0.0}
             if name == "speculative":
@@ -245,7 +250,7 @@ def run_spec(ns: argparse.Namespace) -> dict[str, Any]:
                                  steps["num_steps_drafting"] / num_steps if num_steps else 0.0),
                              # Decode tokens per request per counted step (the prefill's step
                              # ran with no request running: not counted).
-                             tokens_per_step=(ns.num_iters * steps_tokens / num_steps
+                             tokens_per_step=(ns.num_iters * steps_tokens[name] / num_steps
                                               if num_steps else 0.0))
             results[name][b] = point
             outputs_by_engine[name][b] = runs[name][0][1]

@@ -21,15 +21,14 @@ from tests.conftest import HFReference, TrainedModel
 from tests.engine.test_trained_model import CONVERSATIONS, EOS_ID, MAX_TOKENS
 from tests.server.conftest import ServerProcess, launch_server
 
+pytestmark = pytest.mark.serial  # a server process
+
 
 def tool(name: str, description: str, argument: str) -> dict[str, Any]:
     return {"type": "function", "function": {
         "name": name, "description": description,
         "parameters": {"type": "object", "properties": {argument: {"type": "string"}},
                        "required": [argument]}}}
-
-
-pytestmark = pytest.mark.serial  # a server process
 
 WEATHER = tool("get_weather", "Get the current weather in a city", "city")
 TIME = tool("get_time", "Get the current local time in a timezone", "timezone")
