@@ -154,19 +154,16 @@ def test_serve_takes_the_model_as_its_first_argument(tmp_path: Path, qwen3_dir: 
     import httpx
     import openai
 
-    from tests.server.conftest import ServerProcess
+    from sluice.testing.instances import Instance, start_instances
 
     write_hf_cache(tmp_path / "hf", "sluice-test/tiny-qwen3", qwen3_dir)
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice", "serve", "sluice-test/tiny-qwen3", "--port", "0",
-             "--dtype", "float32", "--device", "cpu", "--max-model-len", "256"],
-            stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
-    server = ServerProcess(proc, log_path)
+    server = Instance(
+        "serve", [sys.executable, "-m", "sluice", "serve", "sluice-test/tiny-qwen3", "--port", "0",
+                  "--dtype", "float32", "--device", "cpu", "--max-model-len", "256"],
+        0, tmp_path, env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"},
+        own_group=False, stop_grace_s=30.0)
     try:
-        server.wait_ready()
+        start_instances([server], timeout_s=120.0)
         c = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["sluice-test/tiny-qwen3"]
         assert c.models.retrieve("sluice-test/tiny-qwen3").id == "sluice-test/tiny-qwen3"

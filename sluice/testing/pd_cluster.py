@@ -11,16 +11,13 @@ Prefill and decode instances start at once (then the router, once they answer), 
 costs about one server start-up. Every process is started with `setpriv --pdeathsig KILL`
 where util-linux has it, in a session of its own: a test run that dies still takes its servers
 with it, and `kill` ends the server and its engine-core and worker processes together, as a
-crash of its machine would.
+crash of its machine would. Each process is an Instance (sluice/testing/instances.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,97 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from sluice.testing.servers import HOST, ServerError, free_port
-
-
-class Instance:
-    """One server process (an engine instance or a router) on a known port."""
-
-    def __init__(self, name: str, argv: list[str], port: int, workdir: Path,
-                 env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.argv = argv
-        self.port = port
-        self.log_path = workdir / f"{name}.log"
-        self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-        self.proc: subprocess.Popen | None = None
-        self.bootstrap_port: int | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def start(self) -> None:
-        argv = self.argv
-        setpriv = shutil.which("setpriv")
-        if setpriv:
-            argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def wait_ready(self, timeout_s: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise ServerError(f"{self.name} exited with {self.proc.returncode}:\n"
-                                  f"{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise ServerError(f"{self.name} not healthy within {timeout_s:g} s:\n{self.log_tail()}")
-
-    def kill(self) -> None:
-        """SIGKILL the process group (the server, its engine core, its workers) and reap."""
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-
-    def stop(self, grace_s: float = 20.0) -> int | None:
-        """SIGTERM (a server drains), then SIGKILL of whatever is left of the group."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        code = self.proc.poll()
-        self.kill()
-        return code
-
-    def engine_info(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        response = httpx.get(f"{self.url}/debug/engine", timeout=timeout_s)
-        response.raise_for_status()
-        return response.json()
-
-    def log_tail(self, num_bytes: int = 6000) -> str:
-        try:
-            return self.log_path.read_bytes()[-num_bytes:].decode(errors="replace")
-        except OSError:
-            return "(no log)"
-
-    def __repr__(self) -> str:
-        return f"<{self.name} {self.url} pid={self.proc.pid if self.proc else None}>"
-
-
-def serve_argv(model: str, port: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "sluice", "serve", "--model", model, "--host", HOST,
-            "--port", str(port), *flags]
+from sluice.testing.instances import Instance, serve_argv, start_instances
+from sluice.testing.servers import HOST, free_port
 
 
 def pd_flags(role: str, backend: str, bootstrap_port: int | None = None,
@@ -161,19 +69,6 @@ class PDCluster:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def start_instances(instances: list[Instance], timeout_s: float = 180.0) -> None:
-    """Start them all at once, then wait for each (stopping all if one fails)."""
-    try:
-        for instance in instances:
-            instance.start()
-        for instance in instances:
-            instance.wait_ready(timeout_s)
-    except BaseException:
-        for instance in instances:
-            instance.stop(5.0)
-        raise
 
 
 def start_cluster(model: str, engine_flags: list[str], backend: str = "fake",

@@ -93,10 +93,17 @@ def _port_open(port: int, timeout_s: float = 0.2) -> bool:
 
 
 class ServerProcess:
-    """One server process: its ports, its log, kill / restart / stop."""
+    """One server process: its port, its log, kill / restart / stop. `ready` says when it
+    answers; `start` starts it and waits for that (`spawn` alone does not wait, `wait_ready`
+    then does). By default it runs in `workdir`, dies with the thread that started it (setpriv
+    --pdeathsig) and shares the test run's process group; with `own_session` it leads a session
+    of its own, and `kill` ends the whole group (a server with its engine core and workers)."""
 
     def __init__(self, name: str, argv: Callable[[], list[str]], port: int,
-                 ready: Callable[[], bool], workdir: Path, startup_timeout_s: float) -> None:
+                 ready: Callable[[], bool], workdir: Path, startup_timeout_s: float, *,
+                 env: dict[str, str] | None = None, run_in_workdir: bool = True,
+                 die_with_parent: bool = True, own_session: bool = False,
+                 poll_s: float = 0.02, stop_grace_s: float = 5.0) -> None:
         self.name = name
         self.port = port
         self.workdir = workdir
@@ -104,7 +111,17 @@ class ServerProcess:
         self._argv = argv
         self._ready = ready
         self._startup_timeout_s = startup_timeout_s
+        self._env = env
+        self._run_in_workdir = run_in_workdir
+        self._die_with_parent = die_with_parent
+        self._own_session = own_session
+        self._poll_s = poll_s
+        self._stop_grace_s = stop_grace_s
         self._proc: subprocess.Popen | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self._proc
 
     @property
     def pid(self) -> int | None:
@@ -117,34 +134,54 @@ class ServerProcess:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self) -> None:
+    def spawn(self) -> None:
+        """Start the process, without waiting for it to answer."""
         if self.alive():
             raise ServerError(f"{self.name} on {self.address} is already running")
         argv = self._argv()
-        setpriv = shutil.which("setpriv")
+        setpriv = shutil.which("setpriv") if self._die_with_parent else None
         if setpriv:
             argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, cwd=self.workdir)
-        deadline = time.monotonic() + self._startup_timeout_s
+            self._proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=self.workdir if self._run_in_workdir else None, env=self._env,
+                start_new_session=self._own_session)
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Return once it answers; ServerError with its log's tail if it exits first or does
+        not answer within `timeout_s` (the start-up timeout if None)."""
+        timeout_s = self._startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise ServerError(f"{self.name} exited with {self._proc.returncode} at start "
                                   f"on {self.address}; log:\n{self.log_tail()}")
             if self._ready():
                 return
-            time.sleep(0.02)
-        self.kill()
+            time.sleep(self._poll_s)
         raise ServerError(f"{self.name} did not answer on {self.address} within "
-                          f"{self._startup_timeout_s:g} s; log:\n{self.log_tail()}")
+                          f"{timeout_s:g} s; log:\n{self.log_tail()}")
+
+    def start(self) -> None:
+        self.spawn()
+        try:
+            self.wait_ready()
+        except ServerError:
+            self.kill()
+            raise
 
     def kill(self) -> None:
-        """SIGKILL (a crash, as far as clients can tell) and reap."""
-        if self._proc is not None and self._proc.poll() is None:
+        """SIGKILL (a crash, as far as clients can tell; with `own_session`, of the whole
+        group) and reap."""
+        if self._proc is None:
+            return
+        if self._own_session:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+        elif self._proc.poll() is None:
             self._proc.kill()
-        if self._proc is not None:
-            self._proc.wait()
+        self._proc.wait()
 
     def pause(self, within_s: float = 5.0) -> None:
         """SIGSTOP (a stalled server), returning once every thread is stopped: a thread that is
@@ -176,20 +213,30 @@ class ServerProcess:
         self.kill()
         self.start()
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM, SIGKILL after `grace_s`, reap."""
-        if self._proc is not None and self._proc.poll() is None:
+    def stop(self, grace_s: float | None = None) -> int | None:
+        """SIGTERM, SIGKILL after `grace_s` (or of what is left of its group), reap; returns
+        its exit status if it exited of SIGTERM (None: it did not in time, or never ran)."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(self._stop_grace_s if grace_s is None else grace_s)
+        code = self._proc.poll()
         self.kill()
+        return code
 
     def close(self) -> None:
         """Stop and remove the working folder."""
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def log(self) -> str:
+        """All of its log (empty before it starts)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, num_bytes: int = 4000) -> str:
         try:

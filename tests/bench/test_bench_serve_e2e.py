@@ -5,58 +5,32 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from sluice.testing.instances import ServerError, launch_serve
+
 pytestmark = pytest.mark.one_worker
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 8, 32, 8
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--model", qwen3_dir,
-                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"sluice serve exited with {proc.returncode}:\n"
-                            f"{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"sluice serve not healthy in 180 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
-        yield base_url
+        started = launch_serve(qwen3_dir, log_path)
+    except ServerError as e:
+        pytest.fail(f"sluice serve did not start: {e}")
+    try:
+        yield started.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        started.stop()
 
 
 def run_bench(base_url: str, result_file: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -22,15 +22,8 @@ import httpx
 import openai
 import pytest
 
-from sluice.testing.pd_cluster import (
-    Instance,
-    PDCluster,
-    serve_argv,
-    start_cluster,
-    start_instances,
-    start_router,
-    wait_blocks_back,
-)
+from sluice.testing.instances import Instance, serve_argv, start_instances
+from sluice.testing.pd_cluster import PDCluster, start_cluster, start_router, wait_blocks_back
 from sluice.testing.servers import free_port
 from tests.kv_transfer.test_disagg_transfer import require_backend
 from tests.server.conftest import ENGINE_FLAGS, ServerProcess
