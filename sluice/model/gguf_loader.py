@@ -275,11 +275,14 @@ class GGUFTensor:
     def _rows(self, start: int, length: int) -> torch.Tensor:
         gguf = _import_gguf()
         data = self._tensor.data
-        if len(self.shape) > 1:
+        if len(self.shape) > 1:  # quantization blocks run along a row: rows slice whole
             data = data[start:start + length]
         values = gguf.quants.dequantize(np.ascontiguousarray(data), self._tensor.tensor_type)
         tensor = torch.from_numpy(np.asarray(values, dtype=np.float32).copy())
-        tensor = tensor.reshape((length, *self.shape[1:]) if len(self.shape) > 1 else self.shape)
+        if len(self.shape) > 1:
+            tensor = tensor.reshape(length, *self.shape[1:])
+        else:  # a vector (a bias): dequantized whole, then cut
+            tensor = tensor.reshape(self.shape)[start:start + length]
         if self._heads is not None:
             # llama.cpp's order within a head: (pairs, 2); Hugging Face's: (2, pairs).
             head_size = self._head_size()

@@ -110,18 +110,20 @@ def test_greedy_ids_equal_tp1_with_prefix_caching_chunks_and_preemption(
         time.sleep(0.05)
 
 
-def test_a_gguf_at_tp2_gives_tp1_s_greedy_ids(tmp_path: Path,
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_at_tp2_gives_tp1_s_greedy_ids(arch: str, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank dequantizes its rows of the column-parallel weights (llama's q / k rows
-    de-interleaved per head) and its columns of the row-parallel ones, in every tensor type."""
+    de-interleaved per head; Qwen2's q / k / v biases) and its columns of the row-parallel
+    ones, in every tensor type."""
     from sluice.model.gguf_loader import SUPPORTED_TENSOR_TYPES
     from tests.conftest import save_hf_model
     from tests.model.gguf_files import write_gguf
 
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
-    hf = save_hf_model(str(tmp_path / "hf"), "llama", hidden_size=256, intermediate_size=512,
+    hf = save_hf_model(str(tmp_path / "hf"), arch, hidden_size=256, intermediate_size=512,
                        head_dim=64)
-    path = write_gguf(hf, str(tmp_path / "llama.gguf"), list(SUPPORTED_TENSOR_TYPES))
+    path = write_gguf(hf, str(tmp_path / f"{arch}.gguf"), list(SUPPORTED_TENSOR_TYPES))
     want = greedy(LLM(model=path, tokenizer=hf, **BASE))
     llm = LLM(model=path, tokenizer=hf, tensor_parallel_size=2, **BASE, **PREEMPTING)
     try:
