@@ -129,12 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="model folder or Hugging Face hub id (as --model)")
+                       help="model folder, Hugging Face hub id or .gguf file (as --model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0: a free port (logged)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", nargs="+", default=None,
-                       help="names clients use (default: the model folder)")
+                       help="names clients use (default: the model as named, or the built-in model's name)")
     serve.add_argument("--disable-log-stats", action="store_true")
     serve.add_argument("--enable-log-requests", action="store_true")
     serve.add_argument("--max-log-len", type=int, default=None)

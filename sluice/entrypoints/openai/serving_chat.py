@@ -16,9 +16,11 @@ Streamed, they are `delta.reasoning_content` and `delta.tool_calls`. `tool_choic
 still shows the tools to the template but parses no calls.
 
 `tool_choice: "required"` and a named function constrain the reply with the structured-output
-engine to hermes tool-call blocks whose arguments are valid for the tools' parameters schemas
-(structured.py; no server flag needed): the hermes parser then reads them like `auto`'s calls
-(finish_reason `tool_calls` for required, `stop` for a named function, as OpenAI). A constrained
+engine to calls in the format of the server's `--tool-call-parser` (hermes's for none, and for
+parsers without a format of their own) whose arguments are valid for the tools' parameters
+schemas (structured.py; no other flag needed): that parser then reads them like `auto`'s calls
+(finish_reason `tool_calls` for required, `stop` for a named function, as OpenAI). A reply cut
+off by max_tokens inside a call shows no markup: its content is null. A constrained
 reply (these, or response_format / structured outputs) skips the reasoning parser: the grammar
 starts at the reply's first token, so it has no thinking to split off.
 """
