@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="0: a free port (logged)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", nargs="+", default=None,
-                       help="names clients use (default: the model as named, or the built-in model's name)")
+                       help="names clients use (default: the model as named, or the "
+                            "built-in model's name)")
     serve.add_argument("--disable-log-stats", action="store_true")
     serve.add_argument("--enable-log-requests", action="store_true")
     serve.add_argument("--max-log-len", type=int, default=None)
