@@ -19,16 +19,25 @@ epilogues remove the norm launches at these sizes too: `linear_add` accumulates 
 `inv_rms_linear` scales each output row by 1 / rms of its input row, whose squares the program
 sums as it streams the row through its K loop (gate_up_proj reads the raw residual).
 
-Which tiles (`choose_config`): at one row the CUDA-core tiles of `GemmConfig.fma` (4 weight rows
-a program, K never split), slightly faster than the tensor-core tiles; the tensor-core tiles up
-to MAX_ROWS = 16 rows, where they beat cuBLAS; cuBLAS above, because at 32 rows the tiles that won
-a chain of projections lost in the model (benchmarks/journal/2026-11-22-small-batch-gemm.md,
-2026-11-25-short-context-decode-graphs.md; `benchmarks/tools/gemm_sweep.py` sweeps them).
+Which tiles (`choose_config`): at one row `_row_mm_kernel` (`GemmConfig.fma` with block_m 1:
+CUDA-core multiply-adds, 4 weight rows a program, 2 under the SiLU prologue, 2,048 of K an
+iteration where K has that factor, K never split), faster than the tensor-core tiles and than
+cuBLAS on Qwen3-0.6B's projections and on Qwen3-8B's q/k/v and o, within 6% of cuBLAS on 8B's
+gate_up and down; the tensor-core tiles up to MAX_ROWS = 16 rows, where they beat cuBLAS;
+cuBLAS above, because at 32 rows the tiles that won a chain of projections lost in the model, and
+at 8B's shapes they lose outright at 32 and 64 rows
+(benchmarks/journal/2026-11-22-small-batch-gemm.md, 2026-11-25-short-context-decode-graphs.md,
+2026-12-02-8b-prefill-and-decode.md; `benchmarks/tools/gemm_sweep.py` sweeps them).
 
 With PDL (sluice.model.pdl) each program asks for its weight slice in L2 before it waits for the
 kernel before; the CUDA-core tiles of one row also load their first weight tile into registers
 then (about 1.5% at batch 1: benchmarks/journal/2026-11-27-ttft-host-work-and-gemm-preload.md).
 The tensor-core tiles do not: loading ahead by hand undoes Triton's pipelining of their loop.
+
+The one-row kernel accumulates products in a [BLOCK_N, BLOCK_K] float32 tile and sums it over K
+once, after its loop: the CUDA-core tiles of `_skinny_mm_kernel` reduce across the program's
+threads every iteration, which held Qwen3-8B's one-row projections to about 1.9 TB/s (the
+one-row kernel: 3.2-4.0 TB/s; benchmarks/journal/2026-12-02-8b-prefill-and-decode.md).
 
 The functions take CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1` (the tests). The grid
 depends only on python ints, so a launch can be captured in a CUDA graph. The split-K counters
@@ -67,7 +76,10 @@ class GemmConfig(NamedTuple):
     split_k: int = 1
     # Products on the CUDA cores (float32 multiply-adds) instead of the tensor cores: tiles
     # narrower than tl.dot's 16 (block_n 4 over o_proj's 1024 weight rows is 256 programs
-    # without splitting K), for a few batch rows (block_m 1 to 4).
+    # without splitting K), for a few batch rows (block_m 1 to 4). With block_m 1 the one-row
+    # kernel runs (_row_mm_kernel), and num_stages says how its loop loads the weights: 1
+    # plainly, 2 each next tile ahead by hand (the first before the PDL wait), 3 or more
+    # through Triton's pipelining over that many stages.
     fma: bool = False
 
 
@@ -180,6 +192,99 @@ def _skinny_mm_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit(do_not_specialize=["M"])
+def _row_mm_kernel(
+    x_ptr,  # [M, K], or [M, 2K] (gate, up) with SILU_MUL
+    w_ptr,  # [N, K]
+    y_ptr,  # [M, N]
+    partial_ptr,  # [SPLIT_K, M, N] float32 (SPLIT_K > 1)
+    counter_ptr,  # [>= tiles] int32, zero between launches (SPLIT_K > 1)
+    M,
+    N,
+    eps,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    INV_RMS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
+    LINES_PAD: tl.constexpr,
+    PRELOAD: tl.constexpr,  # each next weight tile loaded one iteration ahead by hand, the
+                            # first before the PDL wait (num_stages 2)
+    STAGES: tl.constexpr,  # num_stages 3 or more: the loop pipelined by Triton instead
+):
+    """One batch row a program (GemmConfig.fma with block_m 1): BLOCK_N weight rows times the
+    row, multiply-adds in float32 into a [BLOCK_N, BLOCK_K] accumulator that is summed over K
+    once, after the loop (no reduction across threads per iteration)."""
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    K_PART: tl.constexpr = K // SPLIT_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * K_PART + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    if USE_PDL:
+        line_k = tl.minimum(tl.arange(0, LINES_PAD) * LINE_ELEMS, K_PART - 1)
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+        prefetch_l2(w_ptr + rows[:, None] + (pid_k * K_PART + line_k)[None, :])
+    if PRELOAD:
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+    pdl_wait(USE_PDL)
+    x_ptrs = x_ptr + row.to(tl.int64) * stride_xm + offs_k
+    dtype = y_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k_start in tl.range(0, K_PART, BLOCK_K, num_stages=1 if STAGES < 3 else STAGES):
+        if PRELOAD:
+            w = w_next
+            w_next = tl.load(w_ptrs + BLOCK_K,
+                             mask=n_mask[:, None] & (k_start + BLOCK_K < K_PART), other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        if SILU_MUL:
+            gate = tl.load(x_ptrs).to(tl.float32)
+            up = tl.load(x_ptrs + K).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            x = (act * up).to(dtype).to(tl.float32)
+        else:
+            x = tl.load(x_ptrs).to(tl.float32)
+        if INV_RMS:
+            squares += x * x
+        acc += w.to(tl.float32) * x[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    y_ptrs = y_ptr + row.to(tl.int64) * stride_ym + offs_n
+    if INV_RMS:
+        y = y * (1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps))
+    if SPLIT_K == 1:
+        if ACCUMULATE:
+            y += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, y.to(dtype), mask=n_mask)
+    else:
+        tile_offs = row.to(tl.int64) * N + offs_n
+        tl.store(partial_ptr + pid_k * M * N + tile_offs, y, mask=n_mask)
+        tl.debug_barrier()
+        counter = counter_ptr + row * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for split in range(SPLIT_K):
+                total += tl.load(partial_ptr + split * M * N + tile_offs, mask=n_mask,
+                                 cache_modifier=".cg")
+            if ACCUMULATE:
+                total += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, total.to(dtype), mask=n_mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -199,7 +304,9 @@ def choose_config(m: int, n: int, k: int, silu_mul: bool = False,
     """The configuration for an [m, k] x [n, k]^T product, or None to leave it to cuBLAS (more
     than MAX_ROWS rows, or K not a multiple of 16).
 
-    One row: CUDA-core tiles of 4 weight rows, up to 1024 of K per iteration, K never split.
+    One row (_row_mm_kernel): 4 weight rows a program (2 with the SiLU prologue), up to 2,048
+    of K an iteration (8 warps at 2,048, else 4), the next tile loaded ahead by hand, K never
+    split.
     More rows: 16-row tiles; 64-wide weight tiles, 32-wide when fewer than 96 tiles would
     leave SMs idle (not with the SiLU prologue, whose cost grows with the number of tiles);
     128 of K per iteration (less where K has no such factor: tiny test models); then, unless
@@ -208,8 +315,9 @@ def choose_config(m: int, n: int, k: int, silu_mul: bool = False,
     if m > MAX_ROWS or m < 1 or k % 16:
         return None
     if m == 1:
-        block_k = next(b for b in (1024, 512, 256, 128, 64, 32, 16) if k % b == 0)
-        return GemmConfig(4, 1, block_k, 4, 3, 1, fma=True)
+        block_k = next(b for b in (2048, 1024, 512, 256, 128, 64, 32, 16) if k % b == 0)
+        block_n = 2 if silu_mul else 4
+        return GemmConfig(block_n, 1, block_k, 8 if block_k >= 2048 else 4, 2, 1, fma=True)
     block_k = next(b for b in (128, 64, 32, 16) if k % b == 0)
     block_m = 16
     m_tiles = triton.cdiv(m, block_m)
@@ -266,6 +374,19 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
     else:
         partial = counters = out  # not read
     pdl = use_pdl(x, "gemm")
+    if config.fma and config.block_m == 1:
+        _row_mm_kernel[grid](
+            x, weight, out, partial, counters, m, n,
+            0.0 if inv_rms_eps is None else inv_rms_eps,
+            x.stride(0), weight.stride(0), out.stride(0),
+            K=k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+            SILU_MUL=silu_mul, ACCUMULATE=accumulate, INV_RMS=inv_rms_eps is not None,
+            USE_PDL=pdl, LINE_ELEMS=line_elems(weight),
+            LINES_PAD=lines_pad(k // config.split_k, weight),
+            PRELOAD=config.num_stages == 2, STAGES=max(1, config.num_stages),
+            num_warps=config.num_warps, launch_pdl=pdl,
+        )
+        return out if out.shape[0] == m else out[:m]
     _skinny_mm_kernel[grid](
         x, weight, out, partial, counters, m, n, 0.0 if inv_rms_eps is None else inv_rms_eps,
         x.stride(0), weight.stride(0), out.stride(0),

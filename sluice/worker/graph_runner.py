@@ -55,7 +55,12 @@ _MAX_GRAPH_BATCH = 512
 # a short context into 8 slices of 64 keys (FEW_PROGRAMS_SM_FRACTION), fewer splits than a long
 # one gets (benchmarks/journal/2026-11-25-short-context-decode-graphs.md).
 SHORT_CONTEXT_TOKENS = 512
-_PREFILL_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# One prompt's token buckets: powers of two up to 512, then steps of a quarter of the power of
+# two below, so a prompt pads by at most a fifth of its bucket. With powers of two alone a
+# 3,000-token Qwen3-8B prompt ran as 4,096: its GEMMs computed 37% padding rows
+# (benchmarks/journal/2026-12-02-8b-prefill-and-decode.md).
+_PREFILL_GRAPH_TOKENS = (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584,
+                         4096, 5120, 6144, 7168, 8192)
 _MAX_PREFILL_GRAPH_TOKENS = _PREFILL_GRAPH_TOKENS[-1]
 
 # A lone fresh prompt replays the dense-prefill graph of its padded size when it fills at

@@ -270,6 +270,27 @@ def test_silu_and_mul_matches_torch(dtype, num_tokens, intermediate_size):
     assert not torch.equal(scaled, triton_ops.silu_and_mul(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_programs_looping_over_blocks(dtype, monkeypatch):
+    """A long prompt's programs loop over several column blocks (silu_blocks_per_program):
+    here 5 blocks of 32, 4 a program, so the second program's loop runs past the end."""
+    monkeypatch.setattr(triton_ops, "SILU_BLOCK", 32)
+    monkeypatch.setattr(triton_ops, "SILU_MIN_PROGRAMS", 6)
+    assert triton_ops.silu_blocks_per_program(3, 5) == 4
+    x = random(3, 2 * 150, dtype=dtype, seed=6, scale=4.0)
+    residual = random(3, 40, dtype=dtype, seed=7, scale=3.0)
+    assert_matches(triton_ops.silu_and_mul(x), layers.silu_and_mul(x))
+    assert_matches(triton_ops.silu_and_mul(x, residual, EPS),
+                   layers.silu_and_mul(x, residual, EPS))
+
+
+def test_silu_blocks_per_program_keeps_the_launch_wide():
+    assert triton_ops.silu_blocks_per_program(1, 12) == 1  # a decode row: one block a program
+    assert triton_ops.silu_blocks_per_program(256, 12) == 1
+    assert triton_ops.silu_blocks_per_program(3000, 12) == 8  # two programs a token
+    assert triton_ops.silu_blocks_per_program(8192, 3) == 2
+
+
 @pytest.mark.parametrize("hidden_size", [64, 100])
 @pytest.mark.parametrize("num_tokens", [1, 37])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -488,6 +509,8 @@ def test_decode_attention_from_the_projection_gives_the_models_hidden_states(mon
     install_fused_ops(model)
     if fused_decode:  # the decode step has 2 requests, under the rule's minimum
         monkeypatch.setattr(triton_backend, "FUSED_DECODE_MIN_REQS", 2)
+        # and on a GPU so small a batch would split its keys (the fused kernel does not)
+        monkeypatch.setattr(triton_backend.TritonBackend, "_num_splits", lambda *args: 0)
     fused_calls, rope_calls = [], []
     real_fused, real_rope = triton_backend.decode_from_qkv, triton_ops.qk_norm_rope_store_kv
     monkeypatch.setattr(triton_backend, "decode_from_qkv",

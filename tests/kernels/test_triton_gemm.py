@@ -44,16 +44,21 @@ CONFIGS = [
     GemmConfig(32, 16, 32, 4, 2, 1),
     GemmConfig(16, 16, 32, 4, 2, 2),  # split-K
     GemmConfig(32, 16, 16, 4, 3, 4),
-    GemmConfig(8, 1, 64, 4, 1, 1, True),  # CUDA-core tiles, one row each
+    GemmConfig(8, 1, 64, 4, 1, 1, True),  # CUDA-core tiles, one row each (_row_mm_kernel)
     GemmConfig(4, 4, 32, 4, 3, 2, True),  # CUDA-core tiles of four rows, split-K
+    GemmConfig(4, 1, 32, 2, 2, 2, True),  # one row a program, tiles loaded ahead, split-K
+    GemmConfig(16, 1, 32, 4, 3, 1, True),  # one row a program, the loop pipelined by Triton
 ]
+
+
+def config_id(c: GemmConfig) -> str:
+    return (f"n{c.block_n}m{c.block_m}k{c.block_k}s{c.split_k}st{c.num_stages}"
+            + ("fma" if c.fma else ""))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 32, 128), (5, 40, 128), (16, 48, 256), (19, 32, 128)])
-@pytest.mark.parametrize("config", CONFIGS,
-                         ids=lambda c: f"n{c.block_n}m{c.block_m}k{c.block_k}s{c.split_k}"
-                         + ("fma" if c.fma else ""))
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_skinny_mm_is_the_product(dtype, m, n, k, config):
     """Rows past a tile (m = 5, 19) and weight rows past a tile (n = 40) are masked."""
     x = random(m, k, dtype=dtype, seed=1)
@@ -64,8 +69,7 @@ def test_skinny_mm_is_the_product(dtype, m, n, k, config):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", CONFIGS[:2] + CONFIGS[3:],
-                         ids=["split1", "split2", "fma", "fma_split2"])
+@pytest.mark.parametrize("config", CONFIGS[:2] + CONFIGS[3:], ids=config_id)
 def test_silu_mul_folded_into_the_product(dtype, config):
     m, n, k = 7, 32, 128
     gate_up = random(m, 2 * k, dtype=dtype, seed=3, scale=2.0)
@@ -75,8 +79,7 @@ def test_silu_mul_folded_into_the_product(dtype, config):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", CONFIGS,
-                         ids=["split1", "split2", "split4", "fma", "fma_split2"])
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 @pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_mul"])
 def test_accumulate_adds_the_product_to_out(dtype, config, silu):
     """The folded layers' o_proj / down_proj: residual += x W^T in the epilogue (after the
@@ -116,6 +119,10 @@ def test_inv_rms_scales_each_row_as_rms_norm(dtype):
                                rtol=tolerance, atol=tolerance)
     assert triton_gemm.inv_rms_linear(random(triton_gemm.MAX_ROWS + 1, k, dtype=dtype, seed=18),
                                       weight, eps) is None  # the SiLU kernel's job then
+    # one row a program (_row_mm_kernel), the squares summed elementwise over the K loop
+    for row_config in (GemmConfig(8, 1, 32, 4, 2, 1, True), GemmConfig(16, 1, 64, 4, 3, 1, True)):
+        torch.testing.assert_close(skinny_mm(x, weight, row_config, inv_rms_eps=eps).double(),
+                                   expected.to(dtype).double(), rtol=tolerance, atol=tolerance)
     with pytest.raises(ValueError, match="1 / rms needs whole plain rows"):
         skinny_mm(x, weight, CONFIGS[1], inv_rms_eps=eps)
 
@@ -148,9 +155,9 @@ def test_choose_config_for_qwen3_0_6b_decode():
     weight rows over 1024 of K; 16-row tiles up to 16 rows; q/k/v and o in 32-wide weight
     tiles, o with K split in four; gate_up in 64-wide tiles; down (SiLU-and-mul folded in)
     64-wide with K split in eight; cuBLAS above 16 rows."""
-    assert choose_config(1, 4096, 1024) == GemmConfig(4, 1, 1024, 4, 3, 1, True)
-    assert choose_config(1, 1024, 3072, silu_mul=True) == GemmConfig(4, 1, 1024, 4, 3, 1, True)
-    assert choose_config(1, 1024, 2048) == GemmConfig(4, 1, 1024, 4, 3, 1, True)
+    assert choose_config(1, 4096, 1024) == GemmConfig(4, 1, 1024, 4, 2, 1, True)
+    assert choose_config(1, 1024, 3072, silu_mul=True) == GemmConfig(2, 1, 1024, 4, 2, 1, True)
+    assert choose_config(1, 1024, 2048) == GemmConfig(4, 1, 2048, 8, 2, 1, True)
     assert choose_config(16, 4096, 1024) == GemmConfig(32, 16, 128, 4, 5, 1)
     assert choose_config(16, 1024, 2048) == GemmConfig(32, 16, 128, 4, 5, 4)
     assert choose_config(8, 6144, 1024) == GemmConfig(64, 16, 128, 4, 5, 1)
@@ -158,7 +165,15 @@ def test_choose_config_for_qwen3_0_6b_decode():
     assert choose_config(17, 4096, 1024) is None
     assert choose_config(4, 4096, 1000) is None  # K with no factor of 16
     assert choose_config(4, 64, 96) == GemmConfig(32, 16, 32, 4, 5, 1)
-    assert choose_config(1, 64, 96) == GemmConfig(4, 1, 32, 4, 3, 1, True)
+    assert choose_config(1, 64, 96) == GemmConfig(4, 1, 32, 4, 2, 1, True)
+
+
+def test_choose_config_for_qwen3_8b_decode():
+    """One row: 2,048 of K an iteration over 8 warps wherever K has that factor (Qwen3-8B's
+    K of 4,096 and 12,288), two weight rows a program under the SiLU prologue."""
+    assert choose_config(1, 6144, 4096) == GemmConfig(4, 1, 2048, 8, 2, 1, True)
+    assert choose_config(1, 24576, 4096) == GemmConfig(4, 1, 2048, 8, 2, 1, True)
+    assert choose_config(1, 4096, 12288, silu_mul=True) == GemmConfig(2, 1, 2048, 8, 2, 1, True)
 
 
 def test_linear_and_silu_mul_linear():
