@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     make = sub.add_parser("make-model", help="write a random-weight model folder")
     make.add_argument("dir")
     make.add_argument("--arch", default="qwen3", help="qwen3 | llama | qwen2")
-    make.add_argument("--preset", default="tiny", help="tiny | qwen3-0.6b")
+    make.add_argument("--preset", default="tiny", help="tiny | qwen3-0.6b | qwen3-8b")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: preset's)")
     make.set_defaults(func=_cmd_make_model)

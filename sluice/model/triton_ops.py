@@ -46,8 +46,8 @@ PREFILL_HEADS_PER_PROGRAM = 8
 # The norms keep a whole row in registers: up to this many elements.
 MAX_NORM_SIZE = 32768
 SILU_BLOCK = 1024
-# silu_and_mul's programs loop over several column blocks while at least this many remain.
-SILU_MIN_PROGRAMS = 2048
+# From this many tokens each program of silu_and_mul loops over a whole row.
+SILU_ROW_PROGRAM_TOKENS = 1024
 
 
 @triton.jit
@@ -377,15 +377,14 @@ def _silu_and_mul_kernel(
 
 
 def silu_blocks_per_program(num_tokens: int, col_blocks: int) -> int:
-    """Column blocks of SILU_BLOCK a program of silu_and_mul loops over: doubled while the
-    launch keeps at least SILU_MIN_PROGRAMS programs. With the residual's 1 / rms each
-    program reads the whole residual row, so at a 3,000-token Qwen3-8B prefill (12 blocks a
-    token) one program a block read 8 KB of residual per 6 KB of gate, up and output."""
-    per_program = 1
-    while (per_program * 2 <= col_blocks
-           and num_tokens * triton.cdiv(col_blocks, per_program * 2) >= SILU_MIN_PROGRAMS):
-        per_program *= 2
-    return per_program
+    """Column blocks of SILU_BLOCK a program of silu_and_mul loops over: a whole row from
+    SILU_ROW_PROGRAM_TOKENS tokens, else one. With the residual's 1 / rms each program reads
+    the whole residual row: at Qwen3-8B's 12 blocks a row a program per block read 8 KB of
+    residual per 6 KB of gate, up and output. Measured on an H200 (8B's shapes, us; blocks a
+    program 1 / 8 / 12): 1,024 tokens 50.0 / 46.2 / 35.2, 3,072 110.2 / 95.3 / 72.4, 8,192
+    337.3 / 230.5 / 167.7; 256 tokens 13.4 with one, 42.9 with 12
+    (benchmarks/journal/2026-12-02-8b-prefill-and-decode.md)."""
+    return col_blocks if num_tokens >= SILU_ROW_PROGRAM_TOKENS else 1
 
 
 def silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None = None,
@@ -394,8 +393,8 @@ def silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None = None,
     (the input norm folded into the gate/up weight, LlamaModel.fold_norms), gate and up are
     first multiplied in float32 by the token's 1 / rms(residual row) and rounded to x's dtype.
 
-    Grid (T, I / (SILU_BLOCK * blocks per program)): 3 programs per token at I = 3,072 for
-    a decode batch (768 at 256 rows), fewer, each looping, for a long prompt
+    Grid (T, I / SILU_BLOCK): 3 programs per token at I = 3,072 (768 at a decode batch of
+    256); from SILU_ROW_PROGRAM_TOKENS tokens (T, 1), each program looping over its row
     (silu_blocks_per_program)."""
     num_tokens, width = x.shape
     intermediate_size = width // 2

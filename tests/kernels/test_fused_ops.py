@@ -272,11 +272,11 @@ def test_silu_and_mul_matches_torch(dtype, num_tokens, intermediate_size):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_and_mul_programs_looping_over_blocks(dtype, monkeypatch):
-    """A long prompt's programs loop over several column blocks (silu_blocks_per_program):
-    here 5 blocks of 32, 4 a program, so the second program's loop runs past the end."""
+    """A long prompt's programs loop over their whole row (silu_blocks_per_program): here 5
+    blocks of 32, the last partial."""
     monkeypatch.setattr(triton_ops, "SILU_BLOCK", 32)
-    monkeypatch.setattr(triton_ops, "SILU_MIN_PROGRAMS", 6)
-    assert triton_ops.silu_blocks_per_program(3, 5) == 4
+    monkeypatch.setattr(triton_ops, "SILU_ROW_PROGRAM_TOKENS", 3)
+    assert triton_ops.silu_blocks_per_program(3, 5) == 5
     x = random(3, 2 * 150, dtype=dtype, seed=6, scale=4.0)
     residual = random(3, 40, dtype=dtype, seed=7, scale=3.0)
     assert_matches(triton_ops.silu_and_mul(x), layers.silu_and_mul(x))
@@ -284,11 +284,11 @@ def test_silu_and_mul_programs_looping_over_blocks(dtype, monkeypatch):
                    layers.silu_and_mul(x, residual, EPS))
 
 
-def test_silu_blocks_per_program_keeps_the_launch_wide():
+def test_silu_blocks_per_program_a_row_from_1024_tokens():
     assert triton_ops.silu_blocks_per_program(1, 12) == 1  # a decode row: one block a program
-    assert triton_ops.silu_blocks_per_program(256, 12) == 1
-    assert triton_ops.silu_blocks_per_program(3000, 12) == 8  # two programs a token
-    assert triton_ops.silu_blocks_per_program(8192, 3) == 2
+    assert triton_ops.silu_blocks_per_program(1023, 12) == 1
+    assert triton_ops.silu_blocks_per_program(1024, 12) == 12
+    assert triton_ops.silu_blocks_per_program(8192, 3) == 3
 
 
 @pytest.mark.parametrize("hidden_size", [64, 100])
