@@ -55,8 +55,9 @@ _MAX_GRAPH_BATCH = 512
 # a short context into 8 slices of 64 keys (FEW_PROGRAMS_SM_FRACTION), fewer splits than a long
 # one gets (benchmarks/journal/2026-11-25-short-context-decode-graphs.md).
 SHORT_CONTEXT_TOKENS = 512
-# One prompt's token buckets: powers of two up to 512, then steps of a quarter of the power of
-# two below, so a prompt pads by at most a fifth of its bucket. With powers of two alone a
+# One prompt's token buckets: powers of two up to 512, then 768, then from 1,024 steps of a
+# quarter of the power of two below, so a prompt of more than 1,024 tokens pads by at most a
+# fifth of its bucket (the paged and the dense graph of each size). With powers of two alone a
 # 3,000-token Qwen3-8B prompt ran as 4,096: its GEMMs computed 37% padding rows
 # (benchmarks/journal/2026-12-02-8b-prefill-and-decode.md).
 _PREFILL_GRAPH_TOKENS = (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584,
