@@ -103,7 +103,8 @@ def _cmd_make_model(ns: argparse.Namespace) -> int:
     from sluice.model.tiny import make_tiny_model
 
     kwargs = {} if ns.dtype is None else {"dtype": ns.dtype}
-    path = make_tiny_model(ns.dir, arch=ns.arch, preset=ns.preset, seed=ns.seed, **kwargs)
+    path = make_tiny_model(ns.dir, arch=ns.arch, preset=ns.preset, seed=ns.seed,
+                           quantize=ns.quantize, **kwargs)
     print(path)
     return 0
 
@@ -180,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--preset", default="tiny", help="tiny | qwen3-0.6b | qwen3-8b")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: preset's)")
+    make.add_argument("--quantize", default=None, choices=["fp8-block", "fp8-channel"],
+                      help="store the decoder's projections as FP8: per 128x128 block "
+                      "(quant_method fp8, as Qwen3-*-FP8) or per output channel "
+                      "(compressed-tensors FP8-dynamic)")
     make.set_defaults(func=_cmd_make_model)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.model.quantization import Fp8Config, parse_quantization_config
 from sluice.model.registry import resolve_architecture
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -53,6 +54,8 @@ class HFModelConfig:
     attention_bias: bool  # bias on q/k/v (and o for Llama/Qwen3); always True for Qwen2 q/k/v
     eos_token_id: int | list[int] | None
     bos_token_id: int | None
+    # config.json's quantization_config: FP8 weights (sluice.model.quantization), None for none
+    quantization: Fp8Config | None = None
 
 
 def load_hf_config(model_dir: str) -> HFModelConfig:
@@ -109,6 +112,7 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
         attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
         eos_token_id=get("eos_token_id"),
         bos_token_id=get("bos_token_id"),
+        quantization=parse_quantization_config(raw.get("quantization_config")),
     )
 
 

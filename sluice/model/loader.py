@@ -8,10 +8,12 @@ tensor-parallel rank its rows or columns: sluice.model.weights.CheckpointTensor)
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -22,6 +24,7 @@ from sluice.distributed.tp import SINGLE_RANK, TPGroup
 from sluice.model.attention import name_attention_layers
 from sluice.model.gguf_loader import GGUF_LINK, iterate_gguf_weights
 from sluice.model.hf_config import HFModelConfig
+from sluice.model.quantization import Fp8CheckpointTensor, Fp8Config
 from sluice.model.registry import get_model_class
 from sluice.model.weights import CheckpointTensor, LoadedWeight, default_weight_loader
 
@@ -50,7 +53,7 @@ def load_model(
 ) -> nn.Module:
     """The model of `hf_config.architectures`, in eval mode, weights from `model_dir`; at
     tp.size > 1 this rank's shard of it."""
-    weights = checkpoint_weights(model_dir, dtype)
+    weights = checkpoint_weights(model_dir, dtype, hf_config.quantization)
     model_class = get_model_class(hf_config.architectures)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -65,14 +68,16 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def checkpoint_weights(model_dir: str,
-                       dtype: torch.dtype) -> Iterator[tuple[str, LoadedWeight]]:
-    """The folder's weights, HF-named: its safetensors files, or the GGUF file of a folder
-    made by sluice.model.gguf_loader.prepare_gguf_folder."""
+def checkpoint_weights(model_dir: str, dtype: torch.dtype,
+                       quantization: Fp8Config | None = None
+                       ) -> Iterator[tuple[str, LoadedWeight]]:
+    """The folder's weights, HF-named: its safetensors files (FP8 ones dequantized to `dtype`
+    where config.json's `quantization` says how), or the GGUF file of a folder made by
+    sluice.model.gguf_loader.prepare_gguf_folder."""
     gguf_path = os.path.join(model_dir, GGUF_LINK)
     if os.path.lexists(gguf_path):
         return iterate_gguf_weights(gguf_path, dtype)
-    return iterate_weights(safetensors_files(model_dir), dtype)
+    return iterate_weights(safetensors_files(model_dir), dtype, quantization)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -100,14 +105,74 @@ def safetensors_files(model_dir: str) -> list[str]:
     return paths
 
 
-def iterate_weights(files: list[str],
-                    dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
+def iterate_weights(files: list[str], dtype: torch.dtype,
+                    quantization: Fp8Config | None = None
+                    ) -> Iterator[tuple[str, LoadedWeight]]:
     """(HF name, tensor not read yet) for every tensor of `files`, floating point ones to be
-    cast to `dtype`; each is valid until the iteration moves past its file."""
+    cast to `dtype`; each is valid until the iteration moves past its file. With
+    `quantization`, an FP8 weight comes with its scale (read from whichever file holds it) as an
+    Fp8CheckpointTensor, and the scale tensors themselves are not yielded."""
+    if quantization is None:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if f.get_slice(name).get_dtype().startswith("F8"):
+                        raise ValueError(
+                            f"checkpoint tensor {name!r} is FP8 but config.json has no "
+                            "quantization_config saying how it is scaled")
+                    yield name, CheckpointTensor(f, name, dtype)
+        return
+    yield from _iterate_fp8_weights(files, dtype, quantization)
+
+
+_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
+
+
+def _iterate_fp8_weights(files: list[str], dtype: torch.dtype,
+                         quantization: Fp8Config) -> Iterator[tuple[str, LoadedWeight]]:
+    index: dict[str, str] = {}
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
+            index.update((name, path) for name in f.keys())
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def handle(path: str) -> Any:
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, framework="pt",
+                                                              device="cpu"))
+            return handles[path]
+
+        for path in files:
+            f = handle(path)
             for name in f.keys():
-                yield name, CheckpointTensor(f, name, dtype)
+                if name.endswith(_SCALE_SUFFIXES):
+                    module = name.rsplit(".", 1)[0]
+                    if module + ".weight" not in index:
+                        raise ValueError(f"checkpoint tensor {name!r} scales no weight: "
+                                         f"{module + '.weight'!r} is not in the checkpoint")
+                    continue
+                weight = f.get_slice(name)
+                if not weight.get_dtype().startswith("F8"):
+                    yield name, CheckpointTensor(f, name, dtype)
+                    continue
+                module = name.removesuffix(".weight")
+                if weight.get_dtype() != "F8_E4M3" or not name.endswith(".weight"):
+                    raise ValueError(f"checkpoint tensor {name!r} is {weight.get_dtype()}: "
+                                     "only float8_e4m3fn weights are read")
+                if quantization.is_ignored(module):
+                    raise ValueError(f"{module!r} is left unquantized by config.json's "
+                                     f"quantization_config, but its weight {name!r} is FP8")
+                scale_name = f"{module}.{quantization.scale_name}"
+                if scale_name not in index:
+                    raise ValueError(f"FP8 weight {name!r} has no scale: {scale_name!r} is not "
+                                     f"in the checkpoint ({quantization.describe()})")
+                if (quantization.activations == "static"
+                        and f"{module}.input_scale" not in index):
+                    raise ValueError(f"FP8 weight {name!r} has no {module + '.input_scale'!r}, "
+                                     "which static activation quantization needs")
+                scale = handle(index[scale_name]).get_tensor(scale_name)
+                yield name, Fp8CheckpointTensor(name, weight, scale, quantization, dtype)
 
 
 def load_packed_weights(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from sluice.model.quantization import quantization_config_for, quantize_fp8
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -369,8 +372,13 @@ def make_tiny_model(
     preset: str = "tiny",
     seed: int = 0,
     dtype: str | None = None,
+    quantize: str | None = None,
+    block_size: tuple[int, int] = (128, 128),
 ) -> str:
-    """Write a random-weight HF model folder; dtype None means the preset's (float32 for tiny)."""
+    """Write a random-weight HF model folder; dtype None means the preset's (float32 for tiny).
+    `quantize` "fp8-block" or "fp8-channel": the decoder's projections stored as FP8 with their
+    scales, as Qwen's FP8 checkpoints (per `block_size` block) or compressed-tensors'
+    FP8-dynamic ones (per output channel) store them (sluice.model.quantization)."""
     _check_choice("arch", arch, list(_ARCH_FIELDS))
     _check_choice("preset", preset, list(PRESETS))
     dtype = dtype if dtype is not None else PRESETS[preset].get("dtype", "float32")
@@ -382,6 +390,9 @@ def make_tiny_model(
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     config = _hf_config(arch, preset, len(tokenizer), dtype, bos_id, eos_id)
     assert config["vocab_size"] >= len(tokenizer)
+    scheme = None
+    if quantize is not None:
+        scheme, config["quantization_config"] = quantization_config_for(quantize, block_size)
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
@@ -389,8 +400,18 @@ def make_tiny_model(
     )
     std = PRESETS[preset]["weight_std"]
     weights = _random_weights(config, arch, std, seed, len(tokenizer))
+    if scheme is not None:
+        scale_name = "weight_scale_inv" if scheme == "block" else "weight_scale"
+        for name in [n for n in weights if _PROJECTION.match(n)]:
+            weights[name], scale = quantize_fp8(weights[name], scheme, block_size)
+            weights[name.removesuffix("weight") + scale_name] = scale
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return str(out)
+
+
+# The decoder's projections: what --quantize stores as FP8.
+_PROJECTION = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
 
 def _is_complete(model_dir: Path) -> bool:

@@ -1,0 +1,309 @@
+"""FP8 checkpoints: the `quantization_config` of config.json, and their weights read back.
+
+Two families are read, as Qwen, DeepSeek and RedHat ship them:
+
+- `"quant_method": "fp8"` (Qwen3-*-FP8, DeepSeek style). With `"weight_block_size": [128, 128]`:
+  float8_e4m3fn weights with a float32 `weight_scale_inv` per block of 128 x 128
+  (weight = fp8 * scale_inv). Without a block size: one `weight_scale` per tensor. Activations are
+  quantized per token (block: per token and 128-channel group) at run time
+  (`"activation_scheme": "dynamic"`), or with a stored `input_scale` (`"static"`). Modules named
+  in `ignored_layers` / `modules_to_not_convert` stay in the checkpoint dtype.
+- `"quant_method": "compressed-tensors"` with `"format": "float-quantized"` (llm-compressor's
+  "FP8-dynamic" / "FP8" checkpoints). One config group of 8-bit float weights with strategy
+  "channel" (`weight_scale` [N, 1]), "tensor" (`weight_scale` [1]) or "block"; activations
+  dynamic per token, or static per tensor (`input_scale`). `ignore` lists module names or
+  `re:` patterns (`lm_head` in every one seen).
+
+Any other method (AWQ, GPTQ, bitsandbytes, NVFP4 and other compressed-tensors schemes) is
+refused at start with a message naming it.
+
+How the engine runs them: the weights are dequantized at load into the compute dtype
+(`Fp8CheckpointTensor`, tensor by tensor, a tensor-parallel rank reading only its rows or
+columns and their scales), so the matmuls are the dtype's own. That is the CPU reference of
+issue 49; FP8 matmuls on Hopper (torch._scaled_mm, a block-scaled GEMM) are not built yet.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FP8_MAX = 448.0  # largest float8_e4m3fn value
+# What a weight's scale tensor is called, by method.
+_SCALE_NAMES = ("weight_scale_inv", "weight_scale")
+# Methods refused with a pointer to what they are (the message names the method either way).
+_KNOWN_UNSUPPORTED = {
+    "awq": "int4 AWQ", "gptq": "int4/int8 GPTQ", "gptq_marlin": "GPTQ (Marlin)",
+    "awq_marlin": "AWQ (Marlin)", "bitsandbytes": "bitsandbytes", "modelopt": "NVIDIA ModelOpt",
+    "modelopt_fp4": "NVFP4 (ModelOpt)", "mxfp4": "MXFP4", "gguf": "GGUF (load the .gguf file)",
+    "fbgemm_fp8": "FBGEMM FP8", "hqq": "HQQ", "eetq": "EETQ", "torchao": "torchao",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Config:
+    method: str  # "fp8" | "compressed-tensors"
+    scheme: str  # weights: "block" | "channel" | "tensor"
+    block_size: tuple[int, int] | None  # scheme "block": (rows, columns) of a scale's block
+    activations: str  # "dynamic" (per token, or per token and group for blocks) | "static" | "none"
+    ignored: tuple[str, ...]  # module names, or "re:" patterns (compressed-tensors)
+
+    @property
+    def scale_name(self) -> str:
+        """The suffix of a weight's scale: `X.weight` is scaled by `X.<scale_name>`."""
+        return "weight_scale_inv" if self.method == "fp8" and self.scheme == "block" else (
+            "weight_scale")
+
+    def is_ignored(self, module_name: str) -> bool:
+        """Whether the module (e.g. "model.layers.0.mlp.down_proj", "lm_head") stays
+        unquantized."""
+        for pattern in self.ignored:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], module_name):
+                    return True
+            elif module_name == pattern or module_name.endswith("." + pattern):
+                return True
+        return False
+
+    def describe(self) -> str:
+        block = f" {self.block_size[0]}x{self.block_size[1]}" if self.block_size else ""
+        return (f"{self.method} FP8 (e4m3) weights per {self.scheme}{block}, "
+                f"{self.activations} activations")
+
+
+def parse_quantization_config(raw: Any) -> Fp8Config | None:
+    """config.json's `quantization_config` -> Fp8Config, None without one; ValueError naming
+    the method or field for anything not read here."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"quantization_config must be an object, got {raw!r}")
+    method = raw.get("quant_method")
+    if method == "fp8":
+        return _parse_fp8(raw)
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(raw)
+    what = _KNOWN_UNSUPPORTED.get(str(method).lower())
+    raise ValueError(
+        f"quantization method {method!r}{f' ({what})' if what else ''} is not supported; "
+        "sluice reads FP8 checkpoints: quant_method 'fp8' (per block or per tensor) and "
+        "'compressed-tensors' float-quantized (per channel, tensor or block)")
+
+
+def _parse_fp8(raw: dict[str, Any]) -> Fp8Config:
+    fmt = raw.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"fp8 quantization_config fmt {fmt!r} is not supported (allowed: 'e4m3')")
+    activations = raw.get("activation_scheme", "dynamic")
+    if activations not in ("dynamic", "static"):
+        raise ValueError(f"fp8 activation_scheme must be 'dynamic' or 'static', got "
+                         f"{activations!r}")
+    block = raw.get("weight_block_size")
+    if block is not None:
+        block = _block_size(block, "weight_block_size")
+        if activations != "dynamic":
+            raise ValueError("fp8 weight_block_size needs activation_scheme 'dynamic', got "
+                             f"{activations!r}")
+    ignored = [*(raw.get("ignored_layers") or []), *(raw.get("modules_to_not_convert") or [])]
+    return Fp8Config("fp8", "block" if block else "tensor", block, activations,
+                     tuple(str(x) for x in ignored))
+
+
+def _block_size(value: Any, what: str) -> tuple[int, int]:
+    if (not isinstance(value, list | tuple) or len(value) != 2
+            or not all(isinstance(v, int) and v > 0 for v in value)):
+        raise ValueError(f"{what} must be two positive integers, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _parse_compressed_tensors(raw: dict[str, Any]) -> Fp8Config:
+    fmt = raw.get("format")
+    groups = raw.get("config_groups") or {}
+    if fmt != "float-quantized" or len(groups) != 1:
+        raise ValueError(
+            f"compressed-tensors format {fmt!r} with {len(groups)} config group(s) is not "
+            "supported (allowed: 'float-quantized', one group of FP8 weights)")
+    (name, group), = groups.items()
+    weights = group.get("weights") or {}
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise ValueError(
+            f"compressed-tensors group {name!r} has {weights.get('num_bits')}-bit "
+            f"{weights.get('type')} weights: not supported (allowed: 8-bit float)")
+    targets = group.get("targets") or []
+    if targets != ["Linear"]:
+        raise ValueError(f"compressed-tensors group {name!r} targets {targets!r}: not supported "
+                         "(allowed: ['Linear'])")
+    if weights.get("symmetric") is False or weights.get("dynamic"):
+        raise ValueError(f"compressed-tensors group {name!r}: asymmetric or dynamic weight "
+                         "scales are not supported")
+    strategy = weights.get("strategy")
+    block = None
+    if strategy == "block":
+        block = _block_size(weights.get("block_structure"), "block_structure")
+    elif strategy not in ("channel", "tensor"):
+        raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported "
+                         "(allowed: 'channel', 'tensor', 'block')")
+    inputs = group.get("input_activations")
+    if inputs is None:
+        activations = "none"
+    else:
+        if inputs.get("type") != "float" or inputs.get("num_bits") != 8:
+            raise ValueError(f"compressed-tensors group {name!r} quantizes activations to "
+                             f"{inputs.get('num_bits')}-bit {inputs.get('type')}: not supported")
+        activations = "dynamic" if inputs.get("dynamic") else "static"
+        allowed = ("token", "group") if activations == "dynamic" else ("tensor",)
+        if inputs.get("strategy") not in allowed:
+            raise ValueError(
+                f"compressed-tensors {activations} input activations with strategy "
+                f"{inputs.get('strategy')!r} are not supported (allowed: {list(allowed)})")
+    return Fp8Config("compressed-tensors", strategy, block, activations,
+                     tuple(str(x) for x in raw.get("ignore") or []))
+
+
+# ---- reading the weights ---------------------------------------------------------------------
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, config: Fp8Config,
+               dtype: torch.dtype, row_offset: int = 0, col_offset: int = 0) -> torch.Tensor:
+    """weight (float8, a [rows, columns] piece of the full tensor starting at (row_offset,
+    col_offset), block-aligned for scheme "block") times its scale(s), in float32, cast to
+    `dtype`. `scale` is the piece's: block: [ceil(rows / br), ceil(cols / bc)] blocks; channel:
+    [rows, 1]; tensor: one value."""
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if config.scheme == "block":
+        br, bc = config.block_size
+        assert row_offset % br == 0 and col_offset % bc == 0, "pieces start on a block"
+        s = s.repeat_interleave(br, 0)[: w.shape[0]].repeat_interleave(bc, 1)[:, : w.shape[1]]
+    elif config.scheme == "channel":
+        s = s.reshape(-1, 1) if w.dim() == 2 else s.reshape(-1)
+    else:
+        s = s.reshape(())
+    return (w * s).to(dtype)
+
+
+class Fp8CheckpointTensor:
+    """An FP8 weight of a checkpoint with its scale, read on demand and dequantized to `dtype`:
+    the interface of sluice.model.weights.CheckpointTensor (`shape`, `narrow`, `read`), so a
+    tensor-parallel rank reads its rows or columns of the weight and of the scale alone."""
+
+    def __init__(self, name: str, weight: Any, scale: torch.Tensor, config: Fp8Config,
+                 dtype: torch.dtype) -> None:
+        """weight: a safetensors slice (`get_slice`) or a tensor; scale: the whole scale
+        tensor (small: 1.5k values for Qwen3-8B's gate_up_proj in 128 x 128 blocks)."""
+        self.name = name
+        self._weight = weight
+        self._scale = scale
+        self._config = config
+        self._dtype = dtype
+        self.shape = tuple(_shape(weight))
+        self._check_scale()
+
+    def _check_scale(self) -> None:
+        scale_shape = tuple(_shape(self._scale))
+        scheme = self._config.scheme
+        if len(self.shape) != 2:
+            raise ValueError(f"FP8 weight {self.name!r} has shape {list(self.shape)}: a matrix "
+                             "is expected")
+        rows, cols = self.shape
+        if scheme == "block":
+            br, bc = self._config.block_size
+            expected = [(-(-rows // br), -(-cols // bc))]
+        elif scheme == "channel":
+            expected = [(rows, 1), (rows,)]
+        else:
+            expected = [(), (1,)]
+        if scale_shape not in expected:
+            raise ValueError(
+                f"scale of FP8 weight {self.name!r} has shape {list(scale_shape)}; per "
+                f"{scheme} a {list(self.shape)} weight needs {list(expected[0])}")
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, start + length), dequantized."""
+        if self._config.scheme != "block":
+            w = _read(self._weight, dim, start, start + length)
+            scale = (_read(self._scale, 0, start, start + length)
+                     if self._config.scheme == "channel" and dim == 0 else _read_all(self._scale))
+            return dequantize(w, scale, self._config, self._dtype)
+        block = self._config.block_size[dim]
+        first = start // block * block
+        end = min(self.shape[dim], -(-(start + length) // block) * block)
+        w = _read(self._weight, dim, first, end)
+        scale = _read(self._scale, dim, first // block, -(-end // block))
+        full = dequantize(w, scale, self._config, self._dtype,
+                          row_offset=first if dim == 0 else 0,
+                          col_offset=first if dim == 1 else 0)
+        return full.narrow(dim, start - first, length)
+
+    def read(self) -> torch.Tensor:
+        return dequantize(_read_all(self._weight), _read_all(self._scale), self._config,
+                          self._dtype)
+
+
+def _shape(tensor: Any) -> list[int]:
+    return list(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor.get_shape()
+
+
+def _read(tensor: Any, dim: int, start: int, end: int) -> torch.Tensor:
+    index = (slice(None),) * dim + (slice(start, end),)
+    return tensor[index]
+
+
+def _read_all(tensor: Any) -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+
+
+def is_fp8_dtype(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+# ---- writing them (sluice make-model --quantize) ------------------------------------------
+
+
+def quantize_fp8(weight: torch.Tensor, scheme: str,
+                 block_size: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N, K] weight -> (float8_e4m3fn weight, float32 scale) with weight ~= fp8 * scale:
+    per block (scale [ceil(N / br), ceil(K / bc)]), per output channel ([N, 1]) or per tensor
+    ([1]); each scale maps its part's largest magnitude to FP8_MAX."""
+    w = weight.to(torch.float32)
+    n, k = w.shape
+    if scheme == "block":
+        br, bc = block_size
+        rows, cols = -(-n // br), -(-k // bc)
+        padded = torch.zeros(rows * br, cols * bc)
+        padded[:n, :k] = w
+        amax = padded.reshape(rows, br, cols, bc).abs().amax(dim=(1, 3))
+        scale = amax.clamp(min=1e-12) / FP8_MAX
+        expanded = scale.repeat_interleave(br, 0)[:n].repeat_interleave(bc, 1)[:, :k]
+    elif scheme == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        expanded = scale
+    elif scheme == "tensor":
+        scale = (w.abs().amax().clamp(min=1e-12) / FP8_MAX).reshape(1)
+        expanded = scale
+    else:
+        raise ValueError(f"FP8 scheme must be 'block', 'channel' or 'tensor', got {scheme!r}")
+    quantized = (w / expanded).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantized, scale.to(torch.float32)
+
+
+# make-model's --quantize choices: (scheme, config.json's quantization_config)
+def quantization_config_for(choice: str, block_size: tuple[int, int] = (128, 128)
+                            ) -> tuple[str, dict[str, Any]]:
+    if choice == "fp8-block":
+        return "block", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                         "weight_block_size": list(block_size), "ignored_layers": ["lm_head"]}
+    if choice == "fp8-channel":
+        return "channel", {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                            "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                      "symmetric": True, "dynamic": True}}},
+            "ignore": ["lm_head"]}
+    raise ValueError(f"--quantize must be 'fp8-block' or 'fp8-channel', got {choice!r}")
