@@ -290,6 +290,27 @@ def quantize_fp8(weight: torch.Tensor, scheme: str,
     return quantized, scale.to(torch.float32)
 
 
+# The decoder's projections: what quantize_weights stores as FP8.
+_PROJECTION = re.compile(
+    r"(.*\.)?layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+def quantize_weights(weights: dict[str, torch.Tensor], choice: str,
+                     block_size: tuple[int, int] = (128, 128)
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An HF-named state dict -> (the same with the decoder's projections as FP8 and their
+    scales added, config.json's quantization_config) for `choice` "fp8-block" (quant_method
+    fp8, per block) or "fp8-channel" (compressed-tensors, per output channel); embeddings,
+    norms and the lm_head are kept. For sluice make-model --quantize and the accuracy tool."""
+    scheme, config = quantization_config_for(choice, block_size)
+    scale_name = "weight_scale_inv" if scheme == "block" else "weight_scale"
+    out = dict(weights)
+    for name in [n for n in weights if _PROJECTION.match(n)]:
+        out[name], out[name.removesuffix("weight") + scale_name] = quantize_fp8(
+            weights[name], scheme, block_size)
+    return out, config
+
+
 # make-model's --quantize choices: (scheme, config.json's quantization_config)
 def quantization_config_for(choice: str, block_size: tuple[int, int] = (128, 128)
                             ) -> tuple[str, dict[str, Any]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,7 +19,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from sluice.model.quantization import quantization_config_for, quantize_fp8
+from sluice.model.quantization import quantization_config_for, quantize_weights
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -390,9 +389,8 @@ def make_tiny_model(
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     config = _hf_config(arch, preset, len(tokenizer), dtype, bos_id, eos_id)
     assert config["vocab_size"] >= len(tokenizer)
-    scheme = None
-    if quantize is not None:
-        scheme, config["quantization_config"] = quantization_config_for(quantize, block_size)
+    if quantize is not None:  # refused before any weight is drawn
+        config["quantization_config"] = quantization_config_for(quantize, block_size)[1]
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
@@ -400,18 +398,10 @@ def make_tiny_model(
     )
     std = PRESETS[preset]["weight_std"]
     weights = _random_weights(config, arch, std, seed, len(tokenizer))
-    if scheme is not None:
-        scale_name = "weight_scale_inv" if scheme == "block" else "weight_scale"
-        for name in [n for n in weights if _PROJECTION.match(n)]:
-            weights[name], scale = quantize_fp8(weights[name], scheme, block_size)
-            weights[name.removesuffix("weight") + scale_name] = scale
+    if quantize is not None:
+        weights = quantize_weights(weights, quantize, block_size)[0]
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return str(out)
-
-
-# The decoder's projections: what --quantize stores as FP8.
-_PROJECTION = re.compile(
-    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
 
 def _is_complete(model_dir: Path) -> bool:
