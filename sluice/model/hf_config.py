@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.model.quantization import Fp8Config, parse_quantization_config
+from sluice.model.quant_config import Fp8Config, parse_quantization_config
 from sluice.model.registry import resolve_architecture
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
