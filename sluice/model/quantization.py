@@ -15,7 +15,8 @@ Two families are read, as Qwen, DeepSeek and RedHat ship them:
   `re:` patterns (`lm_head` in every one seen).
 
 Any other method (AWQ, GPTQ, bitsandbytes, NVFP4 and other compressed-tensors schemes) is
-refused at start with a message naming it.
+refused at start with a message naming it. The config is parsed by sluice.model.quant_config,
+which imports no torch (the API server reads model configs before the engine core loads it).
 
 How the engine runs them: the weights are dequantized at load into the compute dtype
 (`Fp8CheckpointTensor`, tensor by tensor, a tensor-parallel rank reading only its rows or
