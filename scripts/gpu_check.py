@@ -12,7 +12,8 @@ loaded; through a prefill, a decode and a router (PD over the Mooncake Transfer 
 machine of two or more GPUs, tensor parallelism (NCCL; the all-reduces inside the CUDA graphs,
 the fused ops and folded norms per rank), with graphs on and off; and with an 8-bit KV cache
 (`kv_cache_dtype="fp8"`, and "fp8_e5m2") against the CPU reference with the same cache dtype;
-with `--trained-gguf`, the trained SmolLM2 in float32 and bfloat16 (trained_model_check).
+with `--trained-gguf`, the trained SmolLM2 in float32 and bfloat16 (trained_model_check); FP8
+checkpoints with their FP8 weights kept (fp8_weights_check, `--only fp8_weights`).
 Exits non-zero on any mismatch.
 
     PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR] [--only PREFIX,...]
@@ -341,6 +342,42 @@ def trained_model_check(gguf_path: str) -> dict[str, object]:
     return result
 
 
+def fp8_weights_check(work: str) -> dict[str, object]:
+    """FP8 checkpoints (per 16 x 16 block, and per channel) with their FP8 weights kept on the
+    GPU (sluice.model.fp8_gemm), in float32, against the CPU's float32 engine on the weights
+    dequantized at load. Prompts of at most WEIGHT_ONLY_MAX_ROWS tokens, decoded in batches as
+    small: every product is weight-only (FP8 weights widened, activations as they are), so
+    greedy ids equal the CPU's (checked). Longer prompts quantize their activations to FP8 in
+    the prefill (W8A8), which moves the logits by design: the tokens before a first difference
+    are recorded, not checked."""
+    from sluice.model.fp8_gemm import WEIGHT_ONLY_MAX_ROWS
+
+    rng = random.Random(5)
+    short = [{"prompt_token_ids": [rng.randrange(3, 600) for _ in range(n)]}
+             for n in (3, 9, WEIGHT_ONLY_MAX_ROWS)]
+    long = [{"prompt_token_ids": [rng.randrange(3, 600) for _ in range(n)]} for n in (40, 130)]
+    result: dict[str, object] = {}
+    for kind in ("block", "channel"):
+        model = make_tiny_model(os.path.join(work, f"fp8-{kind}"), quantize=f"fp8-{kind}",
+                                block_size=(16, 16))
+        cpu = LLM(model=model, dtype="float32", device="cpu")
+        want_short = [greedy_ids(cpu, [p])[0] for p in short]
+        want_long = greedy_ids(cpu, long)
+        cpu.shutdown()
+        for name, kwargs in (("default", {}), ("enforce_eager", {"enforce_eager": True})):
+            llm = LLM(model=model, dtype="float32", device="cuda", **kwargs)
+            runner = llm.llm_engine.engine_core.executor.model_runner
+            qkv = runner.model.model.layers[0].self_attn.qkv_proj
+            result[f"fp8_weights_{kind}_{name}_layers_hold_fp8"] = qkv.is_fp8
+            result[f"fp8_weights_{kind}_{name}_short_prompts_equals_cpu"] = (
+                [greedy_ids(llm, [p])[0] for p in short] == want_short)
+            result[f"fp8_weights_{kind}_{name}_w8a8_prefill_tokens_before_a_difference"] = [
+                next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(got))
+                for got, want in zip(greedy_ids(llm, long), want_long)]
+            llm.shutdown()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", default="benchmarks/results/gpu-check")
@@ -359,6 +396,9 @@ def main() -> None:
     pd = None
     stack = contextlib.ExitStack()
     pools = pool_configs(stack) if wants_pools(only) else {}
+    if not only or any("fp8_weights".startswith(p) or p.startswith("fp8_weights")
+                       for p in only):
+        result.update(fp8_weights_check(work))
     for arch in ("qwen3", "llama", "qwen2"):
         model = make_tiny_model(os.path.join(work, arch), arch=arch)
         prompts = [{"prompt_token_ids": [rng.randrange(3, 600) for _ in range(n)]}

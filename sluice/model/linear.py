@@ -11,6 +11,11 @@ network and read the same at any tensor-parallel size.
 - `Linear`: the same on every rank (EAGLE's fc).
 
 At TP = 1 (SINGLE_RANK) every layer runs exactly the ops it always ran: no collective, no copy.
+
+FP8 checkpoints (sluice.model.quantization): a layer may keep its FP8 weight and float32 scales
+(`Linear.use_fp8`, before loading), each rank loading its rows or columns of both; it then
+multiplies through `fp8_op` (sluice.model.fp8_gemm on CUDA, the dequantizing reference
+elsewhere).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from torch import nn
 
 from sluice.distributed.head_split import check_head_split, first_kv_head, kv_heads_per_rank
 from sluice.distributed.tp import SINGLE_RANK, TPGroup
-from sluice.model.weights import LoadedWeight, check_shape, new_param
+from sluice.model.quantization import Fp8CheckpointTensor, fp8_linear_reference
+from sluice.model.weights import LoadedWeight, check_shape, default_weight_loader, new_param
 
 
 class Linear(nn.Module):
@@ -41,8 +47,69 @@ class Linear(nn.Module):
         # (x, weight, eps) -> (x W^T) / rms(x) per row, or None at sizes it does not run
         # (the folded layers' gate_up_proj on CUDA: install_fused_ops)
         self.inv_rms_gemm_op = None
+        # FP8 weights (use_fp8): the scales' block (rows, columns), None for one per row
+        self.register_buffer("weight_scale", None)
+        self.fp8_block: tuple[int, int] | None = None
+        # (x, weight, scale, block) -> x W^T for FP8 weights (sluice.model.fp8_gemm on CUDA)
+        self.fp8_op = fp8_linear_reference
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    def fp8_fits(self, block: tuple[int, int] | None) -> bool:
+        """Whether this rank's weight can be loaded as FP8 with scales per `block` (None: per
+        row): every piece it takes of a checkpoint tensor starts and ends on a block (rows)."""
+        if block is None:
+            return True
+        return all(size % 16 == 0 for size in block)
+
+    def use_fp8(self, block: tuple[int, int] | None) -> None:
+        """Hold the weight as float8_e4m3fn with float32 scales per `block` of (rows, columns)
+        ([ceil(N / rows), ceil(K / columns)]), or per row ([N]) when None, for loading an FP8
+        checkpoint (the loader then fills both). Call before loading, after fp8_fits."""
+        n, k = self.weight.shape
+        device = self.weight.device
+        loader = self.weight.weight_loader
+        if loader is default_weight_loader:
+            loader = self.weight_loader_full
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device),
+                                   requires_grad=False)
+        self.weight.weight_loader = loader
+        shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+        self.weight_scale = torch.empty(shape, dtype=torch.float32, device=device)
+        self.fp8_block = block
+
+    def fp8_pieces(self, param: nn.Parameter, loaded_weight: LoadedWeight, dim: int, start: int,
+                   length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(FP8 rows or columns, their scales) of `loaded_weight` for this FP8 layer's weight,
+        or None where the layer is not FP8 (the dequantized piece is read then)."""
+        if param is not self.weight or not self.is_fp8:
+            return None
+        if not isinstance(loaded_weight, Fp8CheckpointTensor):
+            raise ValueError("the layer holds FP8 weights but the checkpoint tensor is not FP8 "
+                             "(a quantization_config that names the wrong layers?)")
+        return (loaded_weight.narrow_fp8(dim, start, length),
+                loaded_weight.stored_scale(dim, start, length))
+
+    def weight_loader_full(self, param: nn.Parameter, loaded_weight: LoadedWeight,
+                           shard_id: Any = None) -> None:
+        """A replicated FP8 layer's weight (a plain Linear after use_fp8)."""
+        if shard_id is not None:
+            raise ValueError(f"parameter is not merged, got shard id {shard_id!r}")
+        check_shape(param.shape, loaded_weight, "parameter")
+        pieces = self.fp8_pieces(param, loaded_weight, 0, 0, param.shape[0])
+        if pieces is None:
+            param.data.copy_(loaded_weight if isinstance(loaded_weight, torch.Tensor)
+                             else loaded_weight.read())
+            return
+        param.data.copy_(pieces[0])
+        self.weight_scale.copy_(pieces[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_fp8:
+            y = self.fp8_op(x, self.weight, self.weight_scale, self.fp8_block)
+            return y if self.bias is None else y + self.bias
         if self.gemm_op is not None and self.bias is None:
             return self.gemm_op(x, self.weight)
         return F.linear(x, self.weight, self.bias)
@@ -89,14 +156,36 @@ class MergedColumnParallelLinear(Linear):
                 f"shard id must be an int in [0, {len(self.shards)}), got {shard_id!r}")
         return shard_id
 
+    def fp8_fits(self, block: tuple[int, int] | None) -> bool:
+        if not super().fp8_fits(block):
+            return False
+        if block is None:
+            return True
+        offset = 0
+        for shard in self.shards:  # each shard's rows start on a block of its own tensor and
+            # of the stacked weight, and end on one (or at the tensor's end)
+            end = shard.start + shard.rows
+            if (shard.start % block[0] or offset % block[0]
+                    or (end % block[0] and end != shard.full_rows)):
+                return False
+            offset += shard.rows
+        return True
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight,
                       shard_id: Any) -> None:
         index = self.shard_index(shard_id)
         shard = self.shards[index]
         check_shape((shard.full_rows, *param.shape[1:]), loaded_weight, f"shard {shard_id!r}")
         offset = sum(s.rows for s in self.shards[:index])
-        param.data.narrow(0, offset, shard.rows).copy_(
-            loaded_weight.narrow(0, shard.start, shard.rows))
+        pieces = self.fp8_pieces(param, loaded_weight, 0, shard.start, shard.rows)
+        if pieces is None:
+            param.data.narrow(0, offset, shard.rows).copy_(
+                loaded_weight.narrow(0, shard.start, shard.rows))
+            return
+        weight, scale = pieces
+        param.data.narrow(0, offset, shard.rows).copy_(weight)
+        first = offset if self.fp8_block is None else offset // self.fp8_block[0]
+        self.weight_scale.narrow(0, first, scale.shape[0]).copy_(scale)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -145,15 +234,32 @@ class RowParallelLinear(Linear):
         # (the Triton GEMM's epilogue at small batches on CUDA: install_fused_ops)
         self.add_gemm_op = None
 
+    def fp8_fits(self, block: tuple[int, int] | None) -> bool:
+        if not super().fp8_fits(block):
+            return False
+        end = self.input_start + self.input_size
+        return block is None or not (self.input_start % block[1]
+                                     or (end % block[1] and end != self.full_input_size))
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight,
                       shard_id: Any = None) -> None:
         if shard_id is not None:
             raise ValueError(f"parameter is not merged, got shard id {shard_id!r}")
         check_shape((self.output_size, self.full_input_size), loaded_weight, "parameter")
-        param.data.copy_(loaded_weight.narrow(1, self.input_start, self.input_size))
+        pieces = self.fp8_pieces(param, loaded_weight, 1, self.input_start, self.input_size)
+        if pieces is None:
+            param.data.copy_(loaded_weight.narrow(1, self.input_start, self.input_size))
+            return
+        param.data.copy_(pieces[0])
+        self.weight_scale.copy_(pieces[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, K / N] (this rank's features) -> y [T, output_size], summed over ranks."""
+        if self.is_fp8:
+            y = self.fp8_op(x, self.weight, self.weight_scale, self.fp8_block)
+            if self.bias is not None and self.tp.rank == 0:
+                y = y + self.bias
+            return self.all_reduce(y)
         if self.gemm_op is not None and self.bias is None:
             return self.all_reduce(self.gemm_op(x, self.weight))
         bias = self.bias if self.tp.rank == 0 else None

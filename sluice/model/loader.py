@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -27,6 +28,8 @@ from sluice.model.hf_config import HFModelConfig
 from sluice.model.quantization import Fp8CheckpointTensor, Fp8Config
 from sluice.model.registry import get_model_class
 from sluice.model.weights import CheckpointTensor, LoadedWeight, default_weight_loader
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -50,9 +53,12 @@ def load_model(
     device: torch.device,
     attn_backend: AttentionBackend,
     tp: TPGroup = SINGLE_RANK,
+    fp8_weights: bool | None = None,
 ) -> nn.Module:
     """The model of `hf_config.architectures`, in eval mode, weights from `model_dir`; at
-    tp.size > 1 this rank's shard of it."""
+    tp.size > 1 this rank's shard of it. An FP8 checkpoint's projections keep their FP8
+    weights when `fp8_weights` (None: `fp8_weights_kept`), else they are dequantized to
+    `dtype` at load."""
     weights = checkpoint_weights(model_dir, dtype, hf_config.quantization)
     model_class = get_model_class(hf_config.architectures)
     previous_dtype = torch.get_default_dtype()
@@ -63,9 +69,74 @@ def load_model(
     finally:
         torch.set_default_dtype(previous_dtype)
     name_attention_layers(model)
+    if fp8_weights is None:
+        fp8_weights = fp8_weights_kept(device)
+    if (hf_config.quantization is not None and fp8_weights
+            and not os.path.lexists(os.path.join(model_dir, GGUF_LINK))):
+        kept, layers = prepare_fp8_layers(
+            model, hf_config.quantization, fp8_weight_names(safetensors_files(model_dir)),
+            getattr(model, "packed_modules", {}))
+        logger.info("FP8 checkpoint (%s): %d of %d linear layers keep FP8 weights and "
+                    "multiply in FP8, the rest are dequantized to %s",
+                    hf_config.quantization.describe(), kept, layers, dtype)
     with torch.no_grad():
         model.load_weights(weights)
     return model.eval().requires_grad_(False)
+
+
+def fp8_matmuls_supported(device: torch.device) -> bool:
+    """Whether `device` multiplies FP8 on its tensor cores: CUDA compute capability 8.9 (Ada)
+    and up."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_weights_kept(device: torch.device) -> bool:
+    """Whether the projections of an FP8 checkpoint keep their FP8 weights on `device`: the
+    environment's SLUICE_FP8_WEIGHTS, "auto" (the default: where fp8_matmuls_supported),
+    "keep" (also elsewhere: the CPU multiplies by dequantizing per step, for tests) or
+    "dequantize" (never: the weights dequantized at load, 16-bit matmuls)."""
+    choice = os.environ.get("SLUICE_FP8_WEIGHTS", "auto")
+    if choice not in ("auto", "keep", "dequantize"):
+        raise ValueError(f"SLUICE_FP8_WEIGHTS must be 'auto', 'keep' or 'dequantize', got "
+                         f"{choice!r}")
+    return choice == "keep" or (choice == "auto" and fp8_matmuls_supported(device))
+
+
+def fp8_weight_names(files: list[str]) -> set[str]:
+    """The names of the FP8 tensors of safetensors `files` (read from their headers)."""
+    names = set()
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names.update(name for name in f.keys()
+                         if f.get_slice(name).get_dtype().startswith("F8"))
+    return names
+
+
+def prepare_fp8_layers(model: nn.Module, quantization: Fp8Config, fp8_names: set[str],
+                       packed_modules: dict[str, tuple[str, str | int]]) -> tuple[int, int]:
+    """Make each linear layer of `model` whose checkpoint weights are all FP8 (every tensor a
+    merged layer stacks, `packed_modules`) hold FP8 weights and scales (Linear.use_fp8), where
+    this rank's pieces fall on the scale blocks (Linear.fp8_fits); the others load
+    dequantized. Returns (layers made FP8, linear layers)."""
+    from sluice.model.linear import Linear
+
+    stacked: dict[str, list[str]] = {}
+    for checkpoint_module, (model_module, _) in packed_modules.items():
+        stacked.setdefault(model_module, []).append(checkpoint_module)
+    block = quantization.block_size if quantization.scheme == "block" else None
+    kept = layers = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        layers += 1
+        prefix, _, leaf = name.rpartition(".")
+        sources = [f"{prefix}.{source}" if prefix else source
+                   for source in stacked.get(leaf, [leaf])]
+        if all(f"{source}.weight" in fp8_names for source in sources) and module.fp8_fits(block):
+            module.use_fp8(block)
+            kept += 1
+    return kept, layers
 
 
 def checkpoint_weights(model_dir: str, dtype: torch.dtype,

@@ -18,10 +18,15 @@ Any other method (AWQ, GPTQ, bitsandbytes, NVFP4 and other compressed-tensors sc
 refused at start with a message naming it. The config is parsed by sluice.model.quant_config,
 which imports no torch (the API server reads model configs before the engine core loads it).
 
-How the engine runs them: the weights are dequantized at load into the compute dtype
-(`Fp8CheckpointTensor`, tensor by tensor, a tensor-parallel rank reading only its rows or
-columns and their scales), so the matmuls are the dtype's own. That is the CPU reference of
-issue 49; FP8 matmuls on Hopper (torch._scaled_mm, a block-scaled GEMM) are not built yet.
+How the engine runs them (`Fp8CheckpointTensor`, read tensor by tensor, a tensor-parallel rank
+reading only its rows or columns and their scales):
+- On a GPU with FP8 tensor cores (compute capability 8.9 and up) the decoder's projections keep
+  their FP8 weights and scales (sluice.model.linear: `Linear.use_fp8`, chosen per layer by
+  `prepare_fp8_layers`) and multiply in FP8 (sluice.model.fp8_gemm).
+- Elsewhere (the CPU, older GPUs), and for a layer whose shards do not fall on scale blocks,
+  the weights are dequantized at load into the compute dtype, so the matmuls are the dtype's
+  own: the reference the tests check the FP8 kernels against (`fp8_linear_reference` is the
+  same product for a layer holding FP8 weights).
 """
 
 from __future__ import annotations
@@ -49,17 +54,38 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, config: Fp8Config,
     col_offset), block-aligned for scheme "block") times its scale(s), in float32, cast to
     `dtype`. `scale` is the piece's: block: [ceil(rows / br), ceil(cols / bc)] blocks; channel:
     [rows, 1]; tensor: one value."""
-    w = weight.to(torch.float32)
-    s = scale.to(torch.float32)
     if config.scheme == "block":
         br, bc = config.block_size
         assert row_offset % br == 0 and col_offset % bc == 0, "pieces start on a block"
-        s = s.repeat_interleave(br, 0)[: w.shape[0]].repeat_interleave(bc, 1)[:, : w.shape[1]]
-    elif config.scheme == "channel":
+        return dequantize_stored(weight, scale, config.block_size, dtype)
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if config.scheme == "channel":
         s = s.reshape(-1, 1) if w.dim() == 2 else s.reshape(-1)
     else:
         s = s.reshape(())
     return (w * s).to(dtype)
+
+
+def dequantize_stored(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """A layer's FP8 weight [N, K] as sluice.model.linear stores it (scale: per `block`
+    [ceil(N / br), ceil(K / bc)], or per row [N] when `block` is None) -> weight * scale in
+    float32, cast to `dtype`."""
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if block is None:
+        return (w * s.reshape(-1, 1)).to(dtype)
+    br, bc = block
+    s = s.repeat_interleave(br, 0)[: w.shape[0]].repeat_interleave(bc, 1)[:, : w.shape[1]]
+    return (w * s).to(dtype)
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         block: tuple[int, int] | None) -> torch.Tensor:
+    """x W^T for a layer's FP8 weight: the weight dequantized to x's dtype (as the load-time
+    path does), then F.linear. The CPU path, and the reference of sluice.model.fp8_gemm."""
+    return torch.nn.functional.linear(x, dequantize_stored(weight, scale, block, x.dtype))
 
 
 class Fp8CheckpointTensor:
@@ -119,6 +145,31 @@ class Fp8CheckpointTensor:
         return dequantize(_read_all(self._weight), _read_all(self._scale), self._config,
                           self._dtype)
 
+    # -- for a layer that keeps the FP8 weights (sluice.model.linear.Linear.use_fp8) --
+
+    def narrow_fp8(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, start + length) of the FP8 weight as is."""
+        return _read(self._weight, dim, start, start + length)
+
+    def stored_scale(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """The float32 scales of narrow_fp8(dim, start, length) in a layer's layout: per block,
+        [block rows, block columns] of the piece (which must start on a block and end on one
+        or at the tensor's end); per row otherwise, [rows] (a per-tensor scale repeated)."""
+        scheme = self._config.scheme
+        scale = _read_all(self._scale).to(torch.float32)
+        rows = length if dim == 0 else self.shape[0]
+        if scheme == "tensor":
+            return scale.reshape(1).expand(rows).contiguous()
+        if scheme == "channel":
+            scale = scale.reshape(-1)
+            return scale[start : start + length].clone() if dim == 0 else scale.clone()
+        block = self._config.block_size[dim]
+        end = start + length
+        if start % block or (end % block and end != self.shape[dim]):
+            raise ValueError(f"{self.name!r}: {['rows', 'columns'][dim]} [{start}, {end}) "
+                             f"do not fall on its {block}-wide scale blocks")
+        return _read(scale, dim, start // block, -(-end // block)).clone()
+
 
 def _shape(tensor: Any) -> list[int]:
     return list(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor.get_shape()
@@ -146,7 +197,7 @@ def quantize_fp8(weight: torch.Tensor, scheme: str,
     if scheme == "block":
         br, bc = block_size
         rows, cols = -(-n // br), -(-k // bc)
-        padded = torch.zeros(rows * br, cols * bc)
+        padded = torch.zeros(rows * br, cols * bc, device=w.device)
         padded[:n, :k] = w
         amax = padded.reshape(rows, br, cols, bc).abs().amax(dim=(1, 3))
         scale = amax.clamp(min=1e-12) / FP8_MAX

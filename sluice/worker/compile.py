@@ -10,7 +10,9 @@ norms' 1 / rms rides in the q/k/v and SiLU kernels (or gate_up's Triton GEMM) an
 adds in the GEMMs, so a layer is 7 launches instead of 9 (6 instead of 8 at small batches). And
 decode steps hand the raw q/k/v projection to the attention backend, which folds the q/k norm,
 RoPE and KV store into its decode attention for batches of 16 requests to about one wave of
-programs (TritonBackend.decode_from_qkv): one launch a layer fewer there.
+programs (TritonBackend.decode_from_qkv): one launch a layer fewer there. The layers of an FP8
+checkpoint multiply in FP8 (sluice.model.fp8_gemm); their norms are not folded (the weights
+would need quantizing again).
 
 Only the instance attributes of this model change; other engines in the process are untouched.
 """
@@ -26,14 +28,16 @@ from sluice.model.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 
 def install_fused_ops(model: nn.Module) -> None:
     """Swap the torch ops of every layer of `model` (CUDA weights) for the Triton kernels."""
-    from sluice.model import triton_gemm, triton_ops  # Triton only where a GPU runs the model
+    from sluice.model import fp8_gemm, triton_gemm, triton_ops  # Triton only on a GPU
 
     for module in model.modules():
         if isinstance(module, Linear):
             module.gemm_op = triton_gemm.linear
+            module.fp8_op = fp8_gemm.fp8_linear
         if isinstance(module, RowParallelLinear):
             module.add_gemm_op = triton_gemm.linear_add
-        elif isinstance(module, LlamaMLP) and module.down_proj.bias is None:
+        elif (isinstance(module, LlamaMLP) and module.down_proj.bias is None
+              and not module.down_proj.is_fp8):
             module.act_down_op = triton_gemm.silu_mul_linear
             module.gate_up_proj.inv_rms_gemm_op = triton_gemm.inv_rms_linear
         if isinstance(module, RMSNorm):

@@ -284,3 +284,94 @@ def test_the_config_says_what_it_read() -> None:
     assert not ct.is_ignored("model.layers.0.mlp.down_proj")
     assert parse_hf_config({k: v for k, v in raw.items()
                             if k != "quantization_config"}).quantization is None
+
+
+def _per_tensor_static_folder(folder: Path) -> Path:
+    """A qwen2 folder rewritten as compressed-tensors per-tensor FP8 with static input scales."""
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        tensors[name], tensors[name.replace(".weight", ".weight_scale")] = quantize_fp8(
+            tensors[name], "tensor")
+        tensors[name.replace(".weight", ".input_scale")] = torch.tensor([0.05])
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                        "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                  "dynamic": False}}}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _loaded(folder: str, keep: bool):
+    from sluice.attention.backend import get_attention_backend
+    from sluice.model.hf_config import load_hf_config
+    from sluice.model.loader import load_model
+
+    return load_model(folder, load_hf_config(folder), torch.float32, torch.device("cpu"),
+                      get_attention_backend("torch_ref"), fp8_weights=keep)
+
+
+@pytest.mark.parametrize("kind", ["block", "channel", "tensor"])
+def test_layers_that_keep_fp8_weights_give_the_dequantized_model_s_greedy_ids(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLUICE_FP8_WEIGHTS=keep (what a GPU with FP8 tensor cores does by default): every
+    projection holds its FP8 weight and float32 scales (per 16 x 16 block; per row, a per-tensor
+    scale repeated over q, k and v's rows) and multiplies through the CPU's fp8_op, which
+    dequantizes as the load-time path does: the same greedy ids."""
+    if kind == "tensor":
+        folder = str(_per_tensor_static_folder(Path(make_tiny_model(str(tmp_path / "m"),
+                                                                    arch="qwen2"))))
+    else:
+        folder = make_tiny_model(str(tmp_path / "m"), arch="llama" if kind == "channel"
+                                 else "qwen3", quantize=f"fp8-{kind}", block_size=(16, 16))
+    model = _loaded(folder, keep=True)
+    layer = model.model.layers[1]
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+               layer.mlp.down_proj]
+    assert all(linear.is_fp8 and linear.weight.dtype == torch.float8_e4m3fn
+               for linear in linears)
+    qkv = layer.self_attn.qkv_proj
+    n, k = qkv.weight.shape
+    assert qkv.weight_scale.shape == ((n // 16, k // 16) if kind == "block" else (n,))
+    assert model.lm_head.weight.dtype == torch.float32
+    dequantized = _loaded(folder, keep=False)
+    assert not dequantized.model.layers[1].self_attn.qkv_proj.is_fp8
+    # the layers' products equal the dequantized layers' exactly
+    x = torch.randn(7, k)
+    assert torch.equal(qkv(x), dequantized.model.layers[1].self_attn.qkv_proj(x))
+    want = greedy(LLM(model=folder, **BASE))
+    monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "keep")
+    assert greedy(LLM(model=folder, **BASE, **PREEMPTING)) == want
+
+
+def test_blocks_the_ranks_pieces_do_not_fall_on_are_dequantized(tmp_path: Path) -> None:
+    """24 x 40 blocks (not multiples of 16, and q/k/v's rows end inside one): those layers load
+    dequantized even when FP8 weights are kept; SLUICE_FP8_WEIGHTS takes three values."""
+    folder = make_tiny_model(str(tmp_path / "m"), quantize="fp8-block", block_size=(24, 40))
+    model = _loaded(folder, keep=True)
+    assert not any(getattr(m, "is_fp8", False) for m in model.modules())
+
+
+@pytest.mark.one_worker
+def test_kept_fp8_weights_at_tp2_give_tp1_s_greedy_ids(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank loads its rows (q/k/v, gate/up) or columns (o, down) of the FP8 weights with
+    their block scales: 16 x 16 blocks, q 32 of 64 rows, k/v 16 of 32, o/down 32 / 64 columns."""
+    folder = make_tiny_model(str(tmp_path / "fp8"), quantize="fp8-block", block_size=(16, 16))
+    want = greedy(LLM(model=folder, **BASE))
+    monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "keep")
+    llm = LLM(model=folder, tensor_parallel_size=2, **BASE, **PREEMPTING)
+    try:
+        assert greedy(llm) == want
+    finally:
+        llm.shutdown()
+    monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "always")
+    with pytest.raises(ValueError, match="SLUICE_FP8_WEIGHTS must be 'auto', 'keep' or "
+                                         "'dequantize', got 'always'"):
+        LLM(model=folder, **BASE)

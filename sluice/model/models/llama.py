@@ -246,7 +246,8 @@ class LlamaModel(nn.Module):
         two norm launches (both adds go into the GEMMs); smaller steps keep the norms, which
         with g = 1 compute the same function. Only where the folded path computes the same
         thing: no bias on the projections (the bias would be scaled too) and not float16 (the
-        raw residual's products could overflow it). Returns whether it folded.
+        raw residual's products could overflow it), and not FP8 weights (g would need quantizing
+into them). Returns whether it folded.
 
         rms_norm(x) W^T = (1 / rms(x)) (x (W diag g)^T): equal in exact arithmetic; in 16 bits
         the roundings move (W diag g is rounded once, the normed activations are not), which is
@@ -257,7 +258,7 @@ class LlamaModel(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (type(layer) is not LlamaDecoderLayer or not isinstance(attn, LlamaAttention)
-                    or any(linear.bias is not None for linear in linears)
+                    or any(linear.bias is not None or linear.is_fp8 for linear in linears)
                     or attn.qkv_proj.weight.dtype not in (torch.bfloat16, torch.float32)):
                 return False
         with torch.no_grad():

@@ -1,0 +1,204 @@
+"""The measurements behind sluice.model.fp8_gemm's choices, on Qwen3-8B's four projections (q/k/v,
+o, gate_up, down), FP8 weights per 128 x 128 block and per channel, in CUDA graphs over rotating
+weight copies (no L2 reuse between calls, as in the model):
+
+1. per shape, scheme and batch size: bf16 cuBLAS on the same shape (the baseline), the
+   weight-only kernel (up to 64 rows) and the W8A8 path (activation quantization included;
+   per channel also torch._scaled_mm) over a sweep of tiles, the best and the chosen ones;
+2. the decode step's 36 layers of four projections at each swept batch size, chosen against
+   bf16 cuBLAS;
+3. whether this torch's _scaled_mm takes 1 x 128 / 128 x 128 block scales (recorded).
+
+    PYTHONPATH=. python benchmarks/tools/fp8_gemm_sweep.py OUT_DIR [ROWS]
+        # writes OUT_DIR/fp8-gemm-sweep.json; ROWS: e.g. 1,16,64,3000 (the default)
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from sluice.bench.record import make_record, write_record
+from sluice.model import fp8_gemm
+from sluice.model.fp8_gemm import Fp8GemmConfig, w8a8_mm, w8a16_mm
+from sluice.model.quantization import quantize_fp8
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+          "down": (4096, 12288)}
+LAYERS = 36
+ROWS = [1, 16, 64, 3000]
+BLOCK = (128, 128)
+REPS = 10
+
+
+def time_graph(fns: list) -> float:
+    """Microseconds per call: the calls captured in one graph, best of 5 timings of REPS
+    replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / REPS / len(fns))
+    return best
+
+
+def w8a16_configs(m: int):
+    if m == 1:
+        for bn, bk, warps, stages in itertools.product((2, 4, 8), (1024, 2048, 4096), (4, 8),
+                                                      (1, 3)):
+            yield Fp8GemmConfig(1, bn, bk, warps, stages)
+        return
+    if m > 64:
+        return
+    for bm, bn, bk, stages in itertools.product((16, 32, 64), (32, 64, 128), (128,), (3, 5)):
+        if bm <= max(16, 1 << (m - 1).bit_length()):
+            yield Fp8GemmConfig(bm, bn, bk, 4, stages)
+
+
+def w8a8_configs(m: int):
+    for bm, bn, warps, stages, group in itertools.product(
+            (16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4), (8,)):
+        if bm > max(16, 1 << (m - 1).bit_length()) or (bm == 128 and bn == 256 and stages > 3):
+            continue
+        if m <= 64 and warps == 8:
+            continue
+        yield Fp8GemmConfig(bm, bn, 128, warps, stages, group)
+
+
+def _weights(n: int, k: int, block, copies: int):
+    out = []
+    for _ in range(copies):
+        w, s = quantize_fp8(torch.randn(n, k, device="cuda") * 0.03, "block" if block else
+                            "channel", BLOCK)
+        out.append((w, s if block else s.reshape(n)))
+    return out
+
+
+def _compile(job: tuple) -> tuple | None:
+    kind, name, block, m, cfg = job
+    n, k = SHAPES[name]
+    (w, s), = _weights(n, k, block, 1)
+    x = torch.randn(min(m, 256), k, device="cuda", dtype=torch.bfloat16)
+    try:
+        if kind == "w8a16":
+            w8a16_mm(x, w, s, block, Fp8GemmConfig(*cfg))
+        else:
+            w8a8_mm(x, w, s, block, Fp8GemmConfig(*cfg), use_scaled_mm=False)
+        torch.cuda.synchronize()
+    except Exception:  # out of shared memory or registers
+        return job
+    return None
+
+
+def _jobs(rows: list[int]) -> list[tuple]:
+    jobs = []
+    for name, block, m in itertools.product(SHAPES, (BLOCK, None), rows):
+        jobs += [("w8a16", name, block, 1 if m == 1 else 16, tuple(c)) for c in w8a16_configs(m)]
+        if m > 1:
+            jobs += [("w8a8", name, block, 256, tuple(c)) for c in w8a8_configs(m)]
+    return sorted(set(jobs), key=str)
+
+
+def block_scaled_mm_probe() -> dict:
+    """Whether torch._scaled_mm takes DeepSeek-style block scales here, and if so its error
+    against the Triton kernel."""
+    m, n, k = 256, 512, 1024
+    w, s = quantize_fp8(torch.randn(n, k, device="cuda"), "block", BLOCK)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q, qs = fp8_gemm.quantize_activations(x, 128)
+    want = w8a8_mm(x, w, s, BLOCK).float()
+    tries = {"a [M, K/128], b [N/128, K/128]^T": (qs, s.t()),
+             "a [M, K/128] col-major, b [K/128, N/128]": (qs.t().contiguous().t(), s.t())}
+    out = {}
+    for label, (sa, sb) in tries.items():
+        try:
+            y = torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            out[label] = f"ran; max |diff| vs Triton {float((y.float() - want).abs().max()):.4g}"
+        except Exception as e:  # noqa: BLE001 (recorded)
+            out[label] = f"refused: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return out
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    rows = [int(r) for r in sys.argv[2].split(",")] if len(sys.argv) > 2 else ROWS
+    jobs = _jobs(rows)
+    with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 1)) as pool:
+        unfit = {job for job in pool.map(_compile, jobs, chunksize=2) if job is not None}
+    result: dict = {"configs_swept": len(jobs) - len(unfit), "shapes": {}, "chain_us": {},
+                    "block_scaled_mm": block_scaled_mm_probe()}
+    chain: dict = {}
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, -(-200_000_000 // (n * k)))  # FP8 copies past the 50 MB L2, twice
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
+                 for _ in range(max(2, copies // 2))]
+        for block in (BLOCK, None):
+            scheme = "block" if block else "channel"
+            weights = _weights(n, k, block, copies)
+            for m in rows:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                entry = {"cublas_bf16_us": time_graph(
+                    [lambda w=w, x=x: F.linear(x, w) for w in dense])}
+                for kind, configs in (("w8a16", w8a16_configs(m)),
+                                      ("w8a8", w8a8_configs(m) if m > 1 else [])):
+                    times = {}
+                    for cfg in configs:
+                        rows_key = 1 if (kind == "w8a16" and m == 1) else (
+                            16 if kind == "w8a16" else 256)
+                        if (kind, name, block, rows_key, tuple(cfg)) in unfit:
+                            continue
+                        fn = w8a16_mm if kind == "w8a16" else (
+                            lambda *a, **kw: w8a8_mm(*a, use_scaled_mm=False, **kw))
+                        times[cfg] = time_graph(
+                            [lambda w=w, s=s, c=cfg, x=x, f=fn, b=block: f(x, w, s, b, c)
+                             for w, s in weights])
+                    if times:
+                        ranked = sorted(times, key=times.get)
+                        entry[f"{kind}_best"] = [list(ranked[0]), times[ranked[0]]]
+                        entry[f"{kind}_top5"] = [[list(c), times[c]] for c in ranked[:5]]
+                if m > 1 and block is None:
+                    entry["scaled_mm_us"] = time_graph(
+                        [lambda w=w, s=s, x=x: w8a8_mm(x, w, s, None, use_scaled_mm=True)
+                         for w, s in weights])
+                entry["chosen_us"] = time_graph(
+                    [lambda w=w, s=s, x=x, b=block: fp8_gemm.fp8_linear(x, w, s, b)
+                     for w, s in weights])
+                entry["fp8_weight_GBps_chosen"] = n * k / entry["chosen_us"] / 1e3
+                result["shapes"][f"{name}/{scheme}/{m}"] = entry
+                print(name, scheme, m, {key: v for key, v in entry.items() if "top5" not in key},
+                      flush=True)
+                for key in ("cublas_bf16_us", "chosen_us"):
+                    chain.setdefault(f"{scheme}/{m}/{key}", 0.0)
+                    chain[f"{scheme}/{m}/{key}"] += LAYERS * entry[key]
+            del weights
+        del dense
+        torch.cuda.empty_cache()
+    result["chain_us"] = chain
+    record = make_record("fp8-gemm-sweep", result, device="cuda:0",
+                         command=["python", "benchmarks/tools/fp8_gemm_sweep.py", *sys.argv[1:]])
+    write_record(os.path.join(out_dir, "fp8-gemm-sweep.json"), record)
+
+
+if __name__ == "__main__":
+    main()

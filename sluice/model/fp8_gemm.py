@@ -1,0 +1,379 @@
+"""FP8 matmuls for the projections of FP8 checkpoints (sluice.model.quantization) on GPUs with
+FP8 tensor cores (compute capability 8.9 and up: Ada, Hopper): y = x W^T for W float8_e4m3fn
+[N, K] with its float32 scales, x and y in the model dtype.
+
+Scales as a layer stores them (sluice.model.linear): "block": [ceil(N / GN), ceil(K / GK)], the
+checkpoint's `weight_scale_inv` (GN x GK = 128 x 128 in every checkpoint seen); "channel": [N],
+one per output row (a per-tensor scale is stored repeated per row, so q/k/v or gate/up merged
+from per-tensor checkpoints keep one layout). W ~= fp8 * scale, element by element.
+
+Two ways, by the number of rows M (`fp8_linear`):
+
+- **Weight-only** (M <= WEIGHT_ONLY_MAX_ROWS, decode): a step of a few rows is bound by reading
+  W, so `_w8a16_kernel` reads the FP8 weights (half the bf16 bytes), widens each tile in
+  registers and multiplies it with x as it is: no activation quantization (no launch, no
+  rounding of x). One row: CUDA-core multiply-adds into a [BLOCK_N, BLOCK_K] float32 accumulator
+  summed over K once (the design of sluice.model.triton_gemm's one-row kernel); block scales
+  scale x's K slice, since a program's rows lie in one block row. More rows: tensor-core tiles of
+  W (widened to x's dtype) times x^T, a block scale per tile and K step.
+- **W8A8** (more rows: prefill, large decode batches): x is quantized to FP8 at run time
+  (`quantize_activations`: per token, and per GK-channel group for block-scaled weights, each
+  group's largest magnitude mapped to 448) and the product runs on the FP8 tensor cores:
+  `torch._scaled_mm` with row-wise scales for per-channel weights, `_w8a8_kernel` (block-scaled:
+  each K step's product times its row and column scales) for blocks.
+
+`fp8_linear_reference` (sluice.model.quantization.fp8_linear_reference) is the CPU reference:
+the weight dequantized to x's dtype, then F.linear.
+
+The functions take CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1` (the tests). The
+grids depend only on python ints, so launches can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from sluice.model.quantization import FP8_MAX
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Batches of at most this many rows run weight-only; larger ones quantize their activations.
+WEIGHT_ONLY_MAX_ROWS = 16
+# Smallest scale of an activation group (an all-zero row quantizes to zeros, not NaN).
+_MIN_SCALE = 1e-10
+
+
+class Fp8GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8  # W8A8: tiles of GROUP_M rows of tiles ordered together (L2 reuse)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a16_kernel(
+    x_ptr,  # [M, K] (the model dtype)
+    w_ptr,  # [N, K] float8_e4m3fn
+    s_ptr,  # BLOCKWISE: [ceil(N / GROUP_N), ceil(K / GROUP_K)]; else [N] (float32)
+    y_ptr,  # [M, N]
+    M,
+    N,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # BLOCKWISE: divides GROUP_N (a program's rows share a block row)
+    BLOCK_M: tl.constexpr,  # 1: CUDA-core multiply-adds; else tensor-core tiles
+    BLOCK_K: tl.constexpr,  # BLOCKWISE with BLOCK_M > 1: divides GROUP_K
+    BLOCKWISE: tl.constexpr,
+    UPCAST: tl.constexpr,  # the CPU interpreter: its 16-bit dot products are wrong
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 x: no TF32 rounding
+    STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    dtype = y_ptr.dtype.element_ty
+    block_row = (pid_n * BLOCK_N) // GROUP_N
+    if BLOCK_M == 1:
+        x_ptrs = x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k_start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            k_mask = k_start + offs_k < K
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            if BLOCKWISE:
+                x *= tl.load(s_ptr + block_row * stride_sn + (k_start + offs_k) // GROUP_K,
+                             mask=k_mask, other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=1)
+        if not BLOCKWISE:
+            y *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+        tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + offs_n, y.to(dtype), mask=n_mask)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k_start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            k_mask = k_start + offs_k < K
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if UPCAST:
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            else:
+                w = w.to(dtype)
+            if BLOCKWISE:
+                scale = tl.load(s_ptr + block_row * stride_sn + k_start // GROUP_K)
+                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale
+            else:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if not BLOCKWISE:
+            acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, acc.to(dtype), mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quantize_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] float8_e4m3fn
+    s_ptr,  # [M, ceil(K / GROUP)] float32
+    M,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    K: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # a power of two >= GROUP
+    FP8_MAX_VALUE: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
+    """One program a (row, group): scale = max |x| / 448 over the group, q = x / scale."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP_PAD)
+    mask = (tl.arange(0, GROUP_PAD) < GROUP) & (offs < K)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_VALUE, MIN_SCALE)
+    q = tl.clamp(x / scale, -FP8_MAX_VALUE, FP8_MAX_VALUE)
+    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + group, scale)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_kernel(
+    a_ptr,  # [M, K] float8_e4m3fn (the quantized activations)
+    b_ptr,  # [N, K] float8_e4m3fn (the weight)
+    as_ptr,  # BLOCKWISE: [M, ceil(K / GROUP_K)]; else [M] (float32)
+    bs_ptr,  # BLOCKWISE: [ceil(N / GROUP_N), ceil(K / GROUP_K)]; else [N] (float32)
+    y_ptr,  # [M, N]
+    M,
+    N,
+    stride_am,
+    stride_bn,
+    stride_asm,
+    stride_bsn,
+    stride_ym,
+    K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # BLOCKWISE: divides GROUP_K
+    GROUP_M: tl.constexpr,
+    BLOCKWISE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """[BLOCK_M, BLOCK_N] of y a program, tiles ordered GROUP_M tile rows at a time."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # out-of-range rows and columns read the last
+    cols = tl.minimum(offs_n, N - 1).to(tl.int64)  # ones, and are never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + cols[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = k_start + offs_k < K
+        a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if BLOCKWISE:
+            a_scale = tl.load(as_ptr + rows * stride_asm + k_start // GROUP_K)
+            b_scale = tl.load(bs_ptr + (cols // GROUP_N) * stride_bsn + k_start // GROUP_K)
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if not BLOCKWISE:
+        acc *= tl.load(as_ptr + rows)[:, None] * tl.load(bs_ptr + cols)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+# ---- the launches ----------------------------------------------------------------------------
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+           block: tuple[int, int] | None) -> None:
+    n, k = weight.shape
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"FP8 weight expected, got {weight.dtype}")
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"x of shape {tuple(x.shape)} (strides {x.stride()}) does not fit a "
+                         f"weight of shape {tuple(weight.shape)}")
+    expected = (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])) if block else (n,)
+    if tuple(scale.shape) != expected or scale.dtype != torch.float32:
+        raise ValueError(f"scale of shape {tuple(scale.shape)} ({scale.dtype}) does not fit a "
+                         f"{tuple(weight.shape)} weight scaled per "
+                         f"{f'{block[0]}x{block[1]} block' if block else 'row'}: "
+                         f"float32 {list(expected)} expected")
+
+
+def w8a16_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> Fp8GemmConfig:
+    """Tiles of the weight-only kernel: one row: 4 weight rows (within a block row) and up to
+    2,048 of K a program; more: 16 rows by 64 weight rows, 128 of K (the block's K or less)."""
+    if m == 1:
+        block_n = 4
+        if block is not None:
+            while block[0] % block_n:
+                block_n //= 2
+        block_k = min(2048, triton.next_power_of_2(k))
+        return Fp8GemmConfig(1, block_n, block_k, 8 if block_k >= 2048 else 4, 2)
+    block_n, block_k = 64, 128
+    if block is not None:
+        block_n = min(block_n, _largest_power_of_two_dividing(block[0]))
+        block_k = min(block_k, _largest_power_of_two_dividing(block[1]))
+    return Fp8GemmConfig(16, max(block_n, 16), max(block_k, 16), 4, 4)
+
+
+def w8a8_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> Fp8GemmConfig:
+    """Tiles of the W8A8 kernel: 64 rows by 128 columns up to 128 rows of x, else 128 by 128;
+    128 of K a step (the block's K or less)."""
+    block_k = 128 if block is None else min(128, _largest_power_of_two_dividing(block[1]))
+    if m <= 128:
+        return Fp8GemmConfig(64, 128, max(block_k, 16), 4, 3)
+    return Fp8GemmConfig(128, 128, max(block_k, 16), 8, 3)
+
+
+def _largest_power_of_two_dividing(value: int) -> int:
+    return value & -value
+
+
+def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             block: tuple[int, int] | None, config: Fp8GemmConfig | None = None
+             ) -> torch.Tensor:
+    """x [M, K] (the model dtype) times the FP8 weight [N, K] (scaled per block or row)
+    transposed -> [M, N] in x's dtype, the weight widened in registers."""
+    _check(x, weight, scale, block)
+    m, (n, k) = x.shape[0], weight.shape
+    config = config or w8a16_config(m, n, k, block)
+    if block is not None:
+        if block[0] % config.block_n or (config.block_m > 1 and block[1] % config.block_k):
+            raise ValueError(f"{config} does not fit {block[0]}x{block[1]} scale blocks")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))
+    _w8a16_kernel[grid](
+        x, weight, scale, out, m, n, x.stride(0), weight.stride(0),
+        scale.stride(0), out.stride(0),
+        K=k, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else k,
+        BLOCK_N=config.block_n, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
+        BLOCKWISE=block is not None, UPCAST=_INTERPRET,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", STAGES=config.num_stages,
+        num_warps=config.num_warps,
+    )
+    return out
+
+
+def quantize_activations(x: torch.Tensor, group: int | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales) with x ~= q * scale: per token
+    (`group` None: scales [M]) or per token and `group` channels ([M, ceil(K / group)])."""
+    m, k = x.shape
+    size = k if group is None else group
+    groups = triton.cdiv(k, size)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        pad = triton.next_power_of_2(size)
+        _quantize_kernel[(m, groups)](
+            x, q, scales, m, x.stride(0), q.stride(0), scales.stride(0), K=k, GROUP=size,
+            GROUP_PAD=pad, FP8_MAX_VALUE=FP8_MAX, MIN_SCALE=_MIN_SCALE,
+            num_warps=4 if pad <= 2048 else 8,
+        )
+    return q, (scales.reshape(m) if group is None else scales)
+
+
+def quantize_activations_reference(x: torch.Tensor, group: int | None
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_activations in torch ops (the tests' and gpu_check's reference)."""
+    m, k = x.shape
+    size = k if group is None else group
+    groups = -(-k // size)
+    padded = torch.zeros((m, groups * size), dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    parts = padded.reshape(m, groups, size)
+    scales = (parts.abs().amax(dim=2) / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = (parts / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(m, -1)[:, :k]
+    q = q.to(torch.float8_e4m3fn)
+    return q, (scales.reshape(m) if group is None else scales)
+
+
+def w8a8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+            block: tuple[int, int] | None, config: Fp8GemmConfig | None = None,
+            use_scaled_mm: bool | None = None) -> torch.Tensor:
+    """x [M, K] quantized to FP8 (per token; per token and block[1] channels with block
+    scales), times the FP8 weight transposed on the FP8 tensor cores -> [M, N] in x's dtype.
+    Per-row scales run in torch._scaled_mm on CUDA (row-wise scaling, which writes bf16 only)
+    for bf16 x unless `use_scaled_mm` is False; blocks, and other dtypes, in _w8a8_kernel."""
+    _check(x, weight, scale, block)
+    m, (n, k) = x.shape[0], weight.shape
+    out_dtype = x.dtype
+    q, q_scale = quantize_activations(x, block[1] if block else None)
+    if block is None and (use_scaled_mm if use_scaled_mm is not None else (
+            x.is_cuda and out_dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0)):
+        return torch._scaled_mm(q, weight.t(), scale_a=q_scale.reshape(m, 1),
+                                scale_b=scale.reshape(1, n), out_dtype=out_dtype)
+    config = config or w8a8_config(m, n, k, block)
+    if block is not None and block[1] % config.block_k:
+        raise ValueError(f"{config} does not fit {block[0]}x{block[1]} scale blocks")
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _w8a8_kernel[grid](
+        q, weight, q_scale, scale, out, m, n, q.stride(0), weight.stride(0),
+        q_scale.stride(0), scale.stride(0), out.stride(0),
+        K=k, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, BLOCKWISE=block is not None, UPCAST=_INTERPRET,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None) -> torch.Tensor:
+    """x [..., K] times the FP8 weight [N, K] transposed: weight-only up to
+    WEIGHT_ONLY_MAX_ROWS rows, W8A8 above (the module's docstring)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if rows.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+        y = w8a16_mm(rows, weight, scale, block)
+    else:
+        y = w8a8_mm(rows, weight, scale, block)
+    return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,188 @@
+"""The FP8 matmuls (sluice.model.fp8_gemm) against their torch references:
+
+- weight-only (decode rows): the product of x with the dequantized weight
+  (quantization.fp8_linear_reference), within float32 summation order in float32 and within
+  bfloat16 rounding of the sum in bfloat16;
+- activation quantization: exactly quantize_activations_reference (the same scales, the same
+  FP8 values);
+- W8A8: the float32 product of the dequantized activations and weights, rounded to the output
+  dtype (summation order apart);
+- fp8_linear: weight-only up to WEIGHT_ONLY_MAX_ROWS rows, W8A8 above, and close to the
+  reference (the activations' rounding is the difference: stated below).
+
+On a CPU the kernels run in Triton's interpreter (conftest.py), so shapes stay tiny; on a GPU
+the same tests run, plus Qwen3-8B's projection shapes, and torch._scaled_mm's path for
+per-row scales.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.model import fp8_gemm
+from sluice.model.fp8_gemm import (
+    Fp8GemmConfig,
+    quantize_activations,
+    quantize_activations_reference,
+    w8a8_mm,
+    w8a16_mm,
+)
+from sluice.model.quantization import dequantize_stored, fp8_linear_reference, quantize_fp8
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def fp8_weight(n: int, k: int, block: tuple[int, int] | None, seed: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight quantized per block, or per row ([N] scales) when block is None."""
+    generator = torch.Generator().manual_seed(seed)
+    dense = torch.randn(n, k, generator=generator) * 0.05
+    # rows of very different magnitudes, so per-row and per-block scales matter
+    dense *= torch.logspace(-2, 1, n)[torch.randperm(n, generator=generator)][:, None]
+    if block is None:
+        weight, scale = quantize_fp8(dense, "channel")
+        scale = scale.reshape(n)
+    else:
+        weight, scale = quantize_fp8(dense, "block", block)
+    return weight.to(DEVICE), scale.to(DEVICE)
+
+
+def activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=generator)
+    x[:, ::7] *= 20  # outlier channels, as in real activations
+    return x.to(dtype).to(DEVICE)
+
+
+def exact_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                  block: tuple[int, int] | None) -> torch.Tensor:
+    return x.double() @ dequantize_stored(weight, scale, block, torch.float64).T
+
+
+BLOCKS = [(16, 16), (32, 16), None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_the_weight_only_product_is_x_times_the_dequantized_weight(
+        m: int, block: tuple[int, int] | None, dtype: torch.dtype) -> None:
+    n, k = 96, 80  # K not a multiple of the one-row kernel's K step
+    weight, scale = fp8_weight(n, k, block, seed=m)
+    x = activations(m, k, dtype, seed=10 + m)
+    actual = w8a16_mm(x, weight, scale, block)
+    expected = exact_product(x, weight, scale, block)
+    assert actual.dtype == dtype and actual.shape == (m, n)
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-7, atol=1e-2)
+    reference = fp8_linear_reference(x, weight, scale, block)
+    scale_of_y = expected.abs().max().item()
+    assert (actual.double() - reference.double()).abs().max().item() < 0.02 * scale_of_y
+
+
+def test_a_one_row_program_s_rows_share_a_block_row() -> None:
+    """Block rows of 8: the one-row kernel takes 4 weight rows a program, never 4 across two
+    block rows; and tiles that do not fit the blocks are refused, naming them."""
+    weight, scale = fp8_weight(40, 64, (8, 16), seed=3)
+    x = activations(1, 64, torch.float32, seed=4)
+    torch.testing.assert_close(w8a16_mm(x, weight, scale, (8, 16)).double(),
+                               exact_product(x, weight, scale, (8, 16)), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="does not fit 8x16 scale blocks"):
+        w8a16_mm(activations(2, 64, torch.float32, 5), weight, scale, (8, 16),
+                 Fp8GemmConfig(16, 16, 16, 4, 1))
+
+
+@pytest.mark.parametrize("group", [None, 16, 32])
+def test_activation_quantization_equals_the_reference(group: int | None) -> None:
+    x = activations(5, 80, torch.bfloat16, seed=1)
+    x[2] = 0  # an all-zero row: zeros, not NaN
+    q, scales = quantize_activations(x, group)
+    q_ref, scales_ref = quantize_activations_reference(x, group)
+    assert q.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+    assert scales.shape == ((5,) if group is None else (5, -(-80 // group)))
+    torch.testing.assert_close(scales, scales_ref, rtol=0, atol=0)
+    assert torch.equal(q.float(), q_ref.float())
+    assert torch.isfinite(q.float()).all() and (q[2].float() == 0).all()
+    # x ~= q * scale: FP8's 3 mantissa bits, relative to each group's largest value
+    size = 80 if group is None else group
+    per_element = (scales if group is None else scales.repeat_interleave(size, 1)[:, :80])
+    restored = q.float() * per_element.reshape(5, -1)
+    assert ((restored - x.float()).abs() <= per_element.reshape(5, -1) * 448 / 16 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("m", [17, 70])
+def test_the_w8a8_product_is_the_dequantized_fp8_operands_product(
+        m: int, block: tuple[int, int] | None, dtype: torch.dtype) -> None:
+    n, k = 96, 80
+    weight, scale = fp8_weight(n, k, block, seed=m)
+    x = activations(m, k, dtype, seed=20 + m)
+    q, q_scale = quantize_activations_reference(x, block[1] if block else None)
+    q_scale = q_scale.reshape(m, -1) if block else q_scale.reshape(m, 1)
+    per_element = q_scale.repeat_interleave(block[1], 1)[:, :k] if block else q_scale
+    x_restored = q.double() * per_element.double()
+    expected = x_restored @ dequantize_stored(weight, scale, block, torch.float64).T
+    configs = [None, Fp8GemmConfig(16, 32, 16, 4, 2, group_m=2)]
+    for config in configs:
+        actual = w8a8_mm(x, weight, scale, block, config, use_scaled_mm=False)
+        assert actual.dtype == dtype and actual.shape == (m, n)
+        torch.testing.assert_close(actual.double(), expected.to(dtype).double(),
+                                   rtol=2**-7 if dtype != torch.float32 else 1e-5, atol=1e-3)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch._scaled_mm's row-wise scales run on CUDA")
+def test_scaled_mm_equals_the_triton_w8a8_kernel_for_per_row_scales() -> None:
+    weight, scale = fp8_weight(512, 256, None, seed=1)
+    x = activations(100, 256, torch.bfloat16, seed=2)
+    torch.testing.assert_close(w8a8_mm(x, weight, scale, None, use_scaled_mm=True).float(),
+                               w8a8_mm(x, weight, scale, None, use_scaled_mm=False).float(),
+                               rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_fp8_linear_runs_weight_only_for_few_rows_and_w8a8_above(
+        block: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    weight, scale = fp8_weight(64, 48, block, seed=7)
+    calls = []
+    for name in ("w8a16_mm", "w8a8_mm"):
+        original = getattr(fp8_gemm, name)
+        monkeypatch.setattr(fp8_gemm, name,
+                            lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    rows = fp8_gemm.WEIGHT_ONLY_MAX_ROWS
+    for m, path in ((1, "w8a16_mm"), (rows, "w8a16_mm"), (rows + 1, "w8a8_mm")):
+        x = activations(m, 48, torch.bfloat16, seed=m).reshape(1, m, 48)  # any leading dims
+        y = fp8_gemm.fp8_linear(x, weight, scale, block)
+        assert calls[-1] == path and y.shape == (1, m, 64)
+        reference = fp8_linear_reference(x, weight, scale, block)
+        # W8A8 rounds the activations to FP8 too: 3 mantissa bits, errors of both signs
+        # averaging out over K
+        bound = 0.02 if path == "w8a16_mm" else 0.08
+        assert (y.float() - reference.float()).abs().max() <= bound * reference.abs().max()
+
+
+def test_mismatched_scales_and_weights_are_refused() -> None:
+    weight, scale = fp8_weight(32, 32, (16, 16), seed=1)
+    x = activations(2, 32, torch.bfloat16, seed=2)
+    with pytest.raises(ValueError, match=r"scale of shape \(2, 2\).*\[32\] expected"):
+        w8a16_mm(x, weight, scale, None)
+    with pytest.raises(ValueError, match="FP8 weight expected"):
+        w8a8_mm(x, weight.to(torch.bfloat16), scale, (16, 16))
+    with pytest.raises(ValueError, match="does not fit a weight"):
+        w8a16_mm(activations(2, 16, torch.bfloat16, 3), weight, scale, (16, 16))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Qwen3-8B's shapes take minutes in the interpreter")
+@pytest.mark.parametrize("m", [1, 8, 64, 3000])
+@pytest.mark.parametrize("block", [(128, 128), None])
+def test_qwen3_8b_shapes(m: int, block: tuple[int, int] | None) -> None:
+    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
+        weight, scale = fp8_weight(n, k, block, seed=n + k)
+        x = activations(m, k, torch.bfloat16, seed=m)
+        y = fp8_gemm.fp8_linear(x, weight, scale, block)
+        reference = fp8_linear_reference(x, weight, scale, block).float()
+        error = (y.float() - reference).norm() / reference.norm()
+        assert error < (0.01 if m <= fp8_gemm.WEIGHT_ONLY_MAX_ROWS else 0.05), (n, k, error)
