@@ -10,7 +10,7 @@ weight copies (no L2 reuse between calls, as in the model):
 3. whether this torch's _scaled_mm takes 1 x 128 / 128 x 128 block scales (recorded).
 
     PYTHONPATH=. python benchmarks/tools/fp8_gemm_sweep.py OUT_DIR [ROWS]
-        # writes OUT_DIR/fp8-gemm-sweep.json; ROWS: e.g. 1,16,64,3000 (the default)
+        # writes OUT_DIR/fp8-gemm-sweep.json; ROWS: e.g. 1,4,16,64,3000 (the default)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from sluice.model.quantization import quantize_fp8
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288)}
 LAYERS = 36
-ROWS = [1, 16, 64, 3000]
+ROWS = [1, 4, 16, 64, 3000]
 BLOCK = (128, 128)
 REPS = 10
 
@@ -65,25 +65,23 @@ def time_graph(fns: list) -> float:
 
 def w8a16_configs(m: int):
     if m == 1:
-        for bn, bk, warps, stages in itertools.product((2, 4, 8), (1024, 2048, 4096), (4, 8),
-                                                      (1, 3)):
-            yield Fp8GemmConfig(1, bn, bk, warps, stages)
-        return
-    if m > 64:
-        return
-    for bm, bn, bk, stages in itertools.product((16, 32, 64), (32, 64, 128), (128,), (3, 5)):
-        if bm <= max(16, 1 << (m - 1).bit_length()):
-            yield Fp8GemmConfig(bm, bn, bk, 4, stages)
+        for bn, bk, warps in itertools.product((4, 8, 16), (1024, 2048, 4096), (4, 8)):
+            yield Fp8GemmConfig(1, bn, bk, warps, 1)
+    elif m <= 8:  # one row a program, each row's programs reading the weights (from L2)
+        yield fp8_gemm.w8a16_config(1, 4096, 4096, BLOCK)
+        yield fp8_gemm.w8a16_config(1, 4096, 12288, BLOCK)
 
 
-def w8a8_configs(m: int):
-    for bm, bn, warps, stages, group in itertools.product(
-            (16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4), (8,)):
-        if bm > max(16, 1 << (m - 1).bit_length()) or (bm == 128 and bn == 256 and stages > 3):
-            continue
-        if m <= 64 and warps == 8:
-            continue
-        yield Fp8GemmConfig(bm, bn, 128, warps, stages, group)
+def w8a8_configs(m: int, block):
+    if m <= 64:
+        for bm, bn, bk, stages in itertools.product((16, 32, 64), (16, 32, 64, 128), (128, 256),
+                                                    (3, 4, 5)):
+            if bm <= max(16, 1 << (m - 1).bit_length()) and (bk == 128 or block is None):
+                yield Fp8GemmConfig(bm, bn, bk, 4, stages)
+        return
+    for cfg in ((128, 256, 128, 8, 3), (128, 128, 128, 8, 3), (64, 256, 128, 8, 3),
+                (128, 256, 128, 8, 4), (128, 128, 128, 4, 4), (64, 128, 128, 4, 3)):
+        yield Fp8GemmConfig(*cfg)
 
 
 def _weights(n: int, k: int, block, copies: int):
@@ -104,7 +102,7 @@ def _compile(job: tuple) -> tuple | None:
         if kind == "w8a16":
             w8a16_mm(x, w, s, block, Fp8GemmConfig(*cfg))
         else:
-            w8a8_mm(x, w, s, block, Fp8GemmConfig(*cfg), use_scaled_mm=False)
+            w8a8_mm(x, w, s, block, Fp8GemmConfig(*cfg), backend="triton")
         torch.cuda.synchronize()
     except Exception:  # out of shared memory or registers
         return job
@@ -114,9 +112,9 @@ def _compile(job: tuple) -> tuple | None:
 def _jobs(rows: list[int]) -> list[tuple]:
     jobs = []
     for name, block, m in itertools.product(SHAPES, (BLOCK, None), rows):
-        jobs += [("w8a16", name, block, 1 if m == 1 else 16, tuple(c)) for c in w8a16_configs(m)]
+        jobs += [("w8a16", name, block, 1, tuple(c)) for c in w8a16_configs(m)]
         if m > 1:
-            jobs += [("w8a8", name, block, 256, tuple(c)) for c in w8a8_configs(m)]
+            jobs += [("w8a8", name, block, 256, tuple(c)) for c in w8a8_configs(m, block)]
     return sorted(set(jobs), key=str)
 
 
@@ -161,15 +159,14 @@ def main() -> None:
                 entry = {"cublas_bf16_us": time_graph(
                     [lambda w=w, x=x: F.linear(x, w) for w in dense])}
                 for kind, configs in (("w8a16", w8a16_configs(m)),
-                                      ("w8a8", w8a8_configs(m) if m > 1 else [])):
+                                      ("w8a8", w8a8_configs(m, block) if m > 1 else [])):
                     times = {}
                     for cfg in configs:
-                        rows_key = 1 if (kind == "w8a16" and m == 1) else (
-                            16 if kind == "w8a16" else 256)
+                        rows_key = 1 if kind == "w8a16" else 256
                         if (kind, name, block, rows_key, tuple(cfg)) in unfit:
                             continue
                         fn = w8a16_mm if kind == "w8a16" else (
-                            lambda *a, **kw: w8a8_mm(*a, use_scaled_mm=False, **kw))
+                            lambda *a, **kw: w8a8_mm(*a, backend="triton", **kw))
                         times[cfg] = time_graph(
                             [lambda w=w, s=s, c=cfg, x=x, f=fn, b=block: f(x, w, s, b, c)
                              for w, s in weights])
@@ -177,9 +174,10 @@ def main() -> None:
                         ranked = sorted(times, key=times.get)
                         entry[f"{kind}_best"] = [list(ranked[0]), times[ranked[0]]]
                         entry[f"{kind}_top5"] = [[list(c), times[c]] for c in ranked[:5]]
-                if m > 1 and block is None:
+                if m > 1 and (block is None
+                              or fp8_gemm.block_scaled_mm_supported(torch.device("cuda"))):
                     entry["scaled_mm_us"] = time_graph(
-                        [lambda w=w, s=s, x=x: w8a8_mm(x, w, s, None, use_scaled_mm=True)
+                        [lambda w=w, s=s, x=x, b=block: w8a8_mm(x, w, s, b, backend="scaled_mm")
                          for w, s in weights])
                 entry["chosen_us"] = time_graph(
                     [lambda w=w, s=s, x=x, b=block: fp8_gemm.fp8_linear(x, w, s, b)

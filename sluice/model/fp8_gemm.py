@@ -43,7 +43,7 @@ from sluice.model.quantization import FP8_MAX
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Batches of at most this many rows run weight-only; larger ones quantize their activations.
-WEIGHT_ONLY_MAX_ROWS = 16
+WEIGHT_ONLY_MAX_ROWS = 1
 # Smallest scale of an activation group (an all-zero row quantizes to zeros, not NaN).
 _MIN_SCALE = 1e-10
 
@@ -136,11 +136,12 @@ def _w8a16_kernel(
 def _quantize_kernel(
     x_ptr,  # [M, K]
     q_ptr,  # [M, K] float8_e4m3fn
-    s_ptr,  # [M, ceil(K / GROUP)] float32
+    s_ptr,  # [M, ceil(K / GROUP)] float32, at strides (stride_sm, stride_sg)
     M,
     stride_xm,
     stride_qm,
     stride_sm,
+    stride_sg,
     K: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # a power of two >= GROUP
@@ -156,7 +157,7 @@ def _quantize_kernel(
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_VALUE, MIN_SCALE)
     q = tl.clamp(x / scale, -FP8_MAX_VALUE, FP8_MAX_VALUE)
     tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + group, scale)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -242,29 +243,30 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def w8a16_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> Fp8GemmConfig:
-    """Tiles of the weight-only kernel: one row: 4 weight rows (within a block row) and up to
-    2,048 of K a program; more: 16 rows by 64 weight rows, 128 of K (the block's K or less)."""
-    if m == 1:
-        block_n = 4
-        if block is not None:
-            while block[0] % block_n:
-                block_n //= 2
-        block_k = min(2048, triton.next_power_of_2(k))
-        return Fp8GemmConfig(1, block_n, block_k, 8 if block_k >= 2048 else 4, 2)
-    block_n, block_k = 64, 128
+    """Tiles of the weight-only kernel (benchmarks/tools/fp8_gemm_sweep.py, Qwen3-8B's shapes
+    on an H200): one row a program, 8 weight rows (within a block row), all of K up to 4,096
+    an iteration with 8 warps, 1,024 with 4 above (the down projection's 12,288)."""
+    block_n = 8
     if block is not None:
-        block_n = min(block_n, _largest_power_of_two_dividing(block[0]))
-        block_k = min(block_k, _largest_power_of_two_dividing(block[1]))
-    return Fp8GemmConfig(16, max(block_n, 16), max(block_k, 16), 4, 4)
+        while block[0] % block_n:
+            block_n //= 2
+    if k <= 4096:
+        block_k = triton.next_power_of_2(k)
+        return Fp8GemmConfig(1, block_n, block_k, 8 if block_k >= 2048 else 4, 1)
+    return Fp8GemmConfig(1, block_n, 1024, 4, 1)
 
 
 def w8a8_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> Fp8GemmConfig:
-    """Tiles of the W8A8 kernel: 64 rows by 128 columns up to 128 rows of x, else 128 by 128;
-    128 of K a step (the block's K or less)."""
+    """Tiles of the W8A8 kernel (the same sweep): rows in tiles of 16 up to 16 rows, of 64 up
+    to 64 (64 columns), else 128 by 256 with 8 warps; 128 of K a step (the block's K or less,
+    32 at least: the FP8 tensor cores' K)."""
     block_k = 128 if block is None else min(128, _largest_power_of_two_dividing(block[1]))
-    if m <= 128:
-        return Fp8GemmConfig(64, 128, max(block_k, 16), 4, 3)
-    return Fp8GemmConfig(128, 128, max(block_k, 16), 8, 3)
+    block_k = max(block_k, 32)
+    if m <= 16:
+        return Fp8GemmConfig(16, 64, block_k, 4, 4)
+    if m <= 64:
+        return Fp8GemmConfig(64, 64, block_k, 4, 4)
+    return Fp8GemmConfig(128, 256, block_k, 8, 3)
 
 
 def _largest_power_of_two_dividing(value: int) -> int:
@@ -298,20 +300,24 @@ def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-def quantize_activations(x: torch.Tensor, group: int | None
+def quantize_activations(x: torch.Tensor, group: int | None, column_major: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn [M, K], float32 scales) with x ~= q * scale: per token
-    (`group` None: scales [M]) or per token and `group` channels ([M, ceil(K / group)])."""
+    (`group` None: scales [M]) or per token and `group` channels ([M, ceil(K / group)]; with
+    `column_major` stored group by group, the layout torch._scaled_mm's block scales take)."""
     m, k = x.shape
     size = k if group is None else group
     groups = triton.cdiv(k, size)
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if column_major:
+        scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
         pad = triton.next_power_of_2(size)
         _quantize_kernel[(m, groups)](
-            x, q, scales, m, x.stride(0), q.stride(0), scales.stride(0), K=k, GROUP=size,
-            GROUP_PAD=pad, FP8_MAX_VALUE=FP8_MAX, MIN_SCALE=_MIN_SCALE,
+            x, q, scales, m, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+            K=k, GROUP=size, GROUP_PAD=pad, FP8_MAX_VALUE=FP8_MAX, MIN_SCALE=_MIN_SCALE,
             num_warps=4 if pad <= 2048 else 8,
         )
     return q, (scales.reshape(m) if group is None else scales)
@@ -332,21 +338,70 @@ def quantize_activations_reference(x: torch.Tensor, group: int | None
     return q, (scales.reshape(m) if group is None else scales)
 
 
+_BLOCK_SCALED_MM: dict[torch.device, bool] = {}
+
+
+def block_scaled_mm_supported(device: torch.device) -> bool:
+    """Whether this torch's _scaled_mm multiplies with DeepSeek-style block scales on `device`
+    (1 x 128 for the activations, 128 x 128 for the weight: cuBLAS 12.9 and up on Hopper);
+    tried once per device on a small product and checked against the Triton kernel."""
+    if device not in _BLOCK_SCALED_MM:
+        ok = False
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+            try:
+                from sluice.model.quantization import quantize_fp8
+
+                generator = torch.Generator(device=device).manual_seed(0)
+                w, s = quantize_fp8(torch.randn(256, 256, device=device, generator=generator),
+                                    "block")
+                x = torch.randn(32, 256, device=device, generator=generator,
+                                dtype=torch.bfloat16)
+                got = _block_scaled_mm(x, w, s)
+                want = w8a8_mm(x, w, s, (128, 128), backend="triton")
+                ok = bool(torch.allclose(got.float(), want.float(), rtol=2**-6, atol=0.1))
+            except RuntimeError:  # "Invalid scaling configuration" and the like
+                ok = False
+        _BLOCK_SCALED_MM[device] = ok
+    return _BLOCK_SCALED_MM[device]
+
+
+def _block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+                     ) -> torch.Tensor:
+    q, q_scale = quantize_activations(x, 128, column_major=True)
+    return torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.t(),
+                            out_dtype=x.dtype)
+
+
 def w8a8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             block: tuple[int, int] | None, config: Fp8GemmConfig | None = None,
-            use_scaled_mm: bool | None = None) -> torch.Tensor:
+            backend: str | None = None) -> torch.Tensor:
     """x [M, K] quantized to FP8 (per token; per token and block[1] channels with block
     scales), times the FP8 weight transposed on the FP8 tensor cores -> [M, N] in x's dtype.
-    Per-row scales run in torch._scaled_mm on CUDA (row-wise scaling, which writes bf16 only)
-    for bf16 x unless `use_scaled_mm` is False; blocks, and other dtypes, in _w8a8_kernel."""
+    `backend` "scaled_mm" (torch._scaled_mm: cuBLAS; row-wise scales, or 128 x 128 blocks
+    where block_scaled_mm_supported; bf16 out), "triton" (_w8a8_kernel), or None: scaled_mm
+    where it runs (CUDA, bf16 x, dimensions multiples of 16, or of 128 with blocks), else
+    Triton."""
     _check(x, weight, scale, block)
     m, (n, k) = x.shape[0], weight.shape
     out_dtype = x.dtype
-    q, q_scale = quantize_activations(x, block[1] if block else None)
-    if block is None and (use_scaled_mm if use_scaled_mm is not None else (
-            x.is_cuda and out_dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0)):
+    if block is not None and block[1] < 32:
+        raise ValueError(f"W8A8 needs scale blocks at least 32 wide along K, not {block[1]} "
+                         "(the FP8 tensor cores multiply 32 of K at a time)")
+    if backend is None:
+        runs = x.is_cuda and out_dtype == torch.bfloat16 and m > 0
+        if block is None:
+            backend = "scaled_mm" if runs and k % 16 == 0 and n % 16 == 0 else "triton"
+        else:
+            backend = "scaled_mm" if (runs and block == (128, 128) and k % 128 == 0
+                                      and n % 128 == 0
+                                      and block_scaled_mm_supported(x.device)) else "triton"
+    if backend == "scaled_mm":
+        if block is not None:
+            return _block_scaled_mm(x, weight, scale)
+        q, q_scale = quantize_activations(x, None)
         return torch._scaled_mm(q, weight.t(), scale_a=q_scale.reshape(m, 1),
                                 scale_b=scale.reshape(1, n), out_dtype=out_dtype)
+    q, q_scale = quantize_activations(x, block[1] if block else None)
     config = config or w8a8_config(m, n, k, block)
     if block is not None and block[1] % config.block_k:
         raise ValueError(f"{config} does not fit {block[0]}x{block[1]} scale blocks")

@@ -321,7 +321,7 @@ def _loaded(folder: str, keep: bool):
 def test_layers_that_keep_fp8_weights_give_the_dequantized_model_s_greedy_ids(
         kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SLUICE_FP8_WEIGHTS=keep (what a GPU with FP8 tensor cores does by default): every
-    projection holds its FP8 weight and float32 scales (per 16 x 16 block; per row, a per-tensor
+    projection holds its FP8 weight and float32 scales (per 16 x 32 block; per row, a per-tensor
     scale repeated over q, k and v's rows) and multiplies through the CPU's fp8_op, which
     dequantizes as the load-time path does: the same greedy ids."""
     if kind == "tensor":
@@ -329,7 +329,7 @@ def test_layers_that_keep_fp8_weights_give_the_dequantized_model_s_greedy_ids(
                                                                     arch="qwen2"))))
     else:
         folder = make_tiny_model(str(tmp_path / "m"), arch="llama" if kind == "channel"
-                                 else "qwen3", quantize=f"fp8-{kind}", block_size=(16, 16))
+                                 else "qwen3", quantize=f"fp8-{kind}", block_size=(16, 32))
     model = _loaded(folder, keep=True)
     layer = model.model.layers[1]
     linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
@@ -338,7 +338,7 @@ def test_layers_that_keep_fp8_weights_give_the_dequantized_model_s_greedy_ids(
                for linear in linears)
     qkv = layer.self_attn.qkv_proj
     n, k = qkv.weight.shape
-    assert qkv.weight_scale.shape == ((n // 16, k // 16) if kind == "block" else (n,))
+    assert qkv.weight_scale.shape == ((n // 16, k // 32) if kind == "block" else (n,))
     assert model.lm_head.weight.dtype == torch.float32
     dequantized = _loaded(folder, keep=False)
     assert not dequantized.model.layers[1].self_attn.qkv_proj.is_fp8
@@ -351,8 +351,8 @@ def test_layers_that_keep_fp8_weights_give_the_dequantized_model_s_greedy_ids(
 
 
 def test_blocks_the_ranks_pieces_do_not_fall_on_are_dequantized(tmp_path: Path) -> None:
-    """24 x 40 blocks (not multiples of 16, and q/k/v's rows end inside one): those layers load
-    dequantized even when FP8 weights are kept; SLUICE_FP8_WEIGHTS takes three values."""
+    """24 x 40 blocks (40 is no multiple of the FP8 tensor cores' 32 of K, and q/k/v's rows end
+    inside a block): those layers load dequantized even when FP8 weights are kept."""
     folder = make_tiny_model(str(tmp_path / "m"), quantize="fp8-block", block_size=(24, 40))
     model = _loaded(folder, keep=True)
     assert not any(getattr(m, "is_fp8", False) for m in model.modules())
@@ -362,8 +362,9 @@ def test_blocks_the_ranks_pieces_do_not_fall_on_are_dequantized(tmp_path: Path) 
 def test_kept_fp8_weights_at_tp2_give_tp1_s_greedy_ids(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank loads its rows (q/k/v, gate/up) or columns (o, down) of the FP8 weights with
-    their block scales: 16 x 16 blocks, q 32 of 64 rows, k/v 16 of 32, o/down 32 / 64 columns."""
-    folder = make_tiny_model(str(tmp_path / "fp8"), quantize="fp8-block", block_size=(16, 16))
+    their block scales: 16 x 32 blocks, q 32 of 64 rows, k/v 16 of 32, o/down 32 / 64 columns;
+    SLUICE_FP8_WEIGHTS takes three values."""
+    folder = make_tiny_model(str(tmp_path / "fp8"), quantize="fp8-block", block_size=(16, 32))
     want = greedy(LLM(model=folder, **BASE))
     monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "keep")
     llm = LLM(model=folder, tensor_parallel_size=2, **BASE, **PREEMPTING)
