@@ -377,9 +377,15 @@ def block_scaled_mm_supported(device: torch.device) -> bool:
 
 def _block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
                      ) -> torch.Tensor:
+    """cuBLAS's block-scaled product; its column-major activation scales take whole 16-byte
+    rows, so M is padded to a multiple of 4 (cuBLAS refuses 17 rows: CUBLAS_STATUS_NOT_SUPPORTED
+    on an H200, torch 2.11)."""
+    m = x.shape[0]
+    if m % 4:
+        x = torch.cat([x, x.new_zeros(4 - m % 4, x.shape[1])])
     q, q_scale = quantize_activations(x, 128, column_major=True)
-    return torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.t(),
-                            out_dtype=x.dtype)
+    y = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.t(), out_dtype=x.dtype)
+    return y[:m] if y.shape[0] != m else y
 
 
 def w8a8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

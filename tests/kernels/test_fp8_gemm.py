@@ -136,19 +136,19 @@ def test_the_w8a8_product_is_the_dequantized_fp8_operands_product(
     for config in configs:
         actual = w8a8_mm(x, weight, scale, block, config, backend="triton")
         assert actual.dtype == dtype and actual.shape == (m, n)
-        if DEVICE == "cuda" and block is None:
+        if DEVICE == "cuda":
             # Hopper's FP8 tensor cores keep fewer bits than float32 while they sum within
-            # a chain of MMAs (about 14: DeepSeek-V3's report, section 3.3.2); the per-channel
-            # kernel chains them over all of K (the block kernel adds each K step into float32)
+            # a chain of MMAs (about 14: DeepSeek-V3's report, section 3.3.2): the per-channel
+            # kernel chains them over all of K, the block kernel over a block's K
             error = (actual.double() - expected).norm() / expected.norm()
-            assert error < 2**-10, error
+            assert error < 2**-8, error
             continue
         torch.testing.assert_close(actual.double(), expected.to(dtype).double(),
                                    rtol=2**-7 if dtype != torch.float32 else 1e-5, atol=1e-3)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="torch._scaled_mm's scaled products run on CUDA")
-@pytest.mark.parametrize("m", [17, 100, 3000])
+@pytest.mark.parametrize("m", [17, 100, 3001])
 @pytest.mark.parametrize("block", [(128, 128), None])
 def test_scaled_mm_equals_the_triton_w8a8_kernel(m: int, block: tuple[int, int] | None) -> None:
     """cuBLAS through torch._scaled_mm: row-wise scales, and 128 x 128 blocks where this torch
