@@ -260,13 +260,15 @@ def w8a8_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> Fp8Gem
     """Tiles of the W8A8 kernel (the same sweep): up to 64 rows, tiles as tall as the batch
     (16 at least), 64 columns for wide weights (N > 4,096) else 32, 256 of K a step per
     channel and 128 per block (the block's K or less, 32 at least: the FP8 tensor cores' K);
-    above, 128 by 256 with 8 warps."""
+    above, 128 by 256 with 8 warps (per block: 64 by 128, 4 warps)."""
     block_k = 256 if block is None else min(128, _largest_power_of_two_dividing(block[1]))
     block_k = max(block_k, 32)
     if m <= 64:
         block_m = max(16, triton.next_power_of_2(m))
         return Fp8GemmConfig(block_m, 64 if n > 4096 else 32, block_k, 4, 5)
-    return Fp8GemmConfig(128, 256, min(block_k, 128), 8, 3)
+    if block is not None:  # each K step's product is scaled into float32: smaller tiles win
+        return Fp8GemmConfig(64, 128, block_k, 4, 3)
+    return Fp8GemmConfig(128, 256, block_k, 8, 3)
 
 
 def w8a16_tile_config(m: int, n: int, k: int, block: tuple[int, int] | None
@@ -362,13 +364,17 @@ def block_scaled_mm_supported(device: torch.device) -> bool:
                 from sluice.model.quantization import quantize_fp8
 
                 generator = torch.Generator(device=device).manual_seed(0)
-                w, s = quantize_fp8(torch.randn(512, 1024, device=device, generator=generator),
-                                    "block")
+                # blocks of magnitudes 1e-2 to 10 down N and across K: scales read in the
+                # wrong layout give a wrong product (uniform ones would hide it)
+                dense = torch.randn(512, 1024, device=device, generator=generator)
+                dense *= torch.logspace(-2, 1, 4, device=device).repeat_interleave(128)[:, None]
+                dense *= torch.logspace(1, -1, 8, device=device).repeat_interleave(128)[None]
+                w, s = quantize_fp8(dense, "block")
                 x = torch.randn(200, 1024, device=device, generator=generator,
                                 dtype=torch.bfloat16)
                 got = _block_scaled_mm(x, w, s).float()
                 want = w8a16_mm(x, w, s, (128, 128)).float()
-                ok = bool(((got - want).norm() / want.norm()) < 0.05)
+                ok = bool(((got - want).norm() / want.norm()) < 0.06)
             except RuntimeError:  # "Invalid scaling configuration" and the like
                 ok = False
         _BLOCK_SCALED_MM[device] = ok
@@ -436,9 +442,9 @@ def w8a8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-# Block-scaled products of more than 64 rows: "auto" (_scaled_mm where it takes block scales,
-# else the weight-only tensor-core tiles), or one of "scaled_mm", "triton" (W8A8), "w8a16", to
-# compare them (benchmarks).
+# Block-scaled products of more than 64 rows: "auto" (_scaled_mm where block_scaled_mm_supported,
+# else the Triton W8A8 kernel), or one of "scaled_mm", "triton", "w8a16" (the weight-only
+# tensor-core tiles), to compare them (benchmarks).
 BLOCK_PREFILL = os.environ.get("SLUICE_FP8_BLOCK_PREFILL", "auto")
 
 
@@ -459,7 +465,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     else:
         choice = BLOCK_PREFILL
         if choice == "auto":
-            choice = "w8a16"
+            choice = "triton"
             if rows.is_cuda and rows.dtype == torch.bfloat16 and block == (128, 128) and (
                     weight.shape[0] % 128 == 0 and weight.shape[1] % 128 == 0
                     and block_scaled_mm_supported(rows.device)):

@@ -479,6 +479,10 @@ class DraftModelProposer(ModelProposer):
         self.kv_hf_config = hf_config
         self.model = load_model(self.config.model, hf_config, self.dtype, self.device,
                                 self.attn_backend)
+        if self.device.type == "cuda":  # an FP8 draft multiplies in FP8 (even eager)
+            from sluice.worker.compile import install_fp8_ops
+
+            install_fp8_ops(self.model)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None, metadata: AttentionMetadata) -> torch.Tensor:

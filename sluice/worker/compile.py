@@ -26,6 +26,19 @@ from sluice.model.linear import Linear, RowParallelLinear
 from sluice.model.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 
 
+def install_fp8_ops(model: nn.Module) -> None:
+    """The FP8 kernels (sluice.model.fp8_gemm) for every layer of `model` that holds FP8
+    weights (CUDA): also with enforce_eager, where the other fused ops stay off, since the
+    layers' default op (the CPU reference) dequantizes the whole weight at every step."""
+    from sluice.model import fp8_gemm
+
+    for module in model.modules():
+        if isinstance(module, Linear) and module.is_fp8:
+            module.fp8_op = fp8_gemm.fp8_linear
+            if module.fp8_block == (128, 128):  # probed now, never inside a graph's capture
+                fp8_gemm.block_scaled_mm_supported(module.weight.device)
+
+
 def install_fused_ops(model: nn.Module) -> None:
     """Swap the torch ops of every layer of `model` (CUDA weights) for the Triton kernels."""
     from sluice.model import fp8_gemm, triton_gemm, triton_ops  # Triton only on a GPU

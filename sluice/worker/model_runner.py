@@ -113,6 +113,9 @@ class ModelRunner:
             self.spec = SpecDecoder(self, scheduler_config.speculative_config)
         if self.device.type == "cuda":
             gpu_share -= torch.cuda.memory_allocated(self.device) - allocated_before
+            from sluice.worker.compile import install_fp8_ops
+
+            install_fp8_ops(self.model)
             if not model_config.enforce_eager:
                 from sluice.worker.compile import install_fused_ops
 
