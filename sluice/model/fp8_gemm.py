@@ -7,20 +7,31 @@ checkpoint's `weight_scale_inv` (GN x GK = 128 x 128 in every checkpoint seen); 
 one per output row (a per-tensor scale is stored repeated per row, so q/k/v or gate/up merged
 from per-tensor checkpoints keep one layout). W ~= fp8 * scale, element by element.
 
-Two ways, by the number of rows M (`fp8_linear`):
+By the number of rows M (`fp8_linear`; tiles from benchmarks/tools/fp8_gemm_sweep.py on an
+H200, Qwen3-8B's shapes: benchmarks/journal/2026-12-02-fp8-matmuls.md):
 
-- **Weight-only** (M <= WEIGHT_ONLY_MAX_ROWS, decode): a step of a few rows is bound by reading
-  W, so `_w8a16_kernel` reads the FP8 weights (half the bf16 bytes), widens each tile in
-  registers and multiplies it with x as it is: no activation quantization (no launch, no
-  rounding of x). One row: CUDA-core multiply-adds into a [BLOCK_N, BLOCK_K] float32 accumulator
-  summed over K once (the design of sluice.model.triton_gemm's one-row kernel); block scales
-  scale x's K slice, since a program's rows lie in one block row. More rows: tensor-core tiles of
-  W (widened to x's dtype) times x^T, a block scale per tile and K step.
-- **W8A8** (more rows: prefill, large decode batches): x is quantized to FP8 at run time
-  (`quantize_activations`: per token, and per GK-channel group for block-scaled weights, each
-  group's largest magnitude mapped to 448) and the product runs on the FP8 tensor cores:
-  `torch._scaled_mm` with row-wise scales for per-channel weights, `_w8a8_kernel` (block-scaled:
-  each K step's product times its row and column scales) for blocks.
+- **One row (decode at batch 1): weight-only.** The step is bound by reading W, so
+  `_w8a16_kernel` reads the FP8 weights (half the bf16 bytes), widens each tile in registers
+  and multiplies it with x as it is: no activation quantization (no launch, no rounding of x).
+  CUDA-core multiply-adds into a [BLOCK_N, BLOCK_K] float32 accumulator summed over K once (the
+  design of sluice.model.triton_gemm's one-row kernel); block scales scale x's K slice, since a
+  program's 8 rows lie in one block row. 2.8-3.8 TB/s of FP8 weights; the 36 layers' products
+  2.11 ms against bf16 cuBLAS's 4.02.
+- **More rows: W8A8.** x is quantized to FP8 at run time (`quantize_activations`: per token,
+  and per GK-channel group for block-scaled weights, each group's largest magnitude mapped to
+  448) and the product runs on the FP8 tensor cores: `_w8a8_kernel` up to 64 rows (where it
+  beats cuBLAS's row-wise _scaled_mm per channel by 1.3-1.8x); above, per channel
+  `torch._scaled_mm` with row-wise scales (cuBLAS), per block `_w8a8_kernel` (each K step's
+  product times its row and column scales, added into float32), or `torch._scaled_mm` with
+  block scales where `block_scaled_mm_supported` finds its product right. At 4 rows the
+  weight-only kernel (one row a program, each row's programs reading W) is 1.3-2.8x slower
+  than W8A8. Its tensor-core tiles (a tile dequantized, then 16-bit MMAs) are kept as an
+  option (SLUICE_FP8_BLOCK_PREFILL=w8a16): slower than the W8A8 kernel's best tiles at 64 and
+  3,000 rows.
+
+Hopper's FP8 tensor cores keep fewer bits than float32 while summing a chain of MMAs, so the
+per-channel Triton kernel (chained over all of K) differs from a float32 sum by ~2^-10
+relative; the block kernel adds every K step into float32.
 
 `fp8_linear_reference` (sluice.model.quantization.fp8_linear_reference) is the CPU reference:
 the weight dequantized to x's dtype, then F.linear.
