@@ -421,7 +421,9 @@ def w8a8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"W8A8 needs scale blocks at least 32 wide along K, not {block[1]} "
                          "(the FP8 tensor cores multiply 32 of K at a time)")
     if backend is None:
-        runs = x.is_cuda and out_dtype == torch.bfloat16 and m > 0
+        # row-wise scales: cuBLAS on Hopper (measured there; Ada runs the Triton kernel)
+        runs = (x.is_cuda and out_dtype == torch.bfloat16 and m > 0
+                and torch.cuda.get_device_capability(x.device) >= (9, 0))
         if block is None:
             backend = "scaled_mm" if runs and k % 16 == 0 and n % 16 == 0 else "triton"
         else:

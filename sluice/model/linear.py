@@ -59,7 +59,9 @@ class Linear(nn.Module):
 
     def fp8_fits(self, block: tuple[int, int] | None) -> bool:
         """Whether this rank's weight can be loaded as FP8 with scales per `block` (None: per
-        row): every piece it takes of a checkpoint tensor starts and ends on a block (rows)."""
+        row): the FP8 kernels take blocks a multiple of 32 wide along K; the parallel layers
+        also need every piece this rank takes of a checkpoint tensor to start and end on a
+        block."""
         return block is None or block[1] % 32 == 0  # the FP8 tensor cores' K step (W8A8)
 
     def use_fp8(self, block: tuple[int, int] | None) -> None:

@@ -247,7 +247,7 @@ class LlamaModel(nn.Module):
         with g = 1 compute the same function. Only where the folded path computes the same
         thing: no bias on the projections (the bias would be scaled too) and not float16 (the
         raw residual's products could overflow it), and not FP8 weights (g would need quantizing
-into them). Returns whether it folded.
+        into them). Returns whether it folded.
 
         rms_norm(x) W^T = (1 / rms(x)) (x (W diag g)^T): equal in exact arithmetic; in 16 bits
         the roundings move (W diag g is rounded once, the normed activations are not), which is
