@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3", "llama", "qwen2")
+ARCHS = ("qwen3", "llama", "qwen2", "mistral", "phi3")
 TINY_DIMS: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -22,7 +22,12 @@ TINY_DIMS: dict[str, Any] = dict(
 # arch -> (transformers config class, model class)
 _HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                "llama": ("LlamaConfig", "LlamaForCausalLM"),
-               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+# Config fields an arch needs at the tiny size: Phi-3's default pad id (32000) is past the
+# tiny vocabularies.
+_ARCH_CONFIG: dict[str, dict[str, Any]] = {"phi3": dict(pad_token_id=None)}
 # The folders' own choices per arch: Qwen3 ties its embeddings, Llama has llama3 RoPE scaling.
 _FOLDER_CONFIG: dict[str, dict[str, Any]] = {
     "qwen3": dict(tie_word_embeddings=True),
@@ -30,12 +35,15 @@ _FOLDER_CONFIG: dict[str, dict[str, Any]] = {
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
     "qwen2": dict(tie_word_embeddings=False),
+    # Mistral keeps MistralConfig's 4,096-token window (past every test's max_model_len)
+    "mistral": dict(tie_word_embeddings=False),
+    "phi3": dict(tie_word_embeddings=False),
 }
 
 
 def build_hf_model(arch: str, seed: int = 0, overrides: dict[str, Any] | None = None,
                    **config: Any) -> Any:
-    """A random transformers model of `arch` (qwen3 | llama | qwen2) in float32, eval mode: its
+    """A random transformers model of `arch` (one of ARCHS) in float32, eval mode: its
     config class given TINY_DIMS and `config` (which win), then `overrides` set on the config;
     the weights drawn after torch.manual_seed(seed)."""
     import transformers
@@ -43,7 +51,8 @@ def build_hf_model(arch: str, seed: int = 0, overrides: dict[str, Any] | None = 
     if arch not in _HF_CLASSES:
         raise ValueError(arch)
     config_name, model_name = _HF_CLASSES[arch]
-    hf_config = getattr(transformers, config_name)(**{**TINY_DIMS, **config})
+    hf_config = getattr(transformers, config_name)(
+        **{**TINY_DIMS, **_ARCH_CONFIG.get(arch, {}), **config})
     for key, value in (overrides or {}).items():
         setattr(hf_config, key, value)
     torch.manual_seed(seed)

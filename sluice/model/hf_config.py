@@ -28,7 +28,16 @@ _MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "qwen2": {"vocab_size": 151936, "max_position_embeddings": 32768, "head_dim": None},
     "qwen3": {"vocab_size": 151936, "max_position_embeddings": 32768, "head_dim": 128},
+    # transformers' MistralConfig / Phi3Config defaults (Mistral's sliding window is 4,096
+    # when config.json names none)
+    "mistral": {"vocab_size": 32000, "max_position_embeddings": 131072, "head_dim": None,
+                "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
+    "phi3": {"vocab_size": 32064, "max_position_embeddings": 4096, "head_dim": None,
+             "bos_token_id": 1, "eos_token_id": 32000},
 }
+# Model types whose config.json `sliding_window` bounds their attention (Qwen2 / Qwen3 use it
+# only with use_sliding_window, refused).
+_SLIDING_WINDOW_TYPES = ("mistral", "phi3")
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -56,6 +65,9 @@ class HFModelConfig:
     bos_token_id: int | None
     # config.json's quantization_config: FP8 weights (sluice.model.quantization), None for none
     quantization: Fp8Config | None = None
+    # Each query attends to the last `sliding_window` positions only (Mistral, Phi-3); None:
+    # all. sluice has no windowed attention: max_model_len is held to it (EngineArgs).
+    sliding_window: int | None = None
 
 
 def load_hf_config(model_dir: str) -> HFModelConfig:
@@ -86,6 +98,18 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
     if raw.get("use_sliding_window"):
         raise ValueError("use_sliding_window=True is not supported (allowed: false)")
 
+    partial_rotary = raw.get("partial_rotary_factor", 1.0)
+    if partial_rotary not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial_rotary!r} is not supported (allowed: "
+                         "1.0, RoPE over the whole head)")
+    sliding_window = None
+    if model_type in _SLIDING_WINDOW_TYPES:  # an explicit null: no window
+        sliding_window = (raw["sliding_window"] if "sliding_window" in raw
+                          else defaults.get("sliding_window"))
+    if sliding_window is not None and (not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive integer or null, got "
+                         f"{sliding_window!r}")
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(raw.get(key), int):
             raise ValueError(f"config.json must give an integer {key!r}, got {raw.get(key)!r}")
@@ -113,6 +137,7 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
         eos_token_id=get("eos_token_id"),
         bos_token_id=get("bos_token_id"),
         quantization=parse_quantization_config(raw.get("quantization_config")),
+        sliding_window=sliding_window,
     )
 
 

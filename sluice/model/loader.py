@@ -72,6 +72,7 @@ def load_model(
     if fp8_weights is None:
         fp8_weights = fp8_weights_kept(device)
     if (hf_config.quantization is not None and fp8_weights
+            and getattr(model, "fp8_weights", True)
             and not os.path.lexists(os.path.join(model_dir, GGUF_LINK))):
         kept, layers = prepare_fp8_layers(
             model, hf_config.quantization, fp8_weight_names(safetensors_files(model_dir)),

@@ -40,7 +40,25 @@ class CheckpointTensor:
         return tensor.to(self._dtype) if tensor.is_floating_point() else tensor
 
 
-LoadedWeight = torch.Tensor | CheckpointTensor
+class RowSlice:
+    """Rows [start, start + rows) of a checkpoint tensor (a torch.Tensor or CheckpointTensor),
+    read on demand: one part of a fused weight (Phi-3's qkv_proj) loaded as its own shard."""
+
+    def __init__(self, tensor: Any, start: int, rows: int) -> None:
+        self._tensor = tensor
+        self._start = start
+        self.shape = (rows, *tuple(tensor.shape)[1:])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self._tensor.narrow(0, self._start + start, length)
+        return self.read().narrow(dim, start, length)
+
+    def read(self) -> torch.Tensor:
+        return self._tensor.narrow(0, self._start, self.shape[0])
+
+
+LoadedWeight = torch.Tensor | CheckpointTensor | RowSlice
 
 
 def read_full(loaded_weight: LoadedWeight) -> torch.Tensor:

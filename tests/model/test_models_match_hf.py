@@ -43,6 +43,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     ),
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),
+    "mistral_head_dim_apart": ("mistral", {"head_dim": 32, "sliding_window": None}),
+    "phi3_fused_qkv_gate_up": ("phi3", {}),
 }
 
 PROMPT_LENS = [13, 6, 21]
