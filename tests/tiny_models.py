@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3", "llama", "qwen2", "mistral", "phi3")
+ARCHS = ("qwen3", "llama", "qwen2", "mistral", "phi3", "qwen3_moe")
 TINY_DIMS: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -24,10 +24,16 @@ _HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                "llama": ("LlamaConfig", "LlamaForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "mistral": ("MistralConfig", "MistralForCausalLM"),
-               "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+               "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 # Config fields an arch needs at the tiny size: Phi-3's default pad id (32000) is past the
 # tiny vocabularies.
-_ARCH_CONFIG: dict[str, dict[str, Any]] = {"phi3": dict(pad_token_id=None)}
+# Qwen3-MoE: 8 experts of 32, 2 a token, renormalized; layer 1 dense (mlp_only_layers).
+_ARCH_CONFIG: dict[str, dict[str, Any]] = {
+    "phi3": dict(pad_token_id=None),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+}
 # The folders' own choices per arch: Qwen3 ties its embeddings, Llama has llama3 RoPE scaling.
 _FOLDER_CONFIG: dict[str, dict[str, Any]] = {
     "qwen3": dict(tie_word_embeddings=True),
@@ -38,6 +44,7 @@ _FOLDER_CONFIG: dict[str, dict[str, Any]] = {
     # Mistral keeps MistralConfig's 4,096-token window (past every test's max_model_len)
     "mistral": dict(tie_word_embeddings=False),
     "phi3": dict(tie_word_embeddings=False),
+    "qwen3_moe": dict(tie_word_embeddings=False),
 }
 
 

@@ -34,11 +34,28 @@ _MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
                 "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
     "phi3": {"vocab_size": 32064, "max_position_embeddings": 4096, "head_dim": None,
              "bos_token_id": 1, "eos_token_id": 32000},
+    "qwen3_moe": {"vocab_size": 151936, "max_position_embeddings": 32768, "head_dim": None,
+                  "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
 # Model types whose config.json `sliding_window` bounds their attention (Qwen2 / Qwen3 use it
 # only with use_sliding_window, refused).
 _SLIDING_WINDOW_TYPES = ("mistral", "phi3")
 _DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A mixture-of-experts MLP (Qwen3-MoE): `top_k` of `num_experts` experts a token, each a
+    SwiGLU MLP of `intermediate_size`, weighted by the router's softmax over all experts (the
+    top k renormalized to sum to 1 with `norm_topk_prob`); the layers in `dense_layers` keep a
+    dense MLP of the config's intermediate_size."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    dense_layers: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +85,8 @@ class HFModelConfig:
     # Each query attends to the last `sliding_window` positions only (Mistral, Phi-3); None:
     # all. sluice has no windowed attention: max_model_len is held to it (EngineArgs).
     sliding_window: int | None = None
+    # Qwen3-MoE's experts (sluice.model.moe); None for a dense model
+    moe: MoeConfig | None = None
 
 
 def load_hf_config(model_dir: str) -> HFModelConfig:
@@ -138,7 +157,26 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
         bos_token_id=get("bos_token_id"),
         quantization=parse_quantization_config(raw.get("quantization_config")),
         sliding_window=sliding_window,
+        moe=_parse_moe(raw, get) if model_type == "qwen3_moe" else None,
     )
+
+
+def _parse_moe(raw: dict[str, Any], get: Any) -> MoeConfig:
+    # transformers 5 writes num_experts as num_local_experts
+    num_experts = raw.get("num_experts") or raw.get("num_local_experts") or get("num_experts")
+    top_k = get("num_experts_per_tok")
+    inter, step = get("moe_intermediate_size"), get("decoder_sparse_step")
+    for key, value in (("num_experts", num_experts), ("num_experts_per_tok", top_k),
+                       ("moe_intermediate_size", inter), ("decoder_sparse_step", step)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    if top_k > num_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be <= num_experts "
+                         f"({num_experts})")
+    only = get("mlp_only_layers") or []
+    layers = raw["num_hidden_layers"]
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return MoeConfig(num_experts, top_k, inter, bool(get("norm_topk_prob")), dense)
 
 
 def _parse_rope(

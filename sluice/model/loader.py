@@ -252,18 +252,22 @@ def load_packed_weights(
     weights: Iterable[tuple[str, LoadedWeight]],
     packed_modules: dict[str, tuple[str, str | int]],
     skip: tuple[str, ...] = (),
+    loaded_elsewhere: set[str] = frozenset(),
 ) -> None:
     """Load HF-named tensors into `model`, merging those `packed_modules` names.
 
     packed_modules: checkpoint module name -> (model module name, shard id), e.g.
         {"q_proj": ("qkv_proj", "q"), "gate_proj": ("gate_up_proj", 0)}.
     skip: checkpoint names to ignore (e.g. rotary `inv_freq`, a tied `lm_head.weight`).
+    loaded_elsewhere: parameters filled by another loader (the experts of sluice.model.moe).
     Every checkpoint tensor must find a parameter and every parameter (every shard of a merged
     one) must be loaded; a tied parameter shows up once, under its first name.
     """
     params = dict(model.named_parameters())
     expected: set[tuple[str, str | int | None]] = set()
     for param_name in params:
+        if param_name in loaded_elsewhere:
+            continue
         module_name = param_name.split(".")[-2] if "." in param_name else ""
         shards = [sid for target, sid in packed_modules.values() if target == module_name]
         expected.update((param_name, sid) for sid in shards or [None])

@@ -21,6 +21,8 @@ _MODELS: dict[str, tuple[str, str, str]] = {
                          "Llama 2 / 3 / 3.1 / 3.2 (llama3 RoPE scaling), SmolLM2"),
     "Qwen2ForCausalLM": ("sluice.model.models.llama", "Qwen2ForCausalLM",
                          "Qwen2 / Qwen2.5: q/k/v bias"),
+    "Qwen3MoeForCausalLM": ("sluice.model.models.qwen3_moe", "Qwen3MoeForCausalLM",
+                            "Qwen3-MoE (30B-A3B, 235B-A22B): top-k routed SwiGLU experts"),
     "MistralForCausalLM": ("sluice.model.models.mistral", "MistralForCausalLM",
                            "Mistral 7B, Nemo; a sliding window holds max_model_len to it"),
     "Phi3ForCausalLM": ("sluice.model.models.phi3", "Phi3ForCausalLM",

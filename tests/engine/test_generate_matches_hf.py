@@ -31,7 +31,9 @@ def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> l
     input_ids = torch.tensor([prompt])
     config = transformers.GenerationConfig(
         do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
-        eos_token_id=None, pad_token_id=0)
+        # an id past the vocabulary: no stop (None would take the model's own EOS, and
+        # sluice runs with ignore_eos)
+        eos_token_id=1 << 30, pad_token_id=0)
     with torch.no_grad():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                              generation_config=config)

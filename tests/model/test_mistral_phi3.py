@@ -37,7 +37,7 @@ def hf_greedy(folder: str, prompts: list[list[int]], max_tokens: int) -> list[li
     for prompt in prompts:
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                                 do_sample=False, min_new_tokens=max_tokens, pad_token_id=0)
+                                 do_sample=False, eos_token_id=1 << 30, pad_token_id=0)
         ids.append(out[0, len(prompt):].tolist())
     return ids
 

@@ -45,6 +45,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen2": ("qwen2", {}),
     "mistral_head_dim_apart": ("mistral", {"head_dim": 32, "sliding_window": None}),
     "phi3_fused_qkv_gate_up": ("phi3", {}),
+    # every layer sparse, the top 3 of 6 experts not renormalized
+    "qwen3_moe_unnormalized": ("qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 3,
+                                             "norm_topk_prob": False, "mlp_only_layers": []}),
+    "qwen3_moe_dense_layer": ("qwen3_moe", {}),
 }
 
 PROMPT_LENS = [13, 6, 21]

@@ -173,10 +173,12 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, self_attn: nn.Module, config: HFModelConfig,
-                 tp: TPGroup = SINGLE_RANK) -> None:
+                 tp: TPGroup = SINGLE_RANK, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp)
+        # the dense SwiGLU MLP, or another block of the same interface (sluice.model.moe)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size,
+                                                        config.intermediate_size, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -223,15 +225,18 @@ class LlamaModel(nn.Module):
         config: HFModelConfig,
         build_attention: Callable[[RotaryEmbedding], nn.Module],
         tp: TPGroup = SINGLE_RANK,
+        build_mlp: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
+        """build_mlp(layer index): that layer's MLP block, None for the dense one."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(build_attention(rotary_emb), config, tp)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(build_attention(rotary_emb), config, tp,
+                              build_mlp(i) if build_mlp is not None else None)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Steps of more tokens than this run the layers' folded forms (fold_norms); None: never.
@@ -256,9 +261,11 @@ class LlamaModel(nn.Module):
             return True
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (type(layer) is not LlamaDecoderLayer or not isinstance(attn, LlamaAttention)
-                    or any(linear.bias is not None or linear.is_fp8 for linear in linears)
+                    or type(mlp) is not LlamaMLP):  # not a mixture of experts either
+                return False
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (any(linear.bias is not None or linear.is_fp8 for linear in linears)
                     or attn.qkv_proj.weight.dtype not in (torch.bfloat16, torch.float32)):
                 return False
         with torch.no_grad():
@@ -291,10 +298,17 @@ class LlamaForCausalLM(nn.Module):
                  tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_builder(config, attn_backend, tp), tp)
+        self.model = LlamaModel(config, self.attention_builder(config, attn_backend, tp), tp,
+                                self.mlp_builder(config, tp))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def mlp_builder(config: HFModelConfig, tp: TPGroup = SINGLE_RANK
+                    ) -> Callable[[int], nn.Module | None] | None:
+        """The MLP block of layer i (None: every layer's is dense; sluice.model.moe)."""
+        return None
 
     @staticmethod
     def attention_builder(

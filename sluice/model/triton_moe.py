@@ -1,0 +1,162 @@
+"""The experts of a mixture-of-experts layer (sluice.model.moe) in two grouped GEMM launches, with
+static shapes, so a step can be captured in a CUDA graph:
+
+1. `align_by_expert`: the T * top_k (token, slot) pairs sorted by expert (a stable sort) and
+   laid out in blocks of BLOCK_M rows, each expert's run padded to a whole number of blocks;
+   every block names its expert, blocks past the last run name none (-1) and do nothing. The
+   buffers are as large as the worst case (T * top_k + E * (BLOCK_M - 1) rows), so their sizes
+   depend on T alone: torch ops, no host sync.
+2. `_moe_gemm_kernel` over the blocks: gate/up: [BLOCK_M, 2I] = x[token] W13[e]^T into the
+   pair's row of an intermediate [T * top_k, 2I]; down: SiLU-and-mul of that row on the fly
+   (rounded as silu_and_mul rounds), times W2[e]^T, times the pair's routing weight, into the
+   pair's row of [T * top_k, H];
+3. the top_k rows of a token summed.
+
+`fused_experts` is what sluice.model.moe.experts_reference computes. The kernels run on CUDA
+tensors, or CPU tensors under TRITON_INTERPRET=1 (tests/kernels/test_triton_moe.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted pair ids [P] (pair = token * k + slot; T * k marks padding),
+    each block's expert [P / block_m] (-1: no expert)), P = T * k + E * (block_m - 1) rounded
+    up to block_m."""
+    flat = topk_ids.reshape(-1)
+    pairs = flat.numel()
+    device = flat.device
+    capacity = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    run_start = torch.cumsum(counts, 0) - counts
+    experts_sorted = flat[order]
+    rank = torch.arange(pairs, device=device) - run_start[experts_sorted]
+    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int64, device=device)
+    sorted_ids[(padded_end - padded)[experts_sorted] + rank] = order
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return sorted_ids, block_expert
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gemm_kernel(
+    a_ptr,  # [rows, K] (SILU_MUL: [rows, 2K], gate then up)
+    b_ptr,  # [E, N, K]
+    c_ptr,  # [num_pairs, N]
+    weights_ptr,  # [num_pairs] routing weights (MUL_WEIGHT)
+    sorted_ids_ptr,  # [P]
+    block_expert_ptr,  # [P / BLOCK_M]
+    num_pairs,
+    N,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    K: tl.constexpr,
+    TOP_K: tl.constexpr,
+    A_ROW_PER_PAIR: tl.constexpr,  # a's rows are pairs (the intermediate), else tokens (x)
+    SILU_MUL: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # the CPU interpreter: its 16-bit dot products are wrong
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = ids < num_pairs
+        if A_ROW_PER_PAIR:
+            rows = ids
+        else:
+            rows = ids // TOP_K
+        rows = tl.where(valid, rows, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+                  + offs_k[:, None])
+        dtype = c_ptr.dtype.element_ty
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k_start in range(0, K, BLOCK_K):
+            k_mask = k_start + offs_k < K
+            a_mask = valid[:, None] & k_mask[None, :]
+            if SILU_MUL:  # silu_and_mul: silu(gate) rounded to the dtype, times up, rounded
+                gate = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+                up = tl.load(a_ptrs + K, mask=a_mask, other=0.0).to(tl.float32)
+                act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+                a = (act * up).to(dtype)
+            else:
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if MUL_WEIGHT:
+            acc *= tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
+        c_ptrs = c_ptr + tl.where(valid, ids, 0).to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(dtype), mask=valid[:, None] & n_mask[None, :])
+
+
+def _block_k(k: int) -> int:
+    return max(16, min(64, triton.next_power_of_2(k)))
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+          sorted_ids: torch.Tensor, block_expert: torch.Tensor, top_k: int, block_m: int,
+          a_row_per_pair: bool, silu_mul: bool, mul_weight: bool) -> None:
+    n, k = b.shape[1], b.shape[2]
+    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    _moe_gemm_kernel[grid](
+        a, b, out, weights, sorted_ids, block_expert, out.shape[0], n,
+        a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        K=k, TOP_K=top_k, A_ROW_PER_PAIR=a_row_per_pair, SILU_MUL=silu_mul,
+        MUL_WEIGHT=mul_weight, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(k),
+        UPCAST=_INTERPRET, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """sluice.model.moe.experts_reference in two grouped GEMM launches (the module's
+    docstring): x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]."""
+    t, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_inter, _ = w13.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_m = 16 if t * top_k <= 16 * num_experts else 64
+    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, block_m)
+    weights = topk_weights.reshape(-1).contiguous()
+    inter = torch.empty((t * top_k, two_inter), dtype=x.dtype, device=x.device)
+    _gemm(x, w13, inter, weights, sorted_ids, block_expert, top_k, block_m,
+          a_row_per_pair=False, silu_mul=False, mul_weight=False)
+    out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
+    _gemm(inter, w2, out, weights, sorted_ids, block_expert, top_k, block_m,
+          a_row_per_pair=True, silu_mul=True, mul_weight=True)
+    return out.view(t, top_k, hidden).sum(dim=1)

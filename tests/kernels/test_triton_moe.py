@@ -1,0 +1,67 @@
+"""The fused experts (sluice.model.triton_moe) equal sluice.model.moe.experts_reference, and the
+alignment by expert lays every (token, slot) pair out once, in its expert's blocks.
+
+On a CPU the kernels run in Triton's interpreter (conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.model.moe import experts_reference, route
+from sluice.model.triton_moe import align_by_expert, fused_experts
+from tests.kernels.test_fused_ops import bfloat16_casts_round_to_nearest  # noqa: F401
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def case(t: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+         seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hidden, generator=generator)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=generator) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=generator) * inter**-0.5
+    logits = torch.randn(t, experts, generator=generator) * 2
+    weights, ids = route(logits.to(dtype), top_k, renormalize=seed % 2 == 0)
+    move = lambda v: v.to(DEVICE)  # noqa: E731
+    return (move(x.to(dtype)), move(w13.to(dtype)), move(w2.to(dtype)), move(weights),
+            move(ids))
+
+
+@pytest.mark.parametrize("t,experts,top_k", [(1, 4, 2), (7, 8, 2), (40, 8, 3), (300, 6, 2)])
+def test_alignment_lays_out_every_pair_once_in_its_expert_s_blocks(t: int, experts: int,
+                                                                   top_k: int) -> None:
+    ids = case(t, experts, top_k, 16, 16, torch.float32, t)[4]
+    for block_m in (16, 64):
+        sorted_ids, block_expert = align_by_expert(ids, experts, block_m)
+        pairs = t * top_k
+        assert sorted_ids.numel() == block_expert.numel() * block_m
+        real = sorted_ids[sorted_ids < pairs]
+        assert sorted(real.tolist()) == list(range(pairs))  # each pair once
+        flat = ids.reshape(-1)
+        for position in (sorted_ids < pairs).nonzero().flatten().tolist():
+            assert block_expert[position // block_m] == flat[sorted_ids[position]]
+        assert (block_expert[block_expert >= 0].diff() >= 0).all()  # runs in expert order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,experts,top_k,hidden,inter", [
+    (1, 4, 2, 32, 16), (5, 8, 2, 64, 32), (33, 8, 3, 48, 40), (130, 6, 2, 32, 16)])
+def test_fused_experts_equal_the_reference(t: int, experts: int, top_k: int, hidden: int,
+                                           inter: int, dtype: torch.dtype) -> None:
+    """Every expert's tokens, several experts a token, routing that differs token to token;
+    K and N not multiples of the tiles (48, 40), more pairs than one block (130 x 2)."""
+    x, w13, w2, weights, ids = case(t, experts, top_k, hidden, inter, dtype, t)
+    assert len(torch.unique(ids)) > 1
+    got = fused_experts(x, w13, w2, weights, ids)
+    want = experts_reference(x, w13, w2, weights, ids)
+    assert got.dtype == dtype and got.shape == (t, hidden)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # the reference rounds the down projection before its weight, and sums in bf16
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6)
+
+
+def test_no_tokens_give_no_rows() -> None:
+    x, w13, w2, weights, ids = case(3, 4, 2, 32, 16, torch.float32, 0)
+    assert fused_experts(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
