@@ -13,7 +13,8 @@ machine of two or more GPUs, tensor parallelism (NCCL; the all-reduces inside th
 the fused ops and folded norms per rank), with graphs on and off; and with an 8-bit KV cache
 (`kv_cache_dtype="fp8"`, and "fp8_e5m2") against the CPU reference with the same cache dtype;
 with `--trained-gguf`, the trained SmolLM2 in float32 and bfloat16 (trained_model_check); FP8
-checkpoints with their FP8 weights kept (fp8_weights_check, `--only fp8_weights`).
+checkpoints with their FP8 weights kept (fp8_weights_check, `--only fp8_weights`); Mistral,
+Phi-3 and Qwen3-MoE (families_check, `--only families`).
 Exits non-zero on any mismatch.
 
     PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR] [--only PREFIX,...]
@@ -375,6 +376,48 @@ def fp8_weights_check(work: str) -> dict[str, object]:
     return result
 
 
+# Architectures beyond the three make_tiny_model writes: tiny random transformers models.
+FAMILIES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None, "eos_token_id": None}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "mlp_only_layers": [1]}),
+}
+
+
+def families_check(work: str) -> dict[str, object]:
+    """Mistral, Phi-3 (fused q/k/v and gate/up) and Qwen3-MoE (the fused expert kernels of
+    sluice.model.triton_moe in the CUDA graphs) in float32 on the GPU, by default and eager,
+    against the CPU's float32 engine: greedy ids equal (`--only families`)."""
+    import transformers
+
+    from sluice.model.tiny import build_tokenizer
+
+    rng = random.Random(7)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 600) for _ in range(n)]}
+               for n in (5, 40, 130, 17)]
+    result: dict[str, object] = {}
+    for arch, (config_name, model_name, extra) in FAMILIES.items():
+        folder = os.path.join(work, f"family-{arch}")
+        tokenizer = build_tokenizer(folder)
+        config = getattr(transformers, config_name)(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
+            **extra)
+        torch.manual_seed(0)
+        getattr(transformers, model_name)(config).save_pretrained(folder)
+        cpu = LLM(model=folder, dtype="float32", device="cpu", max_model_len=512)
+        reference = greedy_ids(cpu, prompts)
+        cpu.shutdown()
+        for name, kwargs in (("default", {}), ("enforce_eager", {"enforce_eager": True})):
+            llm = LLM(model=folder, dtype="float32", device="cuda", max_model_len=512, **kwargs)
+            result[f"{arch}_{name}_equals_cpu"] = greedy_ids(llm, prompts) == reference
+            llm.shutdown()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", default="benchmarks/results/gpu-check")
@@ -396,6 +439,8 @@ def main() -> None:
     if not only or any("fp8_weights".startswith(p) or p.startswith("fp8_weights")
                        for p in only):
         result.update(fp8_weights_check(work))
+    if not only or any(p.startswith("families") or "families".startswith(p) for p in only):
+        result.update(families_check(work))
     for arch in ("qwen3", "llama", "qwen2"):
         model = make_tiny_model(os.path.join(work, arch), arch=arch)
         prompts = [{"prompt_token_ids": [rng.randrange(3, 600) for _ in range(n)]}
