@@ -177,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     make = sub.add_parser("make-model", help="write a random-weight model folder")
     make.add_argument("dir")
-    make.add_argument("--arch", default="qwen3", help="qwen3 | llama | qwen2")
-    make.add_argument("--preset", default="tiny", help="tiny | qwen3-0.6b | qwen3-8b")
+    make.add_argument("--arch", default="qwen3", help="qwen3 | llama | qwen2 | qwen3_moe")
+    make.add_argument("--preset", default="tiny",
+                      help="tiny | qwen3-0.6b | qwen3-8b | qwen3-30b-a3b (with --arch qwen3_moe)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: preset's)")
     make.add_argument("--quantize", default=None, choices=["fp8-block", "fp8-channel"],

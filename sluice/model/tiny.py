@@ -90,7 +90,30 @@ PRESETS: dict[str, dict] = {
         "dtype": "bfloat16",
         "weight_std": 0.02,
     },
+    # The Qwen3-30B-A3B architecture (for --arch qwen3_moe: 128 experts of 768, 8 a token;
+    # ~61 GB in bf16).
+    "qwen3-30b-a3b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "max_position_embeddings": 40960,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "dtype": "bfloat16",
+        "weight_std": 0.02,
+    },
 }
+# MoE sizes a preset without them takes (--arch qwen3_moe --preset tiny: 8 experts of 32, 2 a
+# token, the last layer dense).
+_TINY_MOE = {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
 
 # Per-architecture config.json fields beyond the sizes, as the published checkpoints carry them.
 _ARCH_FIELDS: dict[str, dict] = {
@@ -113,6 +136,18 @@ _ARCH_FIELDS: dict[str, dict] = {
         "rope_theta": 500000.0,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
+    },
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "attention_bias": False,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
     },
     "qwen2": {
         "architectures": ["Qwen2ForCausalLM"],
@@ -298,8 +333,14 @@ def _hf_config(
     for key in ("tie_word_embeddings", "rope_theta", "rms_norm_eps"):
         if key in sizes:
             config[key] = sizes[key]
-    if arch in ("qwen3", "qwen2"):
+    if arch in ("qwen3", "qwen2", "qwen3_moe"):
         config["max_window_layers"] = sizes["num_hidden_layers"]
+    if arch == "qwen3_moe":
+        for key, value in _TINY_MOE.items():
+            config[key] = sizes.get(key, value)
+        # the tiny preset's last layer dense, as mlp_only_layers allows
+        config["mlp_only_layers"] = [] if "num_experts" in sizes else [
+            sizes["num_hidden_layers"] - 1]
     return config
 
 
@@ -327,14 +368,23 @@ def _weight_shapes(config: dict, arch: str) -> list[tuple[str, tuple[int, ...]]]
                 (p + "self_attn.k_proj.bias", (kv_size,)),
                 (p + "self_attn.v_proj.bias", (kv_size,)),
             ]
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             # Per-head RMSNorm on q and k: weight over head_dim.
             shapes += [
                 (p + "self_attn.q_norm.weight", (config["head_dim"],)),
                 (p + "self_attn.k_norm.weight", (config["head_dim"],)),
             ]
+        shapes.append((p + "post_attention_layernorm.weight", (hidden,)))
+        if arch == "qwen3_moe" and i not in config["mlp_only_layers"]:
+            experts, moe_inter = config["num_experts"], config["moe_intermediate_size"]
+            shapes.append((p + "mlp.gate.weight", (experts, hidden)))
+            for e in range(experts):
+                q = f"{p}mlp.experts.{e}."
+                shapes += [(q + "gate_proj.weight", (moe_inter, hidden)),
+                           (q + "up_proj.weight", (moe_inter, hidden)),
+                           (q + "down_proj.weight", (hidden, moe_inter))]
+            continue
         shapes += [
-            (p + "post_attention_layernorm.weight", (hidden,)),
             (p + "mlp.gate_proj.weight", (inter, hidden)),
             (p + "mlp.up_proj.weight", (inter, hidden)),
             (p + "mlp.down_proj.weight", (hidden, inter)),

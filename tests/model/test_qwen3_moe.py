@@ -70,3 +70,31 @@ def test_a_missing_or_misshapen_expert_is_an_error_naming_it(tmp_path: Path) -> 
     with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp' is not a mixture-of-experts "
                                          "layer"):
         LLM(model=str(folder), dtype="float32", max_model_len=64)
+
+
+def test_make_model_writes_a_qwen3_moe_checkpoint_transformers_reads(tmp_path: Path) -> None:
+    """sluice make-model --arch qwen3_moe: 8 experts of 32, 2 a token, the last layer dense;
+    greedy ids equal transformers' on it."""
+    import random
+
+    import torch
+    import transformers
+
+    from sluice import SamplingParams
+    from sluice.model.tiny import make_tiny_model
+
+    folder = make_tiny_model(str(tmp_path / "m"), arch="qwen3_moe")
+    config = parse_hf_config(__import__("json").loads((Path(folder) / "config.json")
+                                                      .read_text()))
+    assert config.moe.dense_layers == (1,) and config.moe.num_experts == 8
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 600) for _ in range(n)] for n in (4, 30)]
+    llm = LLM(model=folder, dtype="float32", max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, ids in zip(prompts, got):
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                          eos_token_id=1 << 30, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == ids
