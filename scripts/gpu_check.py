@@ -14,7 +14,7 @@ the fused ops and folded norms per rank), with graphs on and off; and with an 8-
 (`kv_cache_dtype="fp8"`, and "fp8_e5m2") against the CPU reference with the same cache dtype;
 with `--trained-gguf`, the trained SmolLM2 in float32 and bfloat16 (trained_model_check); FP8
 checkpoints with their FP8 weights kept (fp8_weights_check, `--only fp8_weights`); Mistral,
-Phi-3 and Qwen3-MoE (families_check, `--only families`).
+Phi-3, Gemma 3 and Qwen3-MoE (families_check, `--only families`).
 Exits non-zero on any mismatch.
 
     PYTHONPATH=. python scripts/gpu_check.py [OUT_DIR] [--only PREFIX,...]
@@ -380,6 +380,9 @@ def fp8_weights_check(work: str) -> dict[str, object]:
 FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None, "eos_token_id": None}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "pad_token_id": None, "eos_token_id": None, "sliding_window": 512,
+        "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention", "full_attention"]}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "norm_topk_prob": True, "mlp_only_layers": [1]}),
@@ -387,7 +390,7 @@ FAMILIES = {
 
 
 def families_check(work: str) -> dict[str, object]:
-    """Mistral, Phi-3 (fused q/k/v and gate/up) and Qwen3-MoE (the fused expert kernels of
+    """Mistral, Phi-3 (fused q/k/v and gate/up), Gemma 3 and Qwen3-MoE (the fused expert kernels of
     sluice.model.triton_moe in the CUDA graphs) in float32 on the GPU, by default and eager,
     against the CPU's float32 engine: greedy ids equal (`--only families`)."""
     import transformers
@@ -408,7 +411,7 @@ def families_check(work: str) -> dict[str, object]:
             **extra)
         torch.manual_seed(0)
         getattr(transformers, model_name)(config).save_pretrained(folder)
-        cpu = LLM(model=folder, dtype="float32", device="cpu", max_model_len=512)
+        cpu = LLM(model=folder, dtype="float32", device="cpu", max_model_len=512)  # <= windows
         reference = greedy_ids(cpu, prompts)
         cpu.shutdown()
         for name, kwargs in (("default", {}), ("enforce_eager", {"enforce_eager": True})):

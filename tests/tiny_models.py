@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3", "llama", "qwen2", "mistral", "phi3", "qwen3_moe")
+ARCHS = ("qwen3", "llama", "qwen2", "mistral", "phi3", "qwen3_moe", "gemma3")
 TINY_DIMS: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -25,12 +25,16 @@ _HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "mistral": ("MistralConfig", "MistralForCausalLM"),
                "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 # Config fields an arch needs at the tiny size: Phi-3's default pad id (32000) is past the
 # tiny vocabularies.
 # Qwen3-MoE: 8 experts of 32, 2 a token, renormalized; layer 1 dense (mlp_only_layers).
 _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "phi3": dict(pad_token_id=None),
+    # Gemma 3: layer 0 in a (wide) sliding window with its RoPE base, layer 1 global
+    "gemma3": dict(pad_token_id=None, sliding_window=512, query_pre_attn_scalar=16,
+                   layer_types=["sliding_attention", "full_attention"]),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
 }
@@ -45,6 +49,7 @@ _FOLDER_CONFIG: dict[str, dict[str, Any]] = {
     "mistral": dict(tie_word_embeddings=False),
     "phi3": dict(tie_word_embeddings=False),
     "qwen3_moe": dict(tie_word_embeddings=False),
+    "gemma3": dict(tie_word_embeddings=True),
 }
 
 

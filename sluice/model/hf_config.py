@@ -34,13 +34,16 @@ _MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
                 "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
     "phi3": {"vocab_size": 32064, "max_position_embeddings": 4096, "head_dim": None,
              "bos_token_id": 1, "eos_token_id": 32000},
+    "gemma3_text": {"vocab_size": 262208, "max_position_embeddings": 131072, "head_dim": 256,
+                    "bos_token_id": 2, "eos_token_id": 1, "sliding_window": 4096,
+                    "query_pre_attn_scalar": 256, "sliding_window_pattern": 6},
     "qwen3_moe": {"vocab_size": 151936, "max_position_embeddings": 32768, "head_dim": None,
                   "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
 # Model types whose config.json `sliding_window` bounds their attention (Qwen2 / Qwen3 use it
 # only with use_sliding_window, refused).
-_SLIDING_WINDOW_TYPES = ("mistral", "phi3")
+_SLIDING_WINDOW_TYPES = ("mistral", "phi3", "gemma3_text")
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -56,6 +59,19 @@ class MoeConfig:
     intermediate_size: int
     norm_topk_prob: bool
     dense_layers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GemmaConfig:
+    """Gemma 3's text decoder beyond the Llama fields: per layer whether it attends in a
+    sliding window (its RoPE base `local_rope_theta`) or globally (HFModelConfig.rope_theta);
+    attention scaled by query_pre_attn_scalar ** -0.5; the final logits soft-capped at
+    `final_logit_softcapping` (None: not)."""
+
+    sliding_layers: tuple[bool, ...]
+    local_rope_theta: float
+    query_pre_attn_scalar: float
+    final_logit_softcapping: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +103,8 @@ class HFModelConfig:
     sliding_window: int | None = None
     # Qwen3-MoE's experts (sluice.model.moe); None for a dense model
     moe: MoeConfig | None = None
+    # Gemma 3's layer types and scalings (sluice.model.models.gemma3); None for other models
+    gemma: GemmaConfig | None = None
 
 
 def load_hf_config(model_dir: str) -> HFModelConfig:
@@ -109,6 +127,9 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
     def get(key: str) -> Any:
         return raw[key] if raw.get(key) is not None else defaults.get(key)
 
+    gemma = None
+    if model_type == "gemma3_text":
+        raw, gemma = _parse_gemma3(raw, get)
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
@@ -125,6 +146,8 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
     if model_type in _SLIDING_WINDOW_TYPES:  # an explicit null: no window
         sliding_window = (raw["sliding_window"] if "sliding_window" in raw
                           else defaults.get("sliding_window"))
+    if gemma is not None and not any(gemma.sliding_layers):
+        sliding_window = None
     if sliding_window is not None and (not isinstance(sliding_window, int)
                                        or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive integer or null, got "
@@ -150,7 +173,7 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "gemma3_text")),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
         eos_token_id=get("eos_token_id"),
@@ -158,7 +181,53 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
         quantization=parse_quantization_config(raw.get("quantization_config")),
         sliding_window=sliding_window,
         moe=_parse_moe(raw, get) if model_type == "qwen3_moe" else None,
+        gemma=gemma,
     )
+
+
+def _parse_gemma3(raw: dict[str, Any], get: Any) -> tuple[dict[str, Any], GemmaConfig]:
+    """Gemma 3's fields -> (raw with its RoPE and activation in the Llama form the rest of
+    parse_hf_config reads, GemmaConfig). Both styles: transformers 5 (`rope_parameters` per
+    layer type, `layer_types`) and 4 (`rope_theta`, `rope_local_base_freq`,
+    `sliding_window_pattern`)."""
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma 3's hidden_activation must be 'gelu_pytorch_tanh', got "
+                         f"{activation!r}")
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 2's; allowed: null)")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True is not supported (allowed: false)")
+    layers = raw["num_hidden_layers"]
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = get("sliding_window_pattern")
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name 'sliding_attention' or 'full_attention' for "
+                         f"each of the {layers} layers, got {types!r}")
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+    else:
+        full = {"rope_type": (raw.get("rope_scaling") or {}).get("rope_type", "default"),
+                "rope_theta": raw.get("rope_theta", 1e6), **(raw.get("rope_scaling") or {})}
+        local = {"rope_type": "default", "rope_theta": raw.get("rope_local_base_freq", 1e4)}
+    for name, rope in (("full_attention", full), ("sliding_attention", local)):
+        if (rope.get("rope_type") or rope.get("type") or "default") != "default":
+            raise ValueError(f"Gemma 3's {name} rope_type {rope.get('rope_type')!r} is not "
+                             "supported (allowed: 'default'; the 4B-27B models' linear "
+                             "scaling is not read)")
+    rewritten = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")}
+    rewritten["rope_theta"] = float(full.get("rope_theta", 1e6))
+    rewritten["hidden_act"] = "silu"  # checked above: the MLP is Gemma's own
+    return rewritten, GemmaConfig(
+        sliding_layers=tuple(t == "sliding_attention" for t in types),
+        local_rope_theta=float(local.get("rope_theta", 1e4)),
+        query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
+        final_logit_softcapping=raw.get("final_logit_softcapping"))
 
 
 def _parse_moe(raw: dict[str, Any], get: Any) -> MoeConfig:

@@ -23,6 +23,8 @@ _MODELS: dict[str, tuple[str, str, str]] = {
                          "Qwen2 / Qwen2.5: q/k/v bias"),
     "Qwen3MoeForCausalLM": ("sluice.model.models.qwen3_moe", "Qwen3MoeForCausalLM",
                             "Qwen3-MoE (30B-A3B, 235B-A22B): top-k routed SwiGLU experts"),
+    "Gemma3ForCausalLM": ("sluice.model.models.gemma3", "Gemma3ForCausalLM",
+                          "Gemma 3 270M / 1B (text); a sliding window holds max_model_len to it"),
     "MistralForCausalLM": ("sluice.model.models.mistral", "MistralForCausalLM",
                            "Mistral 7B, Nemo; a sliding window holds max_model_len to it"),
     "Phi3ForCausalLM": ("sluice.model.models.phi3", "Phi3ForCausalLM",

@@ -1,10 +1,10 @@
 """Tensor parallelism end to end on the CPU (gloo): greedy ids at TP = 2 and 4 equal TP = 1 for
 Qwen3, Llama, Qwen2, Mistral, Phi-3 (its fused q/k/v and gate/up split per rank), Qwen3-MoE
-(every expert's intermediate slice per rank) and a model with one KV head (replicated on every
-rank), with prefix caching, chunked prefill and preemption on, sync and async scheduling;
-seeded sampling and logprobs; speculative decoding; every block back afterwards; a rank killed
-mid-run ends the engine within 5 s naming it, and leaves no worker behind; sizes the model
-cannot split are ValueErrors naming both numbers. (Behind the server:
+(every expert's intermediate slice per rank), Gemma 3 and a model with one KV head (replicated
+on every rank), with prefix caching, chunked prefill and preemption on, sync and async
+scheduling; seeded sampling and logprobs; speculative decoding; every block back afterwards; a
+rank killed mid-run ends the engine within 5 s naming it, and leaves no worker behind; sizes
+the model cannot split are ValueErrors naming both numbers. (Behind the server:
 tests/server/test_server_errors.py.)"""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def qwen3_tp2(qwen3_dir: str) -> Iterator[LLM]:
 @pytest.mark.parametrize(("model", "tp_size"), [
     ("qwen3", 2), ("qwen3", 4), ("llama", 2), ("llama", 4), ("qwen2", 4),
     ("qwen2_mqa", 2), ("qwen2_mqa", 4), ("mistral", 2), ("phi3", 2),
-    ("qwen3_moe", 2)])
+    ("qwen3_moe", 2), ("gemma3", 2)])
 def test_greedy_ids_equal_tp1_with_prefix_caching_chunks_and_preemption(
         tp_model_dirs: dict[str, str], model: str, tp_size: int) -> None:
     model_dir = tp_model_dirs[model]

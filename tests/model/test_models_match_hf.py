@@ -49,6 +49,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3_moe_unnormalized": ("qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 3,
                                              "norm_topk_prob": False, "mlp_only_layers": []}),
     "qwen3_moe_dense_layer": ("qwen3_moe", {}),
+    "gemma3_softcapped": ("gemma3", {"final_logit_softcapping": 5.0}),
 }
 
 PROMPT_LENS = [13, 6, 21]
@@ -218,7 +219,7 @@ def test_decode_steps_match_hf(variant):
 def test_tied_embeddings_share_one_tensor(variant):
     name, model, config, _, _ = variant
     tied = model.lm_head.weight is model.model.embed_tokens.weight
-    assert config.tie_word_embeddings == (name == "llama_tied")
+    assert config.tie_word_embeddings == (name == "llama_tied" or name.startswith("gemma3"))
     assert tied == config.tie_word_embeddings
 
 
