@@ -46,12 +46,12 @@ def test_two_setups_at_once_build_the_environment_once(tmp_path: Path) -> None:
     for proc, (stdout, stderr) in zip(procs, outputs):
         assert proc.returncode == 0, stderr
         assert stdout.strip() == f"PY={tmp_path / 'venv' / 'bin' / 'python'}"
-    # One venv, one set of installs (the package, then the trained model's), and nothing in
-    # between; the second found it done.
+    # One venv, one set of installs (the package, then the trained models': SmolLM2, Gemma 3),
+    # and nothing in between; the second found it done.
     assert [line.split()[0] for line in log.read_text().splitlines()] == [
-        "venv", "install-start", "install-end", "install-start", "install-end"]
+        "venv", *["install-start", "install-end"] * 3]
     assert sum("setting up" in stderr for _, stderr in outputs) == 1
     assert len(list((tmp_path / "venv").glob(".sluice-setup-*"))) == 1
     # Set up already: no lock, no install.
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
-    assert again.returncode == 0 and len(log.read_text().splitlines()) == 5
+    assert again.returncode == 0 and len(log.read_text().splitlines()) == 7

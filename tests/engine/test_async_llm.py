@@ -246,7 +246,14 @@ def test_a_caller_that_falls_behind_gets_the_missed_steps_merged(engine: AsyncLL
         return outputs + [out async for out in stream]
 
     async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
-        return await behind(), await collect(engine, prompt, params, f"steps-{n}")
+        slow = await behind()
+        # The reference takes every step as it comes; on a loaded machine (the test suite's
+        # other half beside it) even it can fall behind a step and get two merged: again then.
+        for attempt in range(3):
+            steps = await collect(engine, prompt, params, f"steps-{n}-{attempt}")
+            if len(steps) > 2:
+                break
+        return slow, steps
 
     slow, steps = run(main())
     assert len(slow) == 2 and slow[-1].finished and not slow[0].finished
