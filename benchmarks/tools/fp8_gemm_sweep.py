@@ -24,6 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from sluice.bench.record import make_record, write_record
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemm_sweep import time_graph  # noqa: E402 (the same timing as the bf16 sweep)
+
 from sluice.model import fp8_gemm
 from sluice.model.fp8_gemm import Fp8GemmConfig, w8a8_mm, w8a16_mm
 from sluice.model.quantization import quantize_fp8
@@ -33,34 +37,6 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
 LAYERS = 36
 ROWS = [1, 4, 16, 64, 3000]
 BLOCK = (128, 128)
-REPS = 10
-
-
-def time_graph(fns: list) -> float:
-    """Microseconds per call: the calls captured in one graph, best of 5 timings of REPS
-    replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPS):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / REPS / len(fns))
-    return best
 
 
 def w8a16_configs(m: int):

@@ -41,15 +41,14 @@ def install_fp8_ops(model: nn.Module) -> None:
 
 def install_fused_ops(model: nn.Module) -> None:
     """Swap the torch ops of every layer of `model` (CUDA weights) for the Triton kernels."""
-    from sluice.model import fp8_gemm, triton_gemm, triton_moe, triton_ops  # Triton on a GPU
+    from sluice.model import triton_gemm, triton_moe, triton_ops  # Triton only on a GPU
     from sluice.model.moe import FusedMoE
 
     for module in model.modules():
         if isinstance(module, FusedMoE):  # static shapes: capturable in the CUDA graphs
             module.experts_op = triton_moe.fused_experts
         if isinstance(module, Linear):
-            module.gemm_op = triton_gemm.linear
-            module.fp8_op = fp8_gemm.fp8_linear
+            module.gemm_op = triton_gemm.linear  # FP8 layers: install_fp8_ops
         if isinstance(module, RowParallelLinear):
             module.add_gemm_op = triton_gemm.linear_add
         elif (isinstance(module, LlamaMLP) and module.down_proj.bias is None

@@ -122,10 +122,9 @@ def test_a_channel_fp8_checkpoint_equals_transformers_on_its_dequantized_weights
         dequantized_folder(folder, str(tmp_path / "float"))))
 
 
-def test_a_per_tensor_static_checkpoint_loads_its_weights(tmp_path: Path) -> None:
-    """compressed-tensors per-tensor weights with static input scales (read, not needed by
-    the dequantized matmuls), and the lm_head in `ignore` left in float32."""
-    folder = Path(make_tiny_model(str(tmp_path / "fp8"), arch="qwen2"))
+def _per_tensor_static_folder(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A qwen2 folder rewritten as compressed-tensors per-tensor FP8 with static input scales;
+    and its tensors."""
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     for name in [n for n in tensors if n.endswith("_proj.weight")]:
@@ -143,6 +142,14 @@ def test_a_per_tensor_static_checkpoint_loads_its_weights(tmp_path: Path) -> Non
             "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
                                   "dynamic": False}}}}
     (folder / "config.json").write_text(json.dumps(config))
+    return folder, tensors
+
+
+def test_a_per_tensor_static_checkpoint_loads_its_weights(tmp_path: Path) -> None:
+    """compressed-tensors per-tensor weights with static input scales (read, not needed by
+    the dequantized matmuls), and the lm_head in `ignore` left in float32."""
+    folder, tensors = _per_tensor_static_folder(Path(make_tiny_model(str(tmp_path / "fp8"),
+                                                                     arch="qwen2")))
     got = greedy(LLM(model=str(folder), **BASE))
     dequantized = dequantized_folder(str(folder), str(tmp_path / "float"))
     assert got == greedy(LLM(model=dequantized, **BASE))
@@ -286,28 +293,6 @@ def test_the_config_says_what_it_read() -> None:
                             if k != "quantization_config"}).quantization is None
 
 
-def _per_tensor_static_folder(folder: Path) -> Path:
-    """A qwen2 folder rewritten as compressed-tensors per-tensor FP8 with static input scales."""
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    for name in [n for n in tensors if n.endswith("_proj.weight")]:
-        tensors[name], tensors[name.replace(".weight", ".weight_scale")] = quantize_fp8(
-            tensors[name], "tensor")
-        tensors[name.replace(".weight", ".input_scale")] = torch.tensor([0.05])
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
-                        "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
-                                  "dynamic": False}}}}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
 def _loaded(folder: str, keep: bool):
     from sluice.attention.backend import get_attention_backend
     from sluice.model.hf_config import load_hf_config
@@ -326,7 +311,7 @@ def test_layers_that_keep_fp8_weights_give_the_dequantized_model_s_greedy_ids(
     dequantizes as the load-time path does: the same greedy ids."""
     if kind == "tensor":
         folder = str(_per_tensor_static_folder(Path(make_tiny_model(str(tmp_path / "m"),
-                                                                    arch="qwen2"))))
+                                                                    arch="qwen2")))[0])
     else:
         folder = make_tiny_model(str(tmp_path / "m"), arch="llama" if kind == "channel"
                                  else "qwen3", quantize=f"fp8-{kind}", block_size=(16, 32))

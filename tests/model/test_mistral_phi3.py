@@ -15,11 +15,11 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from sluice import LLM, SamplingParams
 from sluice.model.hf_config import parse_hf_config
+from tests.engine.test_generate_matches_hf import hf_greedy as reference_greedy
 from tests.tiny_models import save_hf_model
 
 
@@ -30,16 +30,7 @@ def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int
 
 
 def hf_greedy(folder: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                                 do_sample=False, eos_token_id=1 << 30, pad_token_id=0)
-        ids.append(out[0, len(prompt):].tolist())
-    return ids
+    return [reference_greedy(folder, tuple(p), max_tokens) for p in prompts]
 
 
 @pytest.mark.parametrize("arch", ["mistral", "phi3"])

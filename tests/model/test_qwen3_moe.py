@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from sluice import LLM
 from sluice.model.hf_config import parse_hf_config
 from sluice.model.moe import FusedMoE, expert_tensor
+from tests.engine.test_generate_matches_hf import hf_greedy
 from tests.tiny_models import save_hf_model
 
 BASE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
@@ -77,9 +78,6 @@ def test_make_model_writes_a_qwen3_moe_checkpoint_transformers_reads(tmp_path: P
     greedy ids equal transformers' on it."""
     import random
 
-    import torch
-    import transformers
-
     from sluice import SamplingParams
     from sluice.model.tiny import make_tiny_model
 
@@ -93,8 +91,5 @@ def test_make_model_writes_a_qwen3_moe_checkpoint_transformers_reads(tmp_path: P
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt, ids in zip(prompts, got):
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                          eos_token_id=1 << 30, pad_token_id=0)
-        assert out[0, len(prompt):].tolist() == ids
+        assert hf_greedy(folder, tuple(prompt), 10) == ids
