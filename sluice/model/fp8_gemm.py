@@ -23,7 +23,8 @@ H200, Qwen3-8B's shapes: benchmarks/journal/2026-12-02-fp8-matmuls.md):
   beats cuBLAS's row-wise _scaled_mm per channel by 1.3-1.8x); above, per channel
   `torch._scaled_mm` with row-wise scales (cuBLAS), per block `_w8a8_kernel` (each K step's
   product times its row and column scales, added into float32), or `torch._scaled_mm` with
-  block scales where `block_scaled_mm_supported` finds its product right. At 4 rows the
+  block scales where `block_scaled_mm_supported` finds its product right and the weight has
+  a multiple of 4 blocks along K (`block_scaled_mm_fits`). At 4 rows the
   weight-only kernel (one row a program, each row's programs reading W) is 1.3-2.8x slower
   than W8A8. Its tensor-core tiles (a tile dequantized, then 16-bit MMAs) are kept as an
   option (SLUICE_FP8_BLOCK_PREFILL=w8a16): slower than the W8A8 kernel's best tiles at 64 and
@@ -361,79 +362,62 @@ def quantize_activations_reference(x: torch.Tensor, group: int | None
     return q, (scales.reshape(m) if group is None else scales)
 
 
-# How torch._scaled_mm's block scales are laid out for cuBLAS, per device: (activation scales,
-# weight scales), each "checked" (the layout torch's shape and stride check names) or
-# "transposed" (that shape and stride over the transposed values' memory), or None where no
-# layout gives the right product (block_scaled_mm_supported).
-_BLOCK_SCALED_MM: dict[torch.device, tuple[str, str] | None] = {}
-_BLOCK_LAYOUTS = (("checked", "checked"), ("transposed", "checked"), ("checked", "transposed"),
-                  ("transposed", "transposed"))
+_BLOCK_SCALED_MM: dict[torch.device, bool] = {}
+
+
+def block_scaled_mm_fits(n: int, k: int) -> bool:
+    """Whether torch._scaled_mm's block scales give the right product for an [n, k] weight:
+    128 x 128 blocks, and a whole number of 4 blocks along K. torch 2.11 accepts any number of
+    K blocks, but on an H200 a product with 2 or 3 of them was wrong even with every scale 1
+    (relative errors 0.5 and 7: cuBLAS reads the scale rows 16 bytes apart;
+    benchmarks/tools/scaled_mm_block_probe.py), while 4 and 8 were right in every block."""
+    return n % 128 == 0 and k % 512 == 0
 
 
 def block_scaled_mm_supported(device: torch.device) -> bool:
     """Whether this torch's _scaled_mm multiplies with DeepSeek-style block scales on `device`
     (1 x 128 for the activations, 128 x 128 for the weight: cuBLAS 12.9 and up on Hopper);
-    tried once per device on a small product in each scale layout that passes torch's check
-    (block_scaled_mm_layout) and checked against the Triton kernel."""
-    return block_scaled_mm_layout(device) is not None
-
-
-def block_scaled_mm_layout(device: torch.device) -> tuple[str, str] | None:
-    """The (activation, weight) scale layout whose _scaled_mm product is right on `device`, or
-    None. A layout torch accepts can still be read by cuBLAS in another order: on an H200
-    (torch 2.11) the checked one gave a relative error of ~1.0 on blocks of differing magnitude,
-    so each is tried."""
+    tried once per device on a small product and checked against the Triton kernel. Shapes
+    must also pass block_scaled_mm_fits."""
     if device not in _BLOCK_SCALED_MM:
-        found = None
+        ok = False
         if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
-            from sluice.model.quantization import quantize_fp8
+            try:
+                from sluice.model.quantization import quantize_fp8
 
-            generator = torch.Generator(device=device).manual_seed(0)
-            # blocks of magnitudes 1e-2 to 10 down N and across K, and activations whose
-            # 128-groups differ as much: scales read in the wrong order give a wrong product
-            # (uniform ones would hide it)
-            dense = torch.randn(512, 1024, device=device, generator=generator)
-            dense *= torch.logspace(-2, 1, 4, device=device).repeat_interleave(128)[:, None]
-            dense *= torch.logspace(1, -1, 8, device=device).repeat_interleave(128)[None]
-            w, s = quantize_fp8(dense, "block")
-            x = torch.randn(200, 1024, device=device, generator=generator)
-            x *= torch.logspace(-1, 1, 8, device=device).repeat_interleave(128)[None]
-            x *= torch.logspace(1, -1, 200, device=device)[:, None]
-            x = x.to(torch.bfloat16)
-            want = w8a16_mm(x, w, s, (128, 128)).float()
-            for layout in _BLOCK_LAYOUTS:
-                try:
-                    got = _block_scaled_mm(x, w, s, layout).float()
-                except RuntimeError:  # "Invalid scaling configuration" and the like
-                    continue
-                if bool(((got - want).norm() / want.norm()) < 0.06):
-                    found = layout
-                    break
-        _BLOCK_SCALED_MM[device] = found
+                generator = torch.Generator(device=device).manual_seed(0)
+                # blocks of magnitudes 1e-2 to 10 down N and across K, and activations whose
+                # 128-groups differ as much: scales read in the wrong order give a wrong
+                # product (uniform ones would hide it)
+                dense = torch.randn(512, 1024, device=device, generator=generator)
+                dense *= torch.logspace(-2, 1, 4, device=device).repeat_interleave(128)[:, None]
+                dense *= torch.logspace(1, -1, 8, device=device).repeat_interleave(128)[None]
+                w, s = quantize_fp8(dense, "block")
+                x = torch.randn(200, 1024, device=device, generator=generator)
+                x *= torch.logspace(-1, 1, 8, device=device).repeat_interleave(128)[None]
+                x *= torch.logspace(1, -1, 200, device=device)[:, None]
+                x = x.to(torch.bfloat16)
+                got = _block_scaled_mm(x, w, s).float()
+                want = w8a16_mm(x, w, s, (128, 128)).float()
+                ok = bool(((got - want).norm() / want.norm()) < 0.06)
+            except RuntimeError:  # "Invalid scaling configuration" and the like
+                ok = False
+        _BLOCK_SCALED_MM[device] = ok
     return _BLOCK_SCALED_MM[device]
 
 
-def _block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     layout: tuple[str, str] | None = None) -> torch.Tensor:
-    """cuBLAS's block-scaled product with scales in `layout` (block_scaled_mm_layout's; None:
-    the device's). Its column-major activation scales take whole 16-byte rows, so M is padded
-    to a multiple of 4 (cuBLAS refuses 17 rows: CUBLAS_STATUS_NOT_SUPPORTED on an H200, torch
-    2.11)."""
-    layout = layout or block_scaled_mm_layout(x.device)
-    if layout is None:
-        raise RuntimeError("torch._scaled_mm gives no right block-scaled product on "
-                           f"{x.device}")
+def _block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+                     ) -> torch.Tensor:
+    """cuBLAS's block-scaled product (shapes that pass block_scaled_mm_fits); its column-major
+    activation scales take whole 16-byte rows, so M is padded to a multiple of 4 (cuBLAS
+    refuses 17 rows: CUBLAS_STATUS_NOT_SUPPORTED on an H200, torch 2.11)."""
+    if not block_scaled_mm_fits(*weight.shape):
+        raise ValueError(f"torch._scaled_mm's block scales need N a multiple of 128 and K of "
+                         f"512, not a {tuple(weight.shape)} weight")
     m = x.shape[0]
     if m % 4:
         x = torch.cat([x, x.new_zeros(4 - m % 4, x.shape[1])])
-    rows = x.shape[0]
-    if layout[0] == "checked":
-        q, q_scale = quantize_activations(x, 128, column_major=True)
-    else:  # row-major values under the column-major shape and strides torch checks
-        q, q_scale = quantize_activations(x, 128)
-        q_scale = q_scale.view(q_scale.shape[1], rows).t()
-    if layout[1] == "transposed":
-        scale = scale.t().contiguous().view(scale.shape)
+    q, q_scale = quantize_activations(x, 128, column_major=True)
     y = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.t(), out_dtype=x.dtype)
     return y[:m] if y.shape[0] != m else y
 
@@ -460,8 +444,8 @@ def w8a8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         if block is None:
             backend = "scaled_mm" if runs and k % 16 == 0 and n % 16 == 0 else "triton"
         else:
-            backend = "scaled_mm" if (runs and block == (128, 128) and k % 128 == 0
-                                      and n % 128 == 0
+            backend = "scaled_mm" if (runs and block == (128, 128)
+                                      and block_scaled_mm_fits(n, k)
                                       and block_scaled_mm_supported(x.device)) else "triton"
     if backend == "scaled_mm":
         if block is not None:
@@ -513,7 +497,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         if choice == "auto":
             choice = "triton"
             if rows.is_cuda and rows.dtype == torch.bfloat16 and block == (128, 128) and (
-                    weight.shape[0] % 128 == 0 and weight.shape[1] % 128 == 0
+                    block_scaled_mm_fits(*weight.shape)
                     and block_scaled_mm_supported(rows.device)):
                 choice = "scaled_mm"
         if choice == "w8a16":

@@ -155,13 +155,26 @@ def test_scaled_mm_equals_the_triton_w8a8_kernel(m: int, block: tuple[int, int] 
     takes them (block_scaled_mm_supported): the Triton kernel's product, rounding apart."""
     if block is not None and not fp8_gemm.block_scaled_mm_supported(torch.device(DEVICE)):
         pytest.skip("this torch's _scaled_mm takes no block scales")
-    weight, scale = fp8_weight(512, 256, block, seed=1)
-    x = activations(m, 256, torch.bfloat16, seed=2)
+    weight, scale = fp8_weight(512, 512, block, seed=1)  # 4 blocks along K (block_scaled_mm_fits)
+    x = activations(m, 512, torch.bfloat16, seed=2)
     cublas = w8a8_mm(x, weight, scale, block, backend="scaled_mm").float()
     triton_ = w8a8_mm(x, weight, scale, block, backend="triton").float()
     # bf16's rounding of two sums, and the per-channel Triton kernel's FP8 accumulation (see
     # test_the_w8a8_product_is_the_dequantized_fp8_operands_product)
     assert (cublas - triton_).norm() / cublas.norm() < 2**-8
+
+
+def test_block_scaled_mm_takes_only_weights_of_whole_fours_of_k_blocks() -> None:
+    """cuBLAS's block-scaled product was wrong on an H200 for 2 or 3 blocks along K (even with
+    every scale 1), right for 4 and 8: such weights are never sent to it."""
+    assert fp8_gemm.block_scaled_mm_fits(4096, 4096) and fp8_gemm.block_scaled_mm_fits(512, 12288)
+    assert not fp8_gemm.block_scaled_mm_fits(512, 256)
+    assert not fp8_gemm.block_scaled_mm_fits(512, 384)
+    assert not fp8_gemm.block_scaled_mm_fits(200, 512)
+    weight, scale = fp8_weight(512, 256, (128, 128), seed=1)
+    x = activations(8, 256, torch.bfloat16, seed=2)
+    with pytest.raises(ValueError, match=r"K of 512, not a \(512, 256\) weight"):
+        fp8_gemm._block_scaled_mm(x, weight, scale)
 
 
 @pytest.mark.parametrize("block", BLOCKS)
