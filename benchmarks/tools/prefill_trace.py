@@ -69,7 +69,9 @@ def main() -> None:
     path, out = sys.argv[1], sys.argv[2]
     lens = [int(x) for x in sys.argv[3].split(",")]
     trace_out = sys.argv[4] if len(sys.argv) > 4 else None
-    llm = LLM(model=path, dtype="bfloat16", max_model_len=max(lens) + 64, seed=0)
+    # 4,096 as shared/peer's lat_peer.py: a max_model_len just above the prompt can leave its
+    # padded bucket out of the dense-prefill graphs (an eager, paged-attention step)
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=max(4096, max(lens) + 64), seed=0)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
 
