@@ -340,7 +340,7 @@ class GraphRunner:
         # lone request is otherwise dominated by launching ~30 kernels a layer from Python.
         max_tokens = min(self.scheduler_config.max_num_batched_tokens, max_model_len,
                          _MAX_PREFILL_GRAPH_TOKENS)
-        sizes = [t for t in _PREFILL_GRAPH_TOKENS if t <= max_tokens]
+        sizes = prefill_graph_sizes(max_tokens)
         if not sizes:
             return
         self.prefill_graphs = DecodeGraphs(sizes, pool=self.graphs.pool)
@@ -440,6 +440,20 @@ class GraphRunner:
         self.verify_graphs.capture(forward, self._hooked(make_inputs))
         logger.info("captured CUDA graphs for verification of %d tokens per request, batch "
                     "sizes %s", q, sizes)
+
+
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """The one-prompt graph sizes for prompts of up to `max_tokens` (the smaller of the token
+    budget, max_model_len and the largest bucket): the buckets up to it, and `max_tokens`
+    itself where no bucket ends there, so every prompt the engine admits has a graph. With
+    max_model_len 3,064 a 3,000-token prompt otherwise ran eagerly (the 3,072 bucket is over
+    it): 73.9 ms of device time against 50.8 ms graphed on an H200 with FP8 weights, whose
+    launches from Python outlast their kernels
+    (benchmarks/results/latency/2026-12-02-prefill-trace-8b-h200.json)."""
+    sizes = [t for t in _PREFILL_GRAPH_TOKENS if t <= max_tokens]
+    if max_tokens < _MAX_PREFILL_GRAPH_TOKENS and (not sizes or sizes[-1] < max_tokens):
+        sizes.append(max_tokens)
+    return sizes
 
 
 def dense_pays(num_tokens: int, padded_tokens: int) -> bool:

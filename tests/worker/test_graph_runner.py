@@ -252,3 +252,31 @@ def test_long_prompt_chunks_over_a_prefix_run_dense_attention_eagerly(
     assert not over_prefix
     assert graphs.prefill_graphs.num_replays == 3
 
+
+
+def test_every_admitted_prompt_length_has_a_prefill_graph() -> None:
+    """The largest one-prompt graph ends at the longest prompt the engine admits, bucket or not."""
+    assert graph_runner.prefill_graph_sizes(3064)[-2:] == [2560, 3064]
+    assert graph_runner.prefill_graph_sizes(4096)[-1] == 4096
+    assert 4096 not in graph_runner.prefill_graph_sizes(3064)
+    assert graph_runner.prefill_graph_sizes(100) == [64, 100]
+    assert graph_runner.prefill_graph_sizes(32) == [32]
+    assert graph_runner.prefill_graph_sizes(20000)[-1] == 8192  # longer prompts run eagerly
+
+
+def test_a_prompt_past_the_last_bucket_replays_the_max_model_len_graph(
+        qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_model_len 200 (buckets 64, 128, then 200): a 150-token prompt replays the 200-token
+    graph, its greedy ids those of an eager engine."""
+    common = dict(model=qwen3_dir, dtype="float32", block_size=8, max_model_len=200,
+                  max_num_seqs=4, max_num_batched_tokens=256)
+    prompt = [{"prompt_token_ids": list(range(30, 180))}]
+    reference = greedy_ids(LLM(**common), prompt)
+    llm, graphs = llm_with_emulated_graphs(common, monkeypatch)
+    assert graphs.prefill_graphs.sizes[-1] == 200
+    before = graphs.prefill_graphs.num_replays + (graphs.dense_prefill_graphs.num_replays
+                                                  if graphs.dense_prefill_graphs else 0)
+    assert greedy_ids(llm, prompt) == reference
+    after = graphs.prefill_graphs.num_replays + (graphs.dense_prefill_graphs.num_replays
+                                                 if graphs.dense_prefill_graphs else 0)
+    assert after == before + 1
