@@ -173,16 +173,21 @@ class TritonBackend:
         metadata: AttentionMetadata,
         scale: float,
         kv_stored: bool = False,  # key/value already at their slots: no store_kv launch
+        sliding_window: int | None = None,  # the layer's: keys at positions > p - window
     ) -> torch.Tensor:  # [T, H, D]
         output = torch.empty_like(query)
         if query.shape[0] == 0:
             return output
         if kv_cache.numel() == 0:
-            return self._forward_without_cache(output, query, key, value, metadata, scale)
+            return self._forward_without_cache(output, query, key, value, metadata, scale,
+                                               sliding_window)
         if not kv_stored:
             store_kv(key, value, kv_cache, metadata.slot_mapping)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if metadata.dense_prefill:
+        # A windowed layer takes the paged kernels even in a step marked dense (cuDNN's
+        # attention is given no window mask here): the choice follows the layer alone, so a
+        # dense-prefill CUDA graph captures the kernel every replay of it needs.
+        if metadata.dense_prefill and sliding_window is None:
             return dense_prefill_attention(query, key, value, key_cache, value_cache, metadata,
                                            scale, kv_as_cached=kv_stored)
         num_splits = self._num_splits(metadata, key.shape[1], query.device)
@@ -190,9 +195,10 @@ class TritonBackend:
             tiles = (self.config.fp8_split_tiles if is_fp8(key_cache.dtype)
                      else self.config.split_tiles)
             return split_kv_attention(
-                output, query, key_cache, value_cache, metadata, scale, num_splits, tiles
-            )
-        return self._unified(output, query, key_cache, value_cache, metadata, scale, paged=True)
+                output, query, key_cache, value_cache, metadata, scale, num_splits, tiles,
+                sliding_window)
+        return self._unified(output, query, key_cache, value_cache, metadata, scale, paged=True,
+                             sliding_window=sliding_window)
 
     def decode_from_qkv(
         self,
@@ -208,6 +214,7 @@ class TritonBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # the layer's: keys at positions > p - window
     ) -> torch.Tensor | None:  # [T, H * D]
         """The attention output of a small decode batch straight from its q/k/v projection
         (q/k norm, RoPE, the KV store and attention in one launch:
@@ -228,7 +235,8 @@ class TritonBackend:
                                residual, residual_eps, num_heads, kv_cache, metadata, scale,
                                self.fused_decode_tiles(metadata.num_reqs, metadata.max_seq_len,
                                                        num_kv_heads, kv_cache.dtype,
-                                                       qkv.device))
+                                                       qkv.device),
+                               sliding_window=sliding_window)
 
     def fused_decode_tiles(self, num_reqs: int, max_seq_len: int, num_kv_heads: int,
                            cache_dtype: torch.dtype, device: torch.device) -> TileConfig:
@@ -262,6 +270,7 @@ class TritonBackend:
         metadata: AttentionMetadata,
         scale: float,
         paged: bool,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Decode tiles while every request's queries fit one decode tile (decodes, short
         speculative runs); else prefill tiles, and with several requests two launches: requests
@@ -272,15 +281,18 @@ class TritonBackend:
         group_pad = triton.next_power_of_2(query.shape[1] // key.shape[-2])
         decode_query_len = max(decode_tiles.block_m, group_pad) // group_pad
         args = (output, query, key, value, metadata, scale)
+        window = sliding_window
         if metadata.max_query_len <= decode_query_len:
-            return unified_attention(*args, decode_tiles, paged=paged)
+            return unified_attention(*args, decode_tiles, paged=paged, sliding_window=window)
         if metadata.num_reqs == 1 or not self.config.split_mixed_batches:
-            return unified_attention(*args, self.config.prefill_tiles, paged=paged)
-        unified_attention(*args, decode_tiles, paged=paged, query_lens=(0, decode_query_len))
+            return unified_attention(*args, self.config.prefill_tiles, paged=paged,
+                                     sliding_window=window)
+        unified_attention(*args, decode_tiles, paged=paged, query_lens=(0, decode_query_len),
+                          sliding_window=window)
         prefill_lens = (decode_query_len + 1, MAX_INT32)
         return unified_attention(
-            *args, self.config.prefill_tiles, paged=paged, query_lens=prefill_lens
-        )
+            *args, self.config.prefill_tiles, paged=paged, query_lens=prefill_lens,
+            sliding_window=window)
 
     def _decode_tiles(self, num_reqs: int, max_seq_len: int, max_query_len: int,
                       num_kv_heads: int, cache_dtype: torch.dtype,
@@ -352,6 +364,7 @@ class TritonBackend:
         value: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """A profiling run before the cache exists: fresh prefills attend within themselves."""
         query_lens = metadata.query_start_loc_cpu.diff()
@@ -362,4 +375,5 @@ class TritonBackend:
                 f"{int(query_lens[bad])} query tokens, but no KV cache is bound"
             )
         assert key.stride() == value.stride()
-        return self._unified(output, query, key, value, metadata, scale, paged=False)
+        return self._unified(output, query, key, value, metadata, scale, paged=False,
+                             sliding_window=sliding_window)
