@@ -148,8 +148,9 @@ class KVCacheManager:
         """Make room for `num_new_tokens` (+ lookahead) after the computed and hit tokens, and
         the `num_external_computed_tokens` a KV connector loads between the two.
 
-        Returns the newly allocated blocks, or None (and changes nothing) if too few are free.
-        `delay_cache_blocks`: enter none of the new blocks into the prefix cache now.
+        Returns the newly allocated blocks, or None (and changes nothing, but for giving back
+        blocks behind a sliding window, which the request can never read again) if too few
+        are free. `delay_cache_blocks`: enter none of the new blocks into the prefix cache now.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
