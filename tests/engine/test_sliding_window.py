@@ -176,6 +176,25 @@ def test_ngram_speculation_keeps_the_blocks_its_drafts_may_roll_back(
     llm.shutdown()
 
 
+def test_a_kv_connector_keeps_every_block_and_the_output(folders: dict[str, str]) -> None:
+    """A connector reads or sends a request's blocks whole (here the CPU tier, which stores
+    each full block and loads prefixes back): no block is freed behind the window, and the
+    output is still transformers'."""
+    folder = folders["mistral"]
+    llm = engine(folder, "mistral", kv_offloading_size=0.01)
+    assert llm.llm_engine.kv_cache_manager.sliding_window is None
+    want = reference(folder)
+    assert greedy(llm) == want
+    llm.llm_engine.drain_kv_transfers()
+    assert llm.reset_prefix_cache()  # the GPU's prefixes gone: the tier serves them
+    assert greedy(llm) == want
+    assert llm.llm_engine.scheduler.connector.get_stats()["hit_blocks"] > 0
+    llm.llm_engine.drain_kv_transfers()
+    assert_all_blocks_back(llm)
+    assert make_scheduler_stats(llm.llm_engine.engine_core).num_window_freed_blocks == 0
+    llm.shutdown()
+
+
 @pytest.mark.one_worker
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
 def test_tp2_greedy_ids_equal_transformers(folders: dict[str, str], arch: str) -> None:
