@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.engine.core import freeing_window
 from sluice.engine.core_proc import make_scheduler_stats
+from sluice.model.hf_config import parse_hf_config
 from tests.tiny_models import save_hf_model
 
 MAX_TOKENS = 40
@@ -193,6 +195,37 @@ def test_a_kv_connector_keeps_every_block_and_the_output(folders: dict[str, str]
     assert_all_blocks_back(llm)
     assert make_scheduler_stats(llm.llm_engine.engine_core).num_window_freed_blocks == 0
     llm.shutdown()
+
+
+def test_which_models_and_settings_free_blocks_behind_the_window() -> None:
+    """Every layer windowed and nothing else reading older blocks: the window (+ k with n-gram
+    drafts); a global layer, a connector or a model proposer: None (every block kept)."""
+    from types import SimpleNamespace
+
+    base = {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "sliding_window": 20}
+    mistral = parse_hf_config(base)
+    gemma_mixed = parse_hf_config({
+        **base, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "layer_types": ["sliding_attention", "full_attention"]})
+    gemma_local = parse_hf_config({
+        **base, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "layer_types": ["sliding_attention"] * 2})
+
+    def window(hf_config, spec=None, kv_transfer_config=None):  # noqa: ANN001, ANN202
+        return freeing_window(SimpleNamespace(
+            hf_config=hf_config, kv_transfer_config=kv_transfer_config,
+            scheduler_config=SimpleNamespace(speculative_config=spec)))
+
+    assert window(mistral) == 20
+    assert window(gemma_local) == 20
+    assert window(gemma_mixed) is None
+    assert window(parse_hf_config({**base, "sliding_window": None})) is None
+    assert window(mistral, SimpleNamespace(method="ngram", num_speculative_tokens=3)) == 23
+    assert window(mistral, SimpleNamespace(method="eagle", num_speculative_tokens=3)) is None
+    assert window(mistral, SimpleNamespace(method="draft_model", num_speculative_tokens=3)) is None
+    assert window(mistral, kv_transfer_config=object()) is None
 
 
 @pytest.mark.one_worker
