@@ -190,13 +190,13 @@ class TritonBackend:
         if metadata.dense_prefill and sliding_window is None:
             return dense_prefill_attention(query, key, value, key_cache, value_cache, metadata,
                                            scale, kv_as_cached=kv_stored)
-        num_splits = self._num_splits(metadata, key.shape[1], query.device)
+        num_splits = self._num_splits(metadata, key.shape[1], query.device, sliding_window)
         if num_splits > 0:
             tiles = (self.config.fp8_split_tiles if is_fp8(key_cache.dtype)
                      else self.config.split_tiles)
             return split_kv_attention(
                 output, query, key_cache, value_cache, metadata, scale, num_splits, tiles,
-                sliding_window)
+                sliding_window=sliding_window)
         return self._unified(output, query, key_cache, value_cache, metadata, scale, paged=True,
                              sliding_window=sliding_window)
 
@@ -229,7 +229,7 @@ class TritonBackend:
                 or metadata.num_reqs < FUSED_DECODE_MIN_REQS
                 or metadata.num_reqs * num_kv_heads
                 > FUSED_DECODE_MAX_PROGRAMS_PER_SM * self._sm_count(qkv.device)
-                or self._num_splits(metadata, num_kv_heads, qkv.device) > 0):
+                or self._num_splits(metadata, num_kv_heads, qkv.device, sliding_window) > 0):
             return None
         return decode_from_qkv(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
                                residual, residual_eps, num_heads, kv_cache, metadata, scale,
@@ -306,19 +306,24 @@ class TritonBackend:
         return self.config.decode_tiles
 
     def _num_splits(
-        self, metadata: AttentionMetadata, num_kv_heads: int, device: torch.device
+        self, metadata: AttentionMetadata, num_kv_heads: int, device: torch.device,
+        sliding_window: int | None = None,
     ) -> int:
         """0 for the unified kernel, else the split count of the split-KV path: decodes, and
         verifications of speculative drafts (a few query tokens a request, each token its own
         programs there, where the unified kernel runs one program per request and KV head:
-        8 for a batch-1 verification of Qwen3-0.6B)."""
+        8 for a batch-1 verification of Qwen3-0.6B). A windowed layer's tokens read at most
+        `sliding_window` keys each: the rule counts those."""
         if metadata.max_query_len > 1 and (
                 metadata.max_query_len > MAX_SPLIT_QUERY_LEN
                 or not (metadata.split_queries or self.config.split_kv == "always")):
             return 0
         programs_per_head = (metadata.num_reqs if metadata.max_query_len == 1
                              else metadata.num_actual_tokens)
-        return self._split_count(programs_per_head, num_kv_heads, metadata.max_seq_len, device)
+        max_keys = metadata.max_seq_len
+        if sliding_window is not None:
+            max_keys = min(max_keys, sliding_window)
+        return self._split_count(programs_per_head, num_kv_heads, max_keys, device)
 
     def decode_plan(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
                     device: torch.device, cache_dtype: torch.dtype) -> tuple[int, TileConfig]:

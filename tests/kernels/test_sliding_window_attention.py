@@ -189,3 +189,15 @@ def test_decode_from_qkv_bounds_the_token_by_its_window(window):
                           metadata, SCALE, DECODE_TILES, sliding_window=window)
     torch.testing.assert_close(out.view(num_tokens, num_heads, head_dim), expected,
                                atol=3e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_split_rule_counts_only_a_windowed_layer_s_keys(device):
+    """One request decoding at 2,000 keys splits (few programs, a long context), where over a
+    300-key window it has one split's worth and runs the unified kernel; either way the output
+    is the reference's."""
+    backend = TritonBackend()  # "auto": the rule decides
+    step = make_step([(2000, 1)], 4, 2, 16, device=device, seed=5)
+    assert backend._num_splits(step.metadata, 2, step.query.device) > 1
+    assert backend._num_splits(step.metadata, 2, step.query.device, sliding_window=300) == 0
+    run_windowed([(2000, 1)], 300, backend, seed=5, expect_poisoned=True)
