@@ -163,6 +163,29 @@ def test_prefix_caching_off_and_no_chunks_keep_the_output(folders: dict[str, str
         llm.shutdown()
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(async_scheduling=True),
+    dict(async_scheduling=True, max_model_len=64, num_gpu_blocks_override=10),
+    dict(async_scheduling=True, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3, "disable_by_batch_size": None,
+        "min_accepted_tokens_per_step": 0})],
+    ids=["async", "async-preempting", "async-ngram"])
+def test_async_scheduling_keeps_the_output(folders: dict[str, str], kwargs: dict) -> None:
+    """The next step is scheduled (and blocks behind the window freed) before the last one's
+    tokens are back, with preemption and with n-gram drafts counted as accepted in flight."""
+    folder = folders["mistral"]
+    prompts = [p[:48] for p in PROMPTS] if "num_gpu_blocks_override" in kwargs else PROMPTS
+    max_tokens = 16 if "num_gpu_blocks_override" in kwargs else MAX_TOKENS
+    llm = engine(folder, "mistral", **kwargs)
+    assert greedy(llm, prompts, max_tokens) == reference(folder, prompts, max_tokens)
+    if "num_gpu_blocks_override" in kwargs:
+        assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    assert make_scheduler_stats(llm.llm_engine.engine_core).num_window_freed_blocks > 0
+    assert_all_blocks_back(llm)
+    llm.shutdown()
+
+
 def test_ngram_speculation_keeps_the_blocks_its_drafts_may_roll_back(
         folders: dict[str, str]) -> None:
     """n-gram drafts: the manager keeps k more positions than the window (a rejected draft
