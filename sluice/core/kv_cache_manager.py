@@ -195,10 +195,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request_id, blocks)
         blocks.extend(new_computed_blocks)
         blocks.extend(new_blocks)
-        self._note_peaks(request_id)
         if not self.enable_caching:
             if self.sliding_window is not None:
                 self._free_blocks_behind_window(request_id, num_computed_tokens)
+            self._note_peaks(request_id)
             return new_blocks
 
         # Hits are cached already; lookahead (speculative) slots hold no known tokens yet.
@@ -207,6 +207,7 @@ class KVCacheManager:
         if self.sliding_window is not None and new_computed_blocks:
             # Hits behind the window of the first token computed: back at once.
             self._free_blocks_behind_window(request_id, num_computed_tokens)
+        self._note_peaks(request_id)
         if delay_cache_blocks:
             return new_blocks
         if self.defer_caching:
