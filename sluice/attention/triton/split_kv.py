@@ -5,7 +5,8 @@ slices that run in parallel, and a second kernel merges their partial softmaxes.
 For batches where every request has at most MAX_QUERY_LEN query tokens, the last positions of
 its context: decodes, and the verification of speculative drafts (1 + k tokens a request). Each
 token attends to the keys up to its own position, so its context is seq_len less the request's
-tokens after it, and no other causal mask is needed. `num_splits` is a python int and every
+tokens after it, and no other causal mask is needed; with a sliding window only its last
+`window` keys, whose tiles are the ones split. `num_splits` is a python int and every
 buffer's shape follows from python ints, so both launches can be captured in a CUDA graph. Each
 token's own tiles are spread evenly over the splits; splits past its end return at once, and the
 merge reads only the splits that hold keys.

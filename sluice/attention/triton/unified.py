@@ -9,8 +9,10 @@ host sync and can be captured in a CUDA graph.
 
 A request's queries are the last `query_len` positions of its `seq_len` context. A query tile
 reads KV tiles up to its last query's position only (causal tile skipping); tiles wholly at or
-before its first query's position need no mask, the rest are masked. Requests with seq_len 0 and
-padding tokens past the last request get zeros.
+before its first query's position need no mask, the rest are masked. With a sliding window
+(SLIDING) it also starts at the tile of its first query's first visible key, and masks the
+tiles that reach before its last query's window. Requests with seq_len 0 and padding tokens
+past the last request get zeros.
 
 A launch may be restricted to requests whose query length lies in a range, so a mixed batch can
 run its decodes with small tiles and its prefills with large ones in two launches.
