@@ -21,10 +21,16 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         kv_stored: bool = False,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store key/value at `metadata.slot_mapping` (unless `kv_stored`: the caller has
         written them already), then attend causally over each request's paged context. Without
-        a cache (`kv_cache.numel() == 0`, a profiling run) attend over `key`/`value` directly."""
+        a cache (`kv_cache.numel() == 0`, a profiling run) attend over `key`/`value` directly.
+
+        `sliding_window` (the layer's, None: none): a query at position p attends only to keys
+        at positions > p - window (transformers' convention), and the backend never reads the
+        blocks before a query's window: the KV cache manager may have freed them, leaving
+        stale ids in the block table."""
         ...
 
     # Optional: `decode_plan(num_reqs, num_kv_heads, max_seq_len, device, cache_dtype) ->
@@ -38,10 +44,10 @@ class AttentionBackend(Protocol):
     # and `supports_dense_prefix(...)`, the same for one prompt chunk over a cached prefix.
     #
     # Optional: `decode_from_qkv(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight,
-    # eps, residual, residual_eps, num_heads, kv_cache, metadata, scale) -> Tensor | None`: a
-    # decode step's attention output from the raw q/k/v projection, doing what the model's
-    # qk_norm_rope op and `forward` do (TritonBackend: in one launch), or None where the backend
-    # leaves this step to them (Attention.decode_from_qkv).
+    # eps, residual, residual_eps, num_heads, kv_cache, metadata, scale, sliding_window) ->
+    # Tensor | None`: a decode step's attention output from the raw q/k/v projection, doing what
+    # the model's qk_norm_rope op and `forward` do (TritonBackend: in one launch), or None where
+    # the backend leaves this step to them (Attention.decode_from_qkv).
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

@@ -5,7 +5,9 @@ Clarity over speed: one loop over requests, vectorised gathers within each. Step
    can read a prefix another request of the same batch has just written (unless the caller has
    stored them: `kv_stored`);
 2. per request, gather its `seq_len` context tokens through its block table row and attend its
-   `query_len` queries (the last `query_len` positions) causally over them, in float32.
+   `query_len` queries (the last `query_len` positions) causally over them, in float32. With a
+   sliding window, only the blocks from the first query's window on are gathered: blocks before
+   it may have been freed (sluice.core.kv_cache_manager), their table entries stale.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class TorchRefBackend:
         metadata: AttentionMetadata,
         scale: float,
         kv_stored: bool = False,  # key/value already at their slots: no store
+        sliding_window: int | None = None,  # a query at position p sees keys at > p - window
     ) -> torch.Tensor:  # [T, H, D]
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         output = torch.zeros_like(query)  # padding tokens past the requests stay zero
@@ -54,7 +57,7 @@ class TorchRefBackend:
             write_rows(key_cache, slots[stored], key[stored])
             write_rows(value_cache, slots[stored], value[stored])
 
-        if metadata.dense_prefill and self.dense_prefill:
+        if metadata.dense_prefill and self.dense_prefill and sliding_window is None:
             return dense_prefill_attention(query, key, value, kv_cache[0], kv_cache[1], metadata,
                                            scale, kv_as_cached=kv_stored)
         query_start_loc = metadata.query_start_loc_cpu.tolist()
@@ -70,13 +73,21 @@ class TorchRefBackend:
                         "but no KV cache is bound"
                     )
                 keys, values = key[start:end], value[start:end]
+                first_key_pos = 0
             else:
+                first_query_pos = seq_len - (end - start)
+                first_block = 0
+                if sliding_window is not None:
+                    first_block = max(first_query_pos - sliding_window + 1, 0) // block_size
+                first_key_pos = first_block * block_size
                 num_blocks = -(-seq_len // block_size)
-                block_ids = metadata.block_tables[i, :num_blocks].long()
+                block_ids = metadata.block_tables[i, first_block:num_blocks].long()
                 offsets = torch.arange(block_size, device=block_ids.device)
-                context_slots = (block_ids[:, None] * block_size + offsets).flatten()[:seq_len]
+                context_slots = (block_ids[:, None] * block_size + offsets).flatten()[
+                    : seq_len - first_key_pos]
                 keys = select_rows(key_cache, context_slots)
                 values = select_rows(value_cache, context_slots)
-            output[start:end] = causal_attention(query[start:end], keys, values, scale)
+            output[start:end] = causal_attention(query[start:end], keys, values, scale,
+                                                 sliding_window, first_key_pos)
         return output
 

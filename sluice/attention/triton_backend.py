@@ -173,26 +173,32 @@ class TritonBackend:
         metadata: AttentionMetadata,
         scale: float,
         kv_stored: bool = False,  # key/value already at their slots: no store_kv launch
+        sliding_window: int | None = None,  # the layer's: keys at positions > p - window
     ) -> torch.Tensor:  # [T, H, D]
         output = torch.empty_like(query)
         if query.shape[0] == 0:
             return output
         if kv_cache.numel() == 0:
-            return self._forward_without_cache(output, query, key, value, metadata, scale)
+            return self._forward_without_cache(output, query, key, value, metadata, scale,
+                                               sliding_window)
         if not kv_stored:
             store_kv(key, value, kv_cache, metadata.slot_mapping)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if metadata.dense_prefill:
+        # A windowed layer takes the paged kernels even in a step marked dense (cuDNN's
+        # attention is given no window mask here): the choice follows the layer alone, so a
+        # dense-prefill CUDA graph captures the kernel every replay of it needs.
+        if metadata.dense_prefill and sliding_window is None:
             return dense_prefill_attention(query, key, value, key_cache, value_cache, metadata,
                                            scale, kv_as_cached=kv_stored)
-        num_splits = self._num_splits(metadata, key.shape[1], query.device)
+        num_splits = self._num_splits(metadata, key.shape[1], query.device, sliding_window)
         if num_splits > 0:
             tiles = (self.config.fp8_split_tiles if is_fp8(key_cache.dtype)
                      else self.config.split_tiles)
             return split_kv_attention(
-                output, query, key_cache, value_cache, metadata, scale, num_splits, tiles
-            )
-        return self._unified(output, query, key_cache, value_cache, metadata, scale, paged=True)
+                output, query, key_cache, value_cache, metadata, scale, num_splits, tiles,
+                sliding_window=sliding_window)
+        return self._unified(output, query, key_cache, value_cache, metadata, scale, paged=True,
+                             sliding_window=sliding_window)
 
     def decode_from_qkv(
         self,
@@ -208,6 +214,7 @@ class TritonBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # the layer's: keys at positions > p - window
     ) -> torch.Tensor | None:  # [T, H * D]
         """The attention output of a small decode batch straight from its q/k/v projection
         (q/k norm, RoPE, the KV store and attention in one launch:
@@ -222,13 +229,14 @@ class TritonBackend:
                 or metadata.num_reqs < FUSED_DECODE_MIN_REQS
                 or metadata.num_reqs * num_kv_heads
                 > FUSED_DECODE_MAX_PROGRAMS_PER_SM * self._sm_count(qkv.device)
-                or self._num_splits(metadata, num_kv_heads, qkv.device) > 0):
+                or self._num_splits(metadata, num_kv_heads, qkv.device, sliding_window) > 0):
             return None
         return decode_from_qkv(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
                                residual, residual_eps, num_heads, kv_cache, metadata, scale,
                                self.fused_decode_tiles(metadata.num_reqs, metadata.max_seq_len,
                                                        num_kv_heads, kv_cache.dtype,
-                                                       qkv.device))
+                                                       qkv.device),
+                               sliding_window=sliding_window)
 
     def fused_decode_tiles(self, num_reqs: int, max_seq_len: int, num_kv_heads: int,
                            cache_dtype: torch.dtype, device: torch.device) -> TileConfig:
@@ -262,6 +270,7 @@ class TritonBackend:
         metadata: AttentionMetadata,
         scale: float,
         paged: bool,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Decode tiles while every request's queries fit one decode tile (decodes, short
         speculative runs); else prefill tiles, and with several requests two launches: requests
@@ -272,15 +281,18 @@ class TritonBackend:
         group_pad = triton.next_power_of_2(query.shape[1] // key.shape[-2])
         decode_query_len = max(decode_tiles.block_m, group_pad) // group_pad
         args = (output, query, key, value, metadata, scale)
+        window = sliding_window
         if metadata.max_query_len <= decode_query_len:
-            return unified_attention(*args, decode_tiles, paged=paged)
+            return unified_attention(*args, decode_tiles, paged=paged, sliding_window=window)
         if metadata.num_reqs == 1 or not self.config.split_mixed_batches:
-            return unified_attention(*args, self.config.prefill_tiles, paged=paged)
-        unified_attention(*args, decode_tiles, paged=paged, query_lens=(0, decode_query_len))
+            return unified_attention(*args, self.config.prefill_tiles, paged=paged,
+                                     sliding_window=window)
+        unified_attention(*args, decode_tiles, paged=paged, query_lens=(0, decode_query_len),
+                          sliding_window=window)
         prefill_lens = (decode_query_len + 1, MAX_INT32)
         return unified_attention(
-            *args, self.config.prefill_tiles, paged=paged, query_lens=prefill_lens
-        )
+            *args, self.config.prefill_tiles, paged=paged, query_lens=prefill_lens,
+            sliding_window=window)
 
     def _decode_tiles(self, num_reqs: int, max_seq_len: int, max_query_len: int,
                       num_kv_heads: int, cache_dtype: torch.dtype,
@@ -294,19 +306,24 @@ class TritonBackend:
         return self.config.decode_tiles
 
     def _num_splits(
-        self, metadata: AttentionMetadata, num_kv_heads: int, device: torch.device
+        self, metadata: AttentionMetadata, num_kv_heads: int, device: torch.device,
+        sliding_window: int | None = None,
     ) -> int:
         """0 for the unified kernel, else the split count of the split-KV path: decodes, and
         verifications of speculative drafts (a few query tokens a request, each token its own
         programs there, where the unified kernel runs one program per request and KV head:
-        8 for a batch-1 verification of Qwen3-0.6B)."""
+        8 for a batch-1 verification of Qwen3-0.6B). A windowed layer's tokens read at most
+        `sliding_window` keys each: the rule counts those."""
         if metadata.max_query_len > 1 and (
                 metadata.max_query_len > MAX_SPLIT_QUERY_LEN
                 or not (metadata.split_queries or self.config.split_kv == "always")):
             return 0
         programs_per_head = (metadata.num_reqs if metadata.max_query_len == 1
                              else metadata.num_actual_tokens)
-        return self._split_count(programs_per_head, num_kv_heads, metadata.max_seq_len, device)
+        max_keys = metadata.max_seq_len
+        if sliding_window is not None:
+            max_keys = min(max_keys, sliding_window)
+        return self._split_count(programs_per_head, num_kv_heads, max_keys, device)
 
     def decode_plan(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
                     device: torch.device, cache_dtype: torch.dtype) -> tuple[int, TileConfig]:
@@ -352,6 +369,7 @@ class TritonBackend:
         value: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """A profiling run before the cache exists: fresh prefills attend within themselves."""
         query_lens = metadata.query_start_loc_cpu.diff()
@@ -362,4 +380,5 @@ class TritonBackend:
                 f"{int(query_lens[bad])} query tokens, but no KV cache is bound"
             )
         assert key.stride() == value.stride()
-        return self._unified(output, query, key, value, metadata, scale, paged=False)
+        return self._unified(output, query, key, value, metadata, scale, paged=False,
+                             sliding_window=sliding_window)

@@ -15,6 +15,16 @@ and every `free` and `schedule` does first. So the chained hashes of a new promp
 sha256 calls for 1,024 tokens, 0.25 ms on an H100 host) are computed while the device runs the
 step rather than before it starts, and a request admitted later in the same step still finds the
 blocks of one admitted before it. The lookup hashes only as far as it hits.
+
+With `sliding_window` (a model whose every layer attends in a window of that many positions,
+given by the engine only where nothing else reads a request's older blocks), a block wholly
+before the window of the request's next token is of no use to it: each `allocate_slots` returns
+those blocks to the pool and leaves the null block in their place, so `get_block_ids` keeps its
+positions and the attention kernels, which start at the window, never read the entry. A freed
+block keeps its hash in the free queue (evictable, a prefix hit for another request until
+evicted), and only blocks already cached, not the last of them, are freed, so the next block
+cached finds its parent held. Prefix lookup is unchanged: it walks from block 0 and stops at
+the first miss.
 """
 
 from __future__ import annotations
@@ -37,9 +47,14 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_fn: Callable[[bytes], bytes] = sha256_hash,
         defer_caching: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        # A token at position p needs the keys at positions > p - sliding_window only.
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
@@ -54,6 +69,13 @@ class KVCacheManager:
         self.defer_caching = defer_caching
         # defer_caching: request id -> (request, its tokens whose full blocks to cache).
         self._pending_cache: dict[str, tuple[Request, int]] = {}
+        # sliding_window: how many leading blocks of each request were freed (null in
+        # req_to_blocks), and the count freed so far over all requests.
+        self.num_freed_blocks: dict[str, int] = {}
+        self.num_window_freed_blocks_total = 0
+        # The most blocks in use at once and held by one request, since the start.
+        self.peak_blocks_in_use = 0
+        self.peak_blocks_per_request = 0
 
     @property
     def usage(self) -> float:
@@ -61,6 +83,15 @@ class KVCacheManager:
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
+
+    def get_num_blocks_in_use(self) -> int:
+        """Blocks some request holds (the null block left out)."""
+        return self.block_pool.num_blocks - 1 - self.block_pool.get_num_free_blocks()
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """Blocks `request_id` holds now (its freed ones, behind a window, not counted)."""
+        blocks = self.req_to_blocks.get(request_id, ())
+        return len(blocks) - self.num_freed_blocks.get(request_id, 0)
 
     def update_block_hashes(self, request: Request, max_blocks: int | None = None) -> None:
         """Extend request.block_hashes to cover every full block of its tokens (the first
@@ -117,8 +148,9 @@ class KVCacheManager:
         """Make room for `num_new_tokens` (+ lookahead) after the computed and hit tokens, and
         the `num_external_computed_tokens` a KV connector loads between the two.
 
-        Returns the newly allocated blocks, or None (and changes nothing) if too few are free.
-        `delay_cache_blocks`: enter none of the new blocks into the prefix cache now.
+        Returns the newly allocated blocks, or None (and changes nothing, but for giving back
+        blocks behind a sliding window, which the request can never read again) if too few
+        are free. `delay_cache_blocks`: enter none of the new blocks into the prefix cache now.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -128,6 +160,8 @@ class KVCacheManager:
             raise ValueError(f"num_external_computed_tokens must be >= 0, "
                              f"got {num_external_computed_tokens}")
         request_id = request.request_id
+        if self.sliding_window is not None:
+            self._free_blocks_behind_window(request_id, request.num_computed_tokens)
         blocks = self.req_to_blocks.get(request_id, [])
         if (not new_computed_blocks and not num_lookahead_tokens
                 and not num_external_computed_tokens and not delay_cache_blocks):
@@ -162,11 +196,18 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         blocks.extend(new_blocks)
         if not self.enable_caching:
+            if self.sliding_window is not None:
+                self._free_blocks_behind_window(request_id, num_computed_tokens)
+            self._note_peaks(request_id)
             return new_blocks
 
         # Hits are cached already; lookahead (speculative) slots hold no known tokens yet.
         self.num_cached_blocks[request_id] = max(self.num_cached_blocks.get(request_id, 0),
                                                  len(new_computed_blocks))
+        if self.sliding_window is not None and new_computed_blocks:
+            # Hits behind the window of the first token computed: back at once.
+            self._free_blocks_behind_window(request_id, num_computed_tokens)
+        self._note_peaks(request_id)
         if delay_cache_blocks:
             return new_blocks
         if self.defer_caching:
@@ -176,6 +217,32 @@ class KVCacheManager:
         else:
             self.cache_blocks(request, num_computed_tokens + num_new_tokens)
         return new_blocks
+
+    def _free_blocks_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Return the request's blocks wholly before the window of its token at position
+        `num_computed_tokens` (the next computed), tail first among them; the null block
+        stands in their place. With caching, only cached blocks but the last are freed: a
+        block is never freed before its tokens' KV is cached, and the next block cached names
+        a parent still held."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        num_dead = max(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        if self.enable_caching:
+            num_dead = min(num_dead, self.num_cached_blocks.get(request_id, 0) - 1)
+        num_freed = self.num_freed_blocks.get(request_id, 0)
+        if num_dead <= num_freed:
+            return
+        dead = blocks[num_freed:num_dead]
+        blocks[num_freed:num_dead] = [self.block_pool.null_block] * len(dead)
+        self.num_freed_blocks[request_id] = num_dead
+        self.num_window_freed_blocks_total += len(dead)
+        self.block_pool.free_blocks(reversed(dead))
+
+    def _note_peaks(self, request_id: str) -> None:
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.get_num_blocks_in_use())
+        self.peak_blocks_per_request = max(self.peak_blocks_per_request,
+                                           self.num_blocks_held(request_id))
 
     def flush_pending_cache(self) -> None:
         """Cache the blocks `allocate_slots` left for later (defer_caching)."""
@@ -207,11 +274,13 @@ class KVCacheManager:
             self.cache_blocks(request, pending[1])  # as if cached when allocated
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_freed_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """Block ids of the request in token order ([] for a request without blocks)."""
+        """Block ids of the request in token order ([] for a request without blocks); 0 (the
+        null block) for blocks freed behind a sliding window."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
@@ -224,8 +293,15 @@ class KVCacheManager:
         assert self._pending_cache.keys() <= self.req_to_blocks.keys(), (
             f"blocks to cache for requests without blocks: "
             f"{sorted(self._pending_cache.keys() - self.req_to_blocks.keys())}")
+        assert self.num_freed_blocks.keys() <= self.req_to_blocks.keys(), (
+            f"freed blocks noted for requests without blocks: "
+            f"{sorted(self.num_freed_blocks.keys() - self.req_to_blocks.keys())}")
         num_pairs = 0
-        for request_id, blocks in self.req_to_blocks.items():
+        for request_id, all_blocks in self.req_to_blocks.items():
+            num_freed = self.num_freed_blocks.get(request_id, 0)
+            assert all(block.is_null for block in all_blocks[:num_freed]), (
+                f"request {request_id}'s first {num_freed} blocks were freed but one is held")
+            blocks = all_blocks[num_freed:]
             assert len({id(block) for block in blocks}) == len(blocks), (
                 f"request {request_id} holds a block twice")
             for block in blocks:
@@ -233,7 +309,7 @@ class KVCacheManager:
                 assert block.ref_cnt >= 1, (
                     f"request {request_id} holds block {block.block_id} with ref_cnt "
                     f"{block.ref_cnt}")
-            assert self.num_cached_blocks.get(request_id, 0) <= len(blocks), (
+            assert self.num_cached_blocks.get(request_id, 0) <= len(all_blocks), (
                 f"request {request_id} has more cached blocks than blocks")
             num_pairs += len(blocks)
         num_refs = sum(block.ref_cnt for block in self.block_pool.blocks)

@@ -37,7 +37,8 @@ from sluice.sampling_params import SamplingParams
 #    counters in SpecDecodingStats and SchedulerStats; n-gram drafts come from the scheduler.
 # 11: n-gram drafts proposed on the device (SchedulerOutput.scheduled_device_drafts,
 #    ModelRunnerOutput.num_device_drafts).
-SCHEMA_VERSION = 11
+# 12: SchedulerStats carries the KV cache's peaks and the blocks freed behind sliding windows.
+SCHEMA_VERSION = 12
 
 # A connector's per-step plan (its own msgspec struct type).
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")

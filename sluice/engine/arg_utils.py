@@ -124,16 +124,6 @@ class EngineArgs:
         speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 
         max_model_len = self.max_model_len or hf_config.max_position_embeddings
-        window = hf_config.sliding_window
-        if window is not None and max_model_len > window:
-            # No windowed attention here: up to the window, full attention is the same thing
-            # (position q sees q - window < k <= q, all of them).
-            if self.max_model_len:
-                raise ValueError(
-                    f"max_model_len ({max_model_len}) must be <= the model's sliding_window "
-                    f"({window}): sliding-window attention is not supported, and within the "
-                    "window attention is the same")
-            max_model_len = window
         if max_model_len > hf_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_model_len}) must be <= the model's "

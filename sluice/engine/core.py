@@ -35,6 +35,24 @@ from sluice.structured_output.manager import StructuredOutputManager
 _COMPILE_WAIT_S = 0.05
 
 
+def freeing_window(config: EngineConfig) -> int | None:
+    """The window behind which the KV cache manager may free a request's blocks: the model's,
+    where every layer attends in it (Mistral, Phi-3; not Gemma 3, whose global layers read
+    every block), widened by the draft tokens a verification may roll back (n-gram drafts).
+    None (every block kept, the output the same) where something else reads older blocks: a
+    KV connector (a CPU tier, the pool or PD sends a prompt's blocks whole) or a model
+    proposer (a draft model's or EAGLE head's layers read the same block table unwindowed)."""
+    window = config.hf_config.window_of_every_layer()
+    spec = config.scheduler_config.speculative_config
+    if window is None or config.kv_transfer_config is not None:
+        return None
+    if spec is not None:
+        if spec.method != "ngram":
+            return None
+        window += spec.num_speculative_tokens
+    return window
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
@@ -68,6 +86,7 @@ class EngineCore:
             enable_caching=cache_config.enable_prefix_caching,
             # A connector reads every block hash when the step is scheduled.
             defer_caching=config.kv_transfer_config is None,
+            sliding_window=freeing_window(config),
         )
         connector = None
         if config.kv_transfer_config is not None:

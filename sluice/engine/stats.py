@@ -35,6 +35,11 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     num_preemptions_total: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    # The most blocks in use at once, and held by one request, since the start; blocks freed
+    # behind a sliding window while their requests ran (sluice.core.kv_cache_manager).
+    peak_blocks_in_use: int = 0
+    peak_blocks_per_request: int = 0
+    num_window_freed_blocks: int = 0
     # Speculative decoding (all zero / empty when it is off), cumulative like
     # sluice.core.outputs.SpecDecodingStats: verified rows with >= 1 draft, draft tokens
     # verified, of those accepted, and [k] accepted drafts at each draft position.

@@ -27,17 +27,23 @@ class Attention(nn.Module):
         head_dim: int,
         scale: float,
         backend: AttentionBackend,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        # This layer's window: a query at position p sees the keys at positions > p - window
+        # (None: every earlier key). Every backend path takes it from here.
+        self.sliding_window = sliding_window
         # The qualified module name in its model, set by name_attention_layers.
         self.layer_name = ""
         # [2, num_blocks, block_size, num_kv_heads, head_dim] once bound; a plain attribute, not a
@@ -71,6 +77,7 @@ class Attention(nn.Module):
             attn_metadata,
             self.scale,
             kv_stored,
+            sliding_window=self.sliding_window,
         )
         if hooks is not None:
             hooks.save_kv_layer(self.layer_name, self.kv_cache_bytes, attn_metadata)
@@ -96,7 +103,8 @@ class Attention(nn.Module):
         if fused is None or attn_metadata.kv_hooks is not None or self.kv_cache.numel() == 0:
             return None
         return fused(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, residual,
-                     residual_eps, self.num_heads, self.kv_cache, attn_metadata, self.scale)
+                     residual_eps, self.num_heads, self.kv_cache, attn_metadata, self.scale,
+                     sliding_window=self.sliding_window)
 
 
 def attention_layers(model: nn.Module) -> dict[str, Attention]:

@@ -98,13 +98,23 @@ class HFModelConfig:
     bos_token_id: int | None
     # config.json's quantization_config: FP8 weights (sluice.model.quantization), None for none
     quantization: Fp8Config | None = None
-    # Each query attends to the last `sliding_window` positions only (Mistral, Phi-3); None:
-    # all. sluice has no windowed attention: max_model_len is held to it (EngineArgs).
+    # Each query attends to the last `sliding_window` positions only (itself included): every
+    # layer of Mistral and Phi-3, Gemma 3's sliding layers (GemmaConfig.sliding_layers); None:
+    # all.
     sliding_window: int | None = None
     # Qwen3-MoE's experts (sluice.model.moe); None for a dense model
     moe: MoeConfig | None = None
     # Gemma 3's layer types and scalings (sluice.model.models.gemma3); None for other models
     gemma: GemmaConfig | None = None
+
+    def window_of_every_layer(self) -> int | None:
+        """The sliding window where every layer attends in it (Mistral, Phi-3 with a window; a
+        Gemma 3 whose every layer slides), else None (no window, or some global layer)."""
+        if self.sliding_window is None:
+            return None
+        if self.gemma is not None and not all(self.gemma.sliding_layers):
+            return None
+        return self.sliding_window
 
 
 def load_hf_config(model_dir: str) -> HFModelConfig:

@@ -24,9 +24,9 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Qwen3MoeForCausalLM": ("sluice.model.models.qwen3_moe", "Qwen3MoeForCausalLM",
                             "Qwen3-MoE (30B-A3B, 235B-A22B): top-k routed SwiGLU experts"),
     "Gemma3ForCausalLM": ("sluice.model.models.gemma3", "Gemma3ForCausalLM",
-                          "Gemma 3 270M / 1B (text); a sliding window holds max_model_len to it"),
+                          "Gemma 3 270M / 1B (text): local (windowed) and global layers"),
     "MistralForCausalLM": ("sluice.model.models.mistral", "MistralForCausalLM",
-                           "Mistral 7B, Nemo; a sliding window holds max_model_len to it"),
+                           "Mistral 7B, Nemo; a sliding window frees KV blocks behind it"),
     "Phi3ForCausalLM": ("sluice.model.models.phi3", "Phi3ForCausalLM",
                         "Phi-3 mini / medium (4k; fused q/k/v and gate/up split at load); "
                         "not partial RoPE, not longrope"),

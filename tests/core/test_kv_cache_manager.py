@@ -381,7 +381,8 @@ class Workload:
                  num_computed_tokens: int) -> bool:
         before = self.snapshot(request)
         if self.manager.allocate_slots(request, num_new_tokens, hits) is None:
-            assert self.snapshot(request) == before
+            if self.manager.sliding_window is None:  # else blocks behind it may have gone back
+                assert self.snapshot(request) == before
             return False
         blocks = self.manager.req_to_blocks[request.request_id]
         for position in range(num_computed_tokens, num_computed_tokens + num_new_tokens):
@@ -444,15 +445,17 @@ class Workload:
     block_size=st.sampled_from([1, 2, 4]),
     enable_caching=st.booleans(),
     defer_caching=st.booleans(),
+    sliding_window=st.sampled_from([None, 1, 3, 6]),
     operations=st.lists(OPERATION, min_size=30, max_size=80),
 )
 def test_random_workload_keeps_the_pool_consistent_and_returns_every_block(
     num_blocks: int, block_size: int, enable_caching: bool, defer_caching: bool,
-    operations: list[tuple[str, int, int, list[int]]],
+    sliding_window: int | None, operations: list[tuple[str, int, int, list[int]]],
 ) -> None:
-    """Also with deferred caching: every hit still holds the tokens it claims (check_hits)."""
+    """Also with deferred caching, and with blocks freed behind a sliding window: every hit
+    still holds the tokens it claims (check_hits), a freed block's included."""
     manager = KVCacheManager(num_blocks, block_size, enable_caching,
-                             defer_caching=defer_caching)
+                             defer_caching=defer_caching, sliding_window=sliding_window)
     workload = Workload(manager)
     for operation in operations:
         workload.apply(*operation)
@@ -515,3 +518,80 @@ def test_lookup_hashes_as_far_as_it_hits() -> None:
     diverging = make_request("d", prompt[:20] + [999] * 21)
     assert manager.get_computed_blocks(diverging)[1] == 20
     assert len(diverging.block_hashes) == 8  # 1, 2, 4, then 8 blocks hashed
+
+
+# ---- a sliding window (every layer windowed: Mistral, Phi-3) ---------------------------------
+
+
+def decode(manager: KVCacheManager, request: Request, num_tokens: int) -> None:
+    """Append and compute `num_tokens` output tokens one step at a time."""
+    for _ in range(num_tokens):
+        request.append_output_token_ids([7])
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+        manager.check_integrity()
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_blocks_behind_the_window_go_back_as_the_request_advances(enable_caching: bool) -> None:
+    """Window 6 over blocks of 4: the token at position p needs keys p - 5 .. p, so block i
+    (tokens 4i .. 4i + 3) is freed once the next token's position passes 4i + 8; the null
+    block (id 0) takes its place in the request's block ids."""
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE,
+                             enable_caching=enable_caching, sliding_window=6)
+    request = make_request("a", list(range(10)))
+    prefill(manager, request)  # 10 tokens in one step: all 3 blocks held for it
+    assert manager.num_blocks_held("a") == 3 and manager.peak_blocks_per_request == 3
+    decode(manager, request, 1)  # computing position 10: sees 5 .. 10, block 0 is dead
+    assert manager.get_block_ids("a")[0] == 0
+    assert manager.num_blocks_held("a") == 2
+    decode(manager, request, 20)  # to 31 tokens: position 30 sees 25 .. 30 (blocks 6, 7)
+    ids = manager.get_block_ids("a")
+    assert len(ids) == 8 and ids[:6] == [0] * 6 and 0 not in ids[6:]
+    assert manager.num_blocks_held("a") == 2
+    assert manager.num_window_freed_blocks_total == 6
+    assert manager.peak_blocks_per_request == 3
+    manager.free(request)
+    manager.check_integrity()
+    assert manager.get_num_free_blocks() == 15
+
+
+def test_a_freed_block_stays_cached_and_the_lookup_stops_at_the_first_evicted() -> None:
+    """Prefix-caching rule: blocks freed behind the window keep their hashes in the free queue,
+    so a later request with the same prefix hits them from block 0; once the pool reuses one,
+    the lookup stops there (never past a missing block)."""
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, sliding_window=4)
+    prompt = list(range(12))
+    first = make_request("a", prompt)
+    prefill(manager, first)
+    decode(manager, first, 5)  # computing position 16 (sees 13 .. 16): blocks 0 .. 2 freed
+    assert manager.get_block_ids("a") == [0, 0, 0, 4, 5]
+    assert num_hit_tokens(manager, prompt + [7, 7]) == 12  # blocks 0 .. 2, freed but cached
+    # An unrelated request takes 4 of the 5 free blocks: the 2 never used, then the freed ones
+    # in the order freed (tail first among each step's: block 1's, then block 0's).
+    other = make_request("b", list(range(100, 116)))
+    prefill(manager, other)
+    assert num_hit_tokens(manager, prompt + [7, 7]) == 0
+    manager.free(first)
+    manager.free(other)
+    manager.check_integrity()
+    assert manager.get_num_free_blocks() == 7
+
+
+def test_prefix_hits_behind_the_window_are_given_back_at_once() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, sliding_window=5)
+    prompt = list(range(17))
+    prefill(manager, make_request("a", prompt))
+    second = make_request("b", prompt)
+    hits, num_tokens = manager.get_computed_blocks(second)
+    assert num_tokens == 16  # 4 blocks; the last token is computed
+    assert manager.allocate_slots(second, 1, hits) is not None
+    # Computing position 16 sees 12 .. 16: blocks 0 .. 2 are dead (3 is the last cached: held).
+    assert manager.get_block_ids("b")[:3] == [0, 0, 0]
+    assert manager.num_blocks_held("b") == 2
+    manager.check_integrity()
+
+
+def test_a_non_positive_window_is_refused() -> None:
+    with pytest.raises(ValueError, match="sliding_window must be >= 1 or None, got 0"):
+        KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE, sliding_window=0)

@@ -116,9 +116,9 @@ def test_split_kv_decode_over_an_fp8_cache_matches_reference(device, dtype, fmt,
     """... with its own tiles (FP8_SPLIT_TILES), as a 16-bit cache takes SPLIT_TILES."""
     launched = []
 
-    def recording(*args):
+    def recording(*args, **kwargs):
         launched.append(args[-1])  # the tiles
-        return split_kv(*args)
+        return split_kv(*args, **kwargs)
 
     split_kv = triton_backend.split_kv_attention
     monkeypatch.setattr(triton_backend, "split_kv_attention", recording)

@@ -514,7 +514,8 @@ def test_decode_attention_from_the_projection_gives_the_models_hidden_states(mon
     fused_calls, rope_calls = [], []
     real_fused, real_rope = triton_backend.decode_from_qkv, triton_ops.qk_norm_rope_store_kv
     monkeypatch.setattr(triton_backend, "decode_from_qkv",
-                        lambda *args: fused_calls.append(args[0].shape) or real_fused(*args))
+                        lambda *args, **kwargs: fused_calls.append(args[0].shape)
+                        or real_fused(*args, **kwargs))
     for layer in model.model.layers:
         layer.self_attn.qk_norm_rope_op = (
             lambda *args: rope_calls.append(args[0].shape) or real_rope(*args))
@@ -674,9 +675,9 @@ def test_decode_from_qkv_takes_the_fused_kernels_own_tiles(monkeypatch, cache_dt
     chosen = []
     real = triton_backend.decode_from_qkv
 
-    def recording(*args):
+    def recording(*args, **kwargs):
         chosen.append(args[-1])
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(triton_backend, "decode_from_qkv", recording)
     head_dim, num_heads, num_kv_heads, num_reqs = 16, 2, 1, 16

@@ -50,7 +50,7 @@ def test_gemma3_270m_greedy_equals_transformers(gemma3_gguf: str) -> None:
                ["input_ids"] for q in QUESTIONS]
     assert prompts[0][:2] == [2, 105]  # <bos> <start_of_turn>
     llm = LLM(model=gemma3_gguf, dtype="float32", max_model_len=512)
-    assert llm.llm_engine.scheduler_config.max_model_len == 512  # its sliding window
+    assert llm.llm_engine.scheduler_config.max_model_len == 512  # as asked (its window: 512)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]

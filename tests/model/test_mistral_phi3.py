@@ -3,9 +3,9 @@ Llama decoder. Greedy ids against transformers with the engine's optimisations:
 tests/engine/test_generate_matches_hf.py; at TP 2: tests/distributed/test_tp_engine.py; logits
 through the paged cache: tests/model/test_models_match_hf.py.
 
-- A sliding window: sluice has no windowed attention, so max_model_len is held to the window
-  (where full attention is the same function), and a larger one asked for is an error naming
-  both; within it greedy ids equal transformers' (which applies its window mask).
+- A sliding window no longer holds max_model_len: up to max_position_embeddings, as for any
+  model, and greedy ids equal transformers' past the window (the window's tests:
+  tests/engine/test_sliding_window.py, tests/kernels/test_sliding_window_attention.py).
 - Phi-3's fused weights must have the rows the config gives; partial RoPE is refused."""
 
 from __future__ import annotations
@@ -34,17 +34,21 @@ def hf_greedy(folder: str, prompts: list[list[int]], max_tokens: int) -> list[li
 
 
 @pytest.mark.parametrize("arch", ["mistral", "phi3"])
-def test_a_sliding_window_holds_max_model_len_to_it(arch: str, tmp_path: Path) -> None:
+def test_a_sliding_window_no_longer_holds_max_model_len(arch: str, tmp_path: Path) -> None:
     folder = save_hf_model(str(tmp_path / arch), arch, sliding_window=48)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 600) for _ in range(n)] for n in (5, 20, 36)]
-    llm = LLM(model=folder, dtype="float32", block_size=8, max_num_batched_tokens=16)
-    assert llm.llm_engine.scheduler_config.max_model_len == 48
-    assert greedy(llm, prompts, 12) == hf_greedy(folder, prompts, 12)
+    prompts = [[rng.randrange(3, 600) for _ in range(n)] for n in (5, 20, 60)]
+    llm = LLM(model=folder, dtype="float32", block_size=8, max_num_batched_tokens=16,
+              max_model_len=128)
+    assert llm.llm_engine.scheduler_config.max_model_len == 128
+    assert greedy(llm, prompts, 12) == hf_greedy(folder, prompts, 12)  # 72 > 48 tokens
     llm.shutdown()
-    with pytest.raises(ValueError, match=r"max_model_len \(64\) must be <= the model's "
-                                         r"sliding_window \(48\)"):
-        LLM(model=folder, dtype="float32", max_model_len=64)
+    llm = LLM(model=folder, dtype="float32")
+    assert llm.llm_engine.scheduler_config.max_model_len == 1024  # max_position_embeddings
+    llm.shutdown()
+    with pytest.raises(ValueError, match=r"max_model_len \(2048\) must be <= the model's "
+                                         r"max_position_embeddings \(1024\)"):
+        LLM(model=folder, dtype="float32", max_model_len=2048)
 
 
 def test_mistral_s_window_defaults_as_transformers_and_null_means_none() -> None:

@@ -241,6 +241,8 @@ def attend_tile(
     tile_start,  # position of the tile's first key in the context
     seq_len,
     query_pos,  # [BLOCK_M] context position of each row's query (causal)
+    key_start,  # SLIDING: the lowest key position any row may see; keys before are not loaded
+    window,  # SLIDING: a row at position p sees keys at positions > p - window
     stride_block,
     stride_slot,  # paged: between slots of a block; not paged: between tokens
     dims,  # [HEAD_DIM_PAD]
@@ -249,8 +251,9 @@ def attend_tile(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
-    MASK: tl.constexpr,  # keys may lie past seq_len or in some row's future
+    MASK: tl.constexpr,  # keys may lie past seq_len, in some row's future or past its window
     CAUSAL: tl.constexpr,
+    SLIDING: tl.constexpr,  # a sliding window bounds each row's keys from below (MASK)
     MASK_DIMS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -259,6 +262,10 @@ def attend_tile(
 ):
     pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     in_seq = pos < seq_len
+    if SLIDING:
+        # Keys before the window are never read: their blocks may be freed (stale ids, another
+        # request's data) or the null block, whose values need not be finite.
+        in_seq = in_seq & (pos >= key_start)
     if PAGED:
         if MASK:
             block = tl.load(block_table_row + pos // PAGE_SIZE, mask=in_seq, other=0)
@@ -294,6 +301,8 @@ def attend_tile(
         visible = in_seq[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= query_pos[:, None])
+        if SLIDING:
+            visible = visible & (pos[None, :] > query_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no key yet keeps m = -inf; subtract 0 instead so it stays NaN-free.

@@ -78,7 +78,7 @@ def _norm_rope(
     return (x * cos[None, :] + sign[None, :] * x_rot * sin[None, :]).to(dtype)
 
 
-@triton.jit(do_not_specialize=["stride_block_table"])
+@triton.jit(do_not_specialize=["window", "stride_block_table"])
 def _decode_from_qkv_kernel(
     out_ptr,  # [T, H, D]
     qkv_ptr,  # [T, (H + 2 * KVH) * D]: the projection, read only
@@ -93,6 +93,7 @@ def _decode_from_qkv_kernel(
     block_tables_ptr,  # [num_reqs, max_blocks] int32
     seq_lens_ptr,  # [num_reqs] int32
     order_ptr,  # [num_reqs] int32 (ORDERED): the request of each program
+    window,  # SLIDING: the token at position p sees keys at positions > p - window
     qk_scale,
     eps,
     residual_eps,
@@ -116,6 +117,7 @@ def _decode_from_qkv_kernel(
     ROW_RMS: tl.constexpr,
     HIDDEN_PAD: tl.constexpr,
     ORDERED: tl.constexpr,
+    SLIDING: tl.constexpr,  # a sliding window (`window`) bounds the keys from below
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # KernelDtypes.fp16_dots
@@ -189,12 +191,18 @@ def _decode_from_qkv_kernel(
     v_base = value_cache_ptr + kv_head * stride_kv_head
     num_cached = tl.maximum(seq_len - 1, 0)
     query_pos = tl.zeros([BLOCK_M], tl.int32) + num_cached
-    for t in range(0, tl.cdiv(num_cached, BLOCK_N)):
+    # With a window the new key is always in it (window >= 1); the cached keys start at
+    # seq_len - window, and the loop at that key's tile.
+    key_start = 0
+    if SLIDING:
+        key_start = tl.maximum(seq_len - window, 0)
+    for t in range(key_start // BLOCK_N, tl.cdiv(num_cached, BLOCK_N)):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, k_base, v_base, block_table_row, 0, t * BLOCK_N, num_cached,
-            query_pos, stride_kv_block, stride_kv_slot, dims, dims < HEAD_DIM, qk_scale,
-            BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=True, MASK=True, CAUSAL=False,
-            MASK_DIMS=False, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
+            query_pos, key_start, window, stride_kv_block, stride_kv_slot, dims,
+            dims < HEAD_DIM, qk_scale, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=True,
+            MASK=True, CAUSAL=False, SLIDING=SLIDING, MASK_DIMS=False, UPCAST_DOT=UPCAST_DOT,
+            DOT_PRECISION=DOT_PRECISION,
             COMPUTE_DTYPE=dtype, FP16_DOTS=FP16_DOTS,
         )
     # A padding request (seq_len 0) saw no key: l = 0, acc = 0, zeros written.
@@ -218,6 +226,7 @@ def decode_from_qkv(
     metadata: AttentionMetadata,
     scale: float,
     tiles: TileConfig,
+    sliding_window: int | None = None,  # the token sees keys at positions > its own - window
 ) -> torch.Tensor:  # [T, H * D]
     """Attention output of a decode batch from its raw q/k/v projection: `qk_norm_rope` with
     its KV store, then the unified kernel's decode path, in one launch (see the module)."""
@@ -254,6 +263,7 @@ def decode_from_qkv(
         metadata.block_tables,
         metadata.seq_lens,
         metadata.decode_order if ordered else metadata.seq_lens,
+        sliding_window or 0,
         scale * LOG2_E,
         eps,
         residual_eps,
@@ -277,6 +287,7 @@ def decode_from_qkv(
         ROW_RMS=row_rms,
         HIDDEN_PAD=triton.next_power_of_2(residual.shape[1]) if row_rms else 1,
         ORDERED=ordered,
+        SLIDING=sliding_window is not None,
         UPCAST_DOT=dtypes.upcast_dot,
         DOT_PRECISION=dtypes.dot_precision,
         FP16_DOTS=dtypes.fp16_dots,

@@ -5,7 +5,8 @@ slices that run in parallel, and a second kernel merges their partial softmaxes.
 For batches where every request has at most MAX_QUERY_LEN query tokens, the last positions of
 its context: decodes, and the verification of speculative drafts (1 + k tokens a request). Each
 token attends to the keys up to its own position, so its context is seq_len less the request's
-tokens after it, and no other causal mask is needed. `num_splits` is a python int and every
+tokens after it, and no other causal mask is needed; with a sliding window only its last
+`window` keys, whose tiles are the ones split. `num_splits` is a python int and every
 buffer's shape follows from python ints, so both launches can be captured in a CUDA graph. Each
 token's own tiles are spread evenly over the splits; splits past its end return at once, and the
 merge reads only the splits that hold keys.
@@ -44,7 +45,18 @@ def _token_context(seq_lens_ptr, query_start_loc_ptr, num_reqs, req, token):
     return context
 
 
-@triton.jit(do_not_specialize=["num_reqs", "stride_block_table"])  # vary by step
+@triton.jit
+def _token_tiles(seq_len, window, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """(first key, first tile, number of tiles) a token with `seq_len` keys of context reads:
+    all of them, or with a sliding window only the tiles holding its last `window` keys."""
+    key_start = seq_len * 0
+    if SLIDING:
+        key_start = tl.maximum(seq_len - window, 0)
+    first_tile = key_start // BLOCK_N
+    return key_start, first_tile, tl.cdiv(seq_len, BLOCK_N) - first_tile
+
+
+@triton.jit(do_not_specialize=["num_reqs", "window", "stride_block_table"])  # vary by step
 def _split_kv_partial_kernel(
     partial_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] float32, unnormalised
     partial_max_ptr,  # [T, H, NUM_SPLITS] float32, log2 domain
@@ -56,6 +68,7 @@ def _split_kv_partial_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     num_reqs,
+    window,  # SLIDING: a token at position p sees keys at positions > p - window
     qk_scale,
     stride_query_token,
     stride_query_head,
@@ -71,6 +84,7 @@ def _split_kv_partial_kernel(
     BLOCK_M: tl.constexpr,  # >= GROUP: row r is query head kv_head * GROUP + r
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    SLIDING: tl.constexpr,  # a sliding window (`window`) bounds the keys from below
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # KernelDtypes.fp16_dots
@@ -82,12 +96,15 @@ def _split_kv_partial_kernel(
     split = tl.program_id(2)
     req = find_token_owner(query_start_loc_ptr, num_reqs, token)
     seq_len = _token_context(seq_lens_ptr, query_start_loc_ptr, num_reqs, req, token)
-    num_seq_tiles = tl.cdiv(seq_len, BLOCK_N)
+    # The splits share the tiles the token reads (with a window, only the window's).
+    key_start, first_tile, num_seq_tiles = _token_tiles(seq_len, window, BLOCK_N, SLIDING)
     tiles_per_split = tl.cdiv(num_seq_tiles, NUM_SPLITS)
     tile_begin = split * tiles_per_split
     if tile_begin >= num_seq_tiles:
         return  # a split past the context's end: the merge reads none of it (_used_splits)
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_seq_tiles)
+    tile_begin += first_tile
+    tile_end += first_tile
 
     rows = tl.arange(0, BLOCK_M)
     row_valid = rows < GROUP
@@ -119,9 +136,10 @@ def _split_kv_partial_kernel(
     for t in range(tile_begin, tile_end):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, k_base, v_base, block_table_row, 0, t * BLOCK_N, seq_len,
-            query_pos, stride_kv_block, stride_kv_slot, dims, dim_mask, qk_scale,
-            BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=True, MASK=True, CAUSAL=False,
-            MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
+            query_pos, key_start, window, stride_kv_block, stride_kv_slot, dims, dim_mask,
+            qk_scale, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, PAGED=True, MASK=True,
+            CAUSAL=False, SLIDING=SLIDING, MASK_DIMS=HEAD_DIM != HEAD_DIM_PAD,
+            UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
             COMPUTE_DTYPE=query_ptr.dtype.element_ty, FP16_DOTS=FP16_DOTS,
         )
     stat = (token.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
@@ -133,16 +151,17 @@ def _split_kv_partial_kernel(
 
 
 @triton.jit
-def _used_splits(seq_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Splits that hold a tile of a context of seq_len keys: each takes cdiv(tiles,
-    NUM_SPLITS) tiles in turn, so a short context fills the first few and the partial kernel's
-    programs of the others return at once (decode graphs are captured with splits for
-    max_model_len)."""
-    num_seq_tiles = tl.cdiv(seq_len, BLOCK_N)
+def _used_splits(seq_len, window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 SLIDING: tl.constexpr):
+    """Splits that hold a tile of a context of seq_len keys (its window's, SLIDING): each takes
+    cdiv(tiles, NUM_SPLITS) tiles in turn, so a short context fills the first few and the
+    partial kernel's programs of the others return at once (decode graphs are captured with
+    splits for max_model_len)."""
+    _, _, num_seq_tiles = _token_tiles(seq_len, window, BLOCK_N, SLIDING)
     return tl.cdiv(num_seq_tiles, tl.maximum(tl.cdiv(num_seq_tiles, NUM_SPLITS), 1))
 
 
-@triton.jit(do_not_specialize=["num_reqs"])  # varies by step
+@triton.jit(do_not_specialize=["num_reqs", "window"])  # vary by step
 def _split_kv_reduce_kernel(
     out_ptr,  # [T, H, D]
     partial_acc_ptr,
@@ -151,10 +170,12 @@ def _split_kv_reduce_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     num_reqs,
+    window,
     stride_out_token,
     stride_out_head,
     NUM_HEADS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the partial kernel's keys per tile
+    SLIDING: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NUM_SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -167,7 +188,7 @@ def _split_kv_reduce_kernel(
     req = find_token_owner(query_start_loc_ptr, num_reqs, token)
     seq_len = _token_context(seq_lens_ptr, query_start_loc_ptr, num_reqs, req, token)
     splits = tl.arange(0, NUM_SPLITS_PAD)
-    split_mask = splits < _used_splits(seq_len, BLOCK_N, NUM_SPLITS)
+    split_mask = splits < _used_splits(seq_len, window, BLOCK_N, NUM_SPLITS, SLIDING)
     dims = tl.arange(0, HEAD_DIM_PAD)
     stat = (token * NUM_HEADS + head) * NUM_SPLITS + splits  # [NUM_SPLITS_PAD]
     m = tl.load(partial_max_ptr + stat, mask=split_mask, other=float("-inf"))
@@ -198,6 +219,7 @@ def split_kv_attention(
     scale: float,
     num_splits: int,
     tiles: TileConfig,
+    sliding_window: int | None = None,  # each token sees keys at positions > its own - window
 ) -> torch.Tensor:
     if metadata.max_query_len > MAX_QUERY_LEN:
         raise ValueError(
@@ -234,6 +256,7 @@ def split_kv_attention(
         metadata.seq_lens,
         metadata.query_start_loc,
         metadata.num_reqs,
+        sliding_window or 0,
         scale * LOG2_E,
         query.stride(0),
         query.stride(1),
@@ -249,6 +272,7 @@ def split_kv_attention(
         BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
         PAGE_SIZE=key_cache.shape[1],
+        SLIDING=sliding_window is not None,
         UPCAST_DOT=dtypes.upcast_dot,
         DOT_PRECISION=dtypes.dot_precision,
         FP16_DOTS=dtypes.fp16_dots,
@@ -265,10 +289,12 @@ def split_kv_attention(
         metadata.seq_lens,
         metadata.query_start_loc,
         metadata.num_reqs,
+        sliding_window or 0,
         out.stride(0),
         out.stride(1),
         NUM_HEADS=num_heads,
         BLOCK_N=tiles.block_n,
+        SLIDING=sliding_window is not None,
         NUM_SPLITS=num_splits,
         NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,

@@ -11,11 +11,12 @@ What it adds to the Llama decoder:
 - sliding-window layers with their own RoPE base (10,000) beside the global layers' (1e6);
 - the final logits soft-capped where the config sets it.
 
-sluice has no windowed attention yet: max_model_len is held to the window
-(sluice.engine.arg_utils), where full attention is the same function, so a sliding layer runs
-as a global one with its own RoPE base. The layers are plain torch ops around the attention
-backend. None of the fused CUDA kernels (sluice.worker.compile) applies, and the projections
-take the small-batch GEMM like any Linear.
+A sliding layer's attention is bounded by the config's window (Attention.sliding_window: a
+query at position p sees keys at positions > p - window, transformers' rule); a global layer's
+is not. The KV cache keeps every block of a request, since the global layers read them all
+(docs/architecture.md, "Sliding-window attention"). The layers are plain torch ops around the
+attention backend. None of the fused CUDA kernels (sluice.worker.compile) applies, and the
+projections take the small-batch GEMM like any Linear.
 
 Not read: Gemma3ForConditionalGeneration checkpoints (the 4B-27B models, weights under
 `language_model.`), and the 4B-27B global layers' linear RoPE scaling (refused by
@@ -60,7 +61,7 @@ class GemmaRMSNorm(nn.Module):
 
 class Gemma3Attention(nn.Module):
     def __init__(self, config: HFModelConfig, rotary_emb: RotaryEmbedding,
-                 attn_backend: AttentionBackend, tp: TPGroup) -> None:
+                 attn_backend: AttentionBackend, tp: TPGroup, sliding: bool) -> None:
         super().__init__()
         head_dim = config.head_dim
         bias = config.attention_bias
@@ -75,7 +76,8 @@ class Gemma3Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         scale = config.gemma.query_pre_attn_scalar ** -0.5
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale, attn_backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale, attn_backend,
+                              sliding_window=config.sliding_window if sliding else None)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -107,9 +109,9 @@ class Gemma3MLP(nn.Module):
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: HFModelConfig, rotary_emb: RotaryEmbedding,
-                 attn_backend: AttentionBackend, tp: TPGroup) -> None:
+                 attn_backend: AttentionBackend, tp: TPGroup, sliding: bool) -> None:
         super().__init__()
-        self.self_attn = Gemma3Attention(config, rotary_emb, attn_backend, tp)
+        self.self_attn = Gemma3Attention(config, rotary_emb, attn_backend, tp, sliding)
         self.mlp = Gemma3MLP(config.hidden_size, config.intermediate_size, tp)
         eps = config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -136,7 +138,8 @@ class Gemma3Model(nn.Module):
         global_rope = RotaryEmbedding(config.head_dim, max_pos, config.rope_theta)
         local_rope = RotaryEmbedding(config.head_dim, max_pos, gemma.local_rope_theta)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, local_rope if sliding else global_rope, attn_backend, tp)
+            Gemma3DecoderLayer(config, local_rope if sliding else global_rope, attn_backend, tp,
+                               sliding)
             for sliding in gemma.sliding_layers)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -117,8 +117,9 @@ class LlamaAttention(nn.Module):
         # This rank's heads (all of them at TP = 1).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        # Mistral and Phi-3 window every layer (None for the other Llama-family models).
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5,
-                              attn_backend)
+                              attn_backend, sliding_window=config.sliding_window)
         # A plain function, so a runner may swap in one fused kernel for all layers, which may
         # also store k and v into the paged KV cache (see qk_norm_rope_leaving_kv_store).
         self.qk_norm_rope_op = qk_norm_rope_leaving_kv_store

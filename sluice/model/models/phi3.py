@@ -2,8 +2,7 @@
 and gate/up as one `gate_up_proj` weight, split at load into the merged layers' shards (so a
 tensor-parallel rank reads its rows of each part, as for separate tensors). RoPE over the whole
 head only (`partial_rotary_factor` other than 1 and the `longrope` scaling of the 128k models
-are refused by sluice.model.hf_config); a sliding window as for Mistral (max_model_len held to
-it)."""
+are refused by sluice.model.hf_config); a sliding window on every layer, as for Mistral."""
 
 from __future__ import annotations
 
