@@ -60,6 +60,16 @@ WEIGHT_ONLY_MAX_ROWS = 1
 _MIN_SCALE = 1e-10
 
 
+class QuantizedActivations(NamedTuple):
+    """Activations quantized by the op that produced them (rms_norm_quant, silu_and_mul_quant),
+    for an FP8 projection that takes them (takes_quantized): float8_e4m3fn values [M, K],
+    float32 scales per token [M] or per token and group [M, groups] (row-major), and the
+    dtype they were computed in (the product's)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
 class Fp8GemmConfig(NamedTuple):
     block_m: int
     block_n: int
@@ -362,6 +372,192 @@ def quantize_activations_reference(x: torch.Tensor, group: int | None
     return q, (scales.reshape(m) if group is None else scales)
 
 
+# ---- activations quantized by the op that computes them ------------------------------------
+# An FP8 layer's W8A8 product quantizes its input in a launch of its own (read 2 bytes, write
+# 1 a value), right after the RMSNorm or SiLU-and-mul that wrote it (2 bytes a value). These
+# kernels compute the norm or the activation exactly as sluice.model.triton_ops does, round it
+# to the activation dtype as that op's output would be, and quantize it as _quantize_kernel
+# does: the same FP8 values and scales, with one launch and two passes over memory fewer.
+
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr,  # [T, N]
+    residual_ptr,  # [T, N] (read only with HAS_RESIDUAL)
+    weight_ptr,  # [N]
+    q_ptr,  # [T, N] float8_e4m3fn
+    s_ptr,  # [T, NUM_GROUPS] float32
+    sum_ptr,  # [T, N]: x + residual (written only with HAS_RESIDUAL)
+    stride_x,
+    stride_residual,
+    hidden_size,
+    eps,
+    BLOCK: tl.constexpr,  # a power of two >= N, = GROUPS_PAD * GROUP
+    GROUP: tl.constexpr,  # channels a scale covers (BLOCK for one a token)
+    GROUPS_PAD: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    FP8_MAX_VALUE: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    dtype = sum_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x + residual.to(tl.float32)).to(dtype).to(tl.float32)
+        tl.store(sum_ptr + row * hidden_size + cols, x.to(dtype), mask=mask)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # the norm's output as triton_ops.rms_norm rounds it, then quantized group by group
+    normed = (weight * (x * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    groups = tl.reshape(normed, (GROUPS_PAD, GROUP))
+    scale = tl.maximum(tl.max(tl.abs(groups), axis=1) / FP8_MAX_VALUE, MIN_SCALE)
+    q = tl.clamp(groups / scale[:, None], -FP8_MAX_VALUE, FP8_MAX_VALUE)
+    q_cols = tl.reshape(cols, (GROUPS_PAD, GROUP))
+    tl.store(q_ptr + row * hidden_size + q_cols, q.to(q_ptr.dtype.element_ty),
+             mask=q_cols < hidden_size)
+    group_ids = tl.arange(0, GROUPS_PAD)
+    tl.store(s_ptr + row * NUM_GROUPS + group_ids, scale, mask=group_ids < NUM_GROUPS)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr,  # [T, 2 * I]: gate, up
+    q_ptr,  # [T, I] float8_e4m3fn
+    s_ptr,  # [T, NUM_GROUPS] float32
+    stride_x,
+    intermediate_size,
+    GROUP: tl.constexpr,  # channels a scale covers (I for one a token)
+    GROUP_PAD: tl.constexpr,  # a power of two >= GROUP
+    GROUPS_PER_PROGRAM: tl.constexpr,  # a power of two
+    NUM_GROUPS: tl.constexpr,
+    FP8_MAX_VALUE: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
+    """One program a (token, GROUPS_PER_PROGRAM groups)."""
+    token = tl.program_id(0).to(tl.int64)
+    group_ids = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    lanes = tl.arange(0, GROUP_PAD)
+    cols = group_ids[:, None] * GROUP + lanes[None, :]
+    mask = (lanes[None, :] < GROUP) & (cols < intermediate_size)
+    dtype = x_ptr.dtype.element_ty
+    gate_ptr = x_ptr + token * stride_x + cols
+    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptr + intermediate_size, mask=mask, other=0.0).to(tl.float32)
+    # as triton_ops.silu_and_mul computes and rounds it
+    activation = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
+    y = (activation * up).to(dtype).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1) / FP8_MAX_VALUE, MIN_SCALE)
+    q = tl.clamp(y / scale[:, None], -FP8_MAX_VALUE, FP8_MAX_VALUE)
+    tl.store(q_ptr + token * intermediate_size + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + token * NUM_GROUPS + group_ids, scale, mask=group_ids < NUM_GROUPS)
+
+
+# Widest row quantized per token in one program (its values held in registers).
+MAX_FUSED_QUANT_WIDTH = 16384
+
+
+def _acts(rows: int, width: int, group: int | None, like: torch.Tensor
+          ) -> QuantizedActivations:
+    groups = 1 if group is None else triton.cdiv(width, group)
+    return QuantizedActivations(
+        torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=like.device),
+        torch.empty((rows, groups), dtype=torch.float32, device=like.device), like.dtype)
+
+
+def _scales_shaped(acts: QuantizedActivations, group: int | None) -> QuantizedActivations:
+    return acts if group is not None else acts._replace(scale=acts.scale.reshape(-1))
+
+
+def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                   eps: float, group: int | None
+                   ) -> tuple[QuantizedActivations, torch.Tensor | None]:
+    """triton_ops.rms_norm (residual None) or add_rms_norm's (rms_norm(x + residual),
+    x + residual), the norm's output quantized as quantize_activations(., group) quantizes it:
+    (QuantizedActivations, the sum or None). x: [T, N] contiguous rows."""
+    rows, hidden = x.shape
+    block = triton.next_power_of_2(hidden)
+    size = block if group is None else group
+    if block > MAX_FUSED_QUANT_WIDTH or block % size or size & (size - 1):
+        raise ValueError(f"no fused norm and quantization for {hidden} channels in groups of "
+                         f"{group}")
+    acts = _acts(rows, hidden, group, x)
+    summed = torch.empty_like(x) if residual is not None else None
+    if rows:
+        _rms_norm_quant_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, acts.q, acts.scale,
+            summed if summed is not None else x, x.stride(0),
+            residual.stride(0) if residual is not None else 0, hidden, eps,
+            BLOCK=block, GROUP=size, GROUPS_PAD=block // size,
+            NUM_GROUPS=acts.scale.shape[1], HAS_RESIDUAL=residual is not None,
+            FP8_MAX_VALUE=FP8_MAX, MIN_SCALE=_MIN_SCALE,
+            num_warps=max(1, min(16, block // 256)),
+        )
+    return _scales_shaped(acts, group), summed
+
+
+def silu_and_mul_quant(x: torch.Tensor, group: int | None) -> QuantizedActivations:
+    """triton_ops.silu_and_mul(x) quantized as quantize_activations(., group) quantizes it.
+    x: [T, 2 * I] (gate, up) with contiguous rows."""
+    rows, width = x.shape
+    intermediate = width // 2
+    size = intermediate if group is None else group
+    pad = triton.next_power_of_2(size)
+    if pad > MAX_FUSED_QUANT_WIDTH:
+        raise ValueError(f"no fused SiLU and quantization for {intermediate} channels a token")
+    acts = _acts(rows, intermediate, group, x)
+    num_groups = acts.scale.shape[1]
+    per_program = 1 if group is None else min(triton.next_power_of_2(num_groups),
+                                              max(1, 1024 // pad))
+    if rows:
+        _silu_and_mul_quant_kernel[(rows, triton.cdiv(num_groups, per_program))](
+            x, acts.q, acts.scale, x.stride(0), intermediate, GROUP=size, GROUP_PAD=pad,
+            GROUPS_PER_PROGRAM=per_program, NUM_GROUPS=num_groups, FP8_MAX_VALUE=FP8_MAX,
+            MIN_SCALE=_MIN_SCALE, num_warps=4 if pad * per_program <= 2048 else 8,
+        )
+    return _scales_shaped(acts, group)
+
+
+def norm_for_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, *, target: torch.nn.Module
+                 ) -> torch.Tensor | QuantizedActivations | tuple:
+    """RMSNorm.quant_norm_op for a norm feeding the FP8 projection `target` (a Linear):
+    the fused norm and quantization at the row counts where `target` takes quantized
+    activations (takes_quantized), else triton_ops' norm. Returns what RMSNorm.forward does."""
+    from sluice.model import triton_ops
+
+    rows = x.reshape(-1, x.shape[-1])
+    if takes_quantized(rows.shape[0], target.weight, target.fp8_block, x) and (
+            triton.next_power_of_2(x.shape[-1]) <= MAX_FUSED_QUANT_WIDTH):
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        res = None if residual is None else residual.reshape(rows.shape).contiguous()
+        acts, summed = rms_norm_quant(rows, res, weight, eps, _group(target))
+        return acts if residual is None else (acts, summed.reshape(x.shape))
+    if residual is None:
+        return triton_ops.rms_norm(x, weight, eps)
+    return triton_ops.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_for_fp8(x: torch.Tensor, *, target: torch.nn.Module
+                 ) -> torch.Tensor | QuantizedActivations:
+    """SiluAndMul.quant_op for the activation feeding the FP8 down projection `target`."""
+    from sluice.model import triton_ops
+
+    width = x.shape[-1] // 2 if target.fp8_block is None else target.fp8_block[1]
+    if (takes_quantized(x.shape[0], target.weight, target.fp8_block, x)
+            and triton.next_power_of_2(width) <= MAX_FUSED_QUANT_WIDTH and x.stride(1) == 1):
+        return silu_and_mul_quant(x, _group(target))
+    return triton_ops.silu_and_mul(x)
+
+
+def _group(target: torch.nn.Module) -> int | None:
+    return None if target.fp8_block is None else target.fp8_block[1]
+
+
 _BLOCK_SCALED_MM: dict[torch.device, bool] = {}
 
 
@@ -422,42 +618,56 @@ def _block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     return y[:m] if y.shape[0] != m else y
 
 
+def _w8a8_backend(x_is_cuda: bool, dtype: torch.dtype, m: int, n: int, k: int,
+                  block: tuple[int, int] | None, device: torch.device) -> str:
+    """w8a8_mm's default backend (its docstring)."""
+    runs = (x_is_cuda and dtype == torch.bfloat16 and m > 0
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+    if block is None:
+        return "scaled_mm" if runs and k % 16 == 0 and n % 16 == 0 else "triton"
+    return "scaled_mm" if (runs and block == (128, 128) and block_scaled_mm_fits(n, k)
+                           and block_scaled_mm_supported(device)) else "triton"
+
+
 def w8a8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             block: tuple[int, int] | None, config: Fp8GemmConfig | None = None,
             backend: str | None = None) -> torch.Tensor:
     """x [M, K] quantized to FP8 (per token; per token and block[1] channels with block
     scales), times the FP8 weight transposed on the FP8 tensor cores -> [M, N] in x's dtype.
     `backend` "scaled_mm" (torch._scaled_mm: cuBLAS; row-wise scales, or 128 x 128 blocks
-    where block_scaled_mm_supported; bf16 out), "triton" (_w8a8_kernel), or None: scaled_mm
-    where it runs (CUDA, bf16 x, dimensions multiples of 16, or of 128 with blocks), else
-    Triton."""
+    where block_scaled_mm_supported and block_scaled_mm_fits; bf16 out), "triton"
+    (_w8a8_kernel), or None: scaled_mm where it runs (CUDA, bf16 x, dimensions multiples of
+    16, or block_scaled_mm_fits with blocks), else Triton."""
     _check(x, weight, scale, block)
     m, (n, k) = x.shape[0], weight.shape
-    out_dtype = x.dtype
     if block is not None and block[1] < 32:
         raise ValueError(f"W8A8 needs scale blocks at least 32 wide along K, not {block[1]} "
                          "(the FP8 tensor cores multiply 32 of K at a time)")
     if backend is None:
-        # row-wise scales: cuBLAS on Hopper (measured there; Ada runs the Triton kernel)
-        runs = (x.is_cuda and out_dtype == torch.bfloat16 and m > 0
-                and torch.cuda.get_device_capability(x.device) >= (9, 0))
-        if block is None:
-            backend = "scaled_mm" if runs and k % 16 == 0 and n % 16 == 0 else "triton"
-        else:
-            backend = "scaled_mm" if (runs and block == (128, 128)
-                                      and block_scaled_mm_fits(n, k)
-                                      and block_scaled_mm_supported(x.device)) else "triton"
+        backend = _w8a8_backend(x.is_cuda, x.dtype, m, n, k, block, x.device)
+    if backend == "scaled_mm" and block is not None:
+        return _block_scaled_mm(x, weight, scale)
+    q, q_scale = quantize_activations(x, block[1] if block else None)
+    return _w8a8_quantized(QuantizedActivations(q, q_scale, x.dtype), weight, scale, block,
+                           config, backend)
+
+
+def _w8a8_quantized(acts: QuantizedActivations, weight: torch.Tensor, scale: torch.Tensor,
+                    block: tuple[int, int] | None, config: Fp8GemmConfig | None,
+                    backend: str) -> torch.Tensor:
+    """The product of activations already quantized (row-major scales: per token [M], or
+    [M, groups] per token and block[1] channels) and the FP8 weight: cuBLAS's row-wise
+    _scaled_mm (per channel) or _w8a8_kernel."""
+    q, q_scale, out_dtype = acts
+    m, (n, k) = q.shape[0], weight.shape
     if backend == "scaled_mm":
-        if block is not None:
-            return _block_scaled_mm(x, weight, scale)
-        q, q_scale = quantize_activations(x, None)
+        assert block is None, "block-scaled _scaled_mm quantizes its own activations"
         return torch._scaled_mm(q, weight.t(), scale_a=q_scale.reshape(m, 1),
                                 scale_b=scale.reshape(1, n), out_dtype=out_dtype)
-    q, q_scale = quantize_activations(x, block[1] if block else None)
     config = config or w8a8_config(m, n, k, block)
     if block is not None and block[1] % config.block_k:
         raise ValueError(f"{config} does not fit {block[0]}x{block[1]} scale blocks")
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0:
         return out
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
@@ -478,30 +688,54 @@ def w8a8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 BLOCK_PREFILL = os.environ.get("SLUICE_FP8_BLOCK_PREFILL", "auto")
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] | None) -> torch.Tensor:
-    """x [..., K] times the FP8 weight [N, K] transposed: weight-only up to
-    WEIGHT_ONLY_MAX_ROWS rows, W8A8 above (the module's docstring)."""
+def _linear_backend(m: int, weight: torch.Tensor, block: tuple[int, int] | None,
+                    is_cuda: bool, dtype: torch.dtype, device: torch.device) -> str:
+    """What fp8_linear runs for `m` rows: "w8a16" (weight-only), "triton" or "scaled_mm"."""
+    if m <= WEIGHT_ONLY_MAX_ROWS:
+        return "w8a16"
+    n, k = weight.shape
+    if block is None:
+        return _w8a8_backend(is_cuda, dtype, m, n, k, None, device) if m > 64 else "triton"
+    if m <= 64:
+        return "triton"
+    choice = BLOCK_PREFILL
+    if choice == "auto":
+        choice = "triton"
+        if is_cuda and dtype == torch.bfloat16 and block == (128, 128) and (
+                block_scaled_mm_fits(n, k) and block_scaled_mm_supported(device)):
+            choice = "scaled_mm"
+    return choice
+
+
+def takes_quantized(m: int, weight: torch.Tensor, block: tuple[int, int] | None,
+                    like: torch.Tensor) -> bool:
+    """Whether fp8_linear of `m` rows like `like` takes activations its producer quantized
+    (QuantizedActivations: row-major scales per token, or per token and block[1] channels):
+    W8A8 through _w8a8_kernel or the row-wise _scaled_mm. Not weight-only rows, nor cuBLAS's
+    block-scaled product, which quantizes into its own layout."""
+    backend = _linear_backend(m, weight, block, like.is_cuda, like.dtype, like.device)
+    return backend == "triton" or (backend == "scaled_mm" and block is None)
+
+
+def fp8_linear(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
+               scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """x [..., K] (or [M, K] already quantized, where takes_quantized) times the FP8 weight
+    [N, K] transposed: weight-only up to WEIGHT_ONLY_MAX_ROWS rows, W8A8 above (the module's
+    docstring)."""
+    if isinstance(x, QuantizedActivations):
+        m = x.q.shape[0]
+        backend = _linear_backend(m, weight, block, x.q.is_cuda, x.dtype, x.q.device)
+        if not (backend == "triton" or (backend == "scaled_mm" and block is None)):
+            raise ValueError(f"activations quantized beforehand do not fit the {backend} "
+                             f"product of {m} rows")
+        return _w8a8_quantized(x, weight, scale, block, None, backend)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    m = rows.shape[0]
-    if m <= WEIGHT_ONLY_MAX_ROWS:
+    backend = _linear_backend(rows.shape[0], weight, block, rows.is_cuda, rows.dtype,
+                              rows.device)
+    if backend == "w8a16":
         y = w8a16_mm(rows, weight, scale, block)
-    elif block is None:
-        y = w8a8_mm(rows, weight, scale, None, backend=None if m > 64 else "triton")
-    elif m <= 64:
-        y = w8a8_mm(rows, weight, scale, block, backend="triton")
     else:
-        choice = BLOCK_PREFILL
-        if choice == "auto":
-            choice = "triton"
-            if rows.is_cuda and rows.dtype == torch.bfloat16 and block == (128, 128) and (
-                    block_scaled_mm_fits(*weight.shape)
-                    and block_scaled_mm_supported(rows.device)):
-                choice = "scaled_mm"
-        if choice == "w8a16":
-            y = w8a16_mm(rows, weight, scale, block)
-        else:
-            y = w8a8_mm(rows, weight, scale, block, backend=choice)
+        y = w8a8_mm(rows, weight, scale, block, backend=backend)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -53,12 +53,17 @@ class RMSNorm(nn.Module):
         # Plain functions, so a runner may swap in one compiled (fused) version for all layers.
         self.norm_op = rms_norm
         self.add_norm_op = add_rms_norm
+        # (x, residual or None, weight, eps) -> what forward returns, the output maybe
+        # quantized for the FP8 projection it feeds (sluice.worker.compile); None: not fused.
+        self.quant_norm_op = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden]. With `residual`, normalises `x + residual` and also returns that
         sum as the next residual (the pre-norm decoder's skip connection)."""
+        if self.quant_norm_op is not None:
+            return self.quant_norm_op(x, residual, self.weight, self.eps)
         if residual is None:
             return self.norm_op(x, self.weight, self.eps)
         return self.add_norm_op(x, residual, self.weight, self.eps)
@@ -183,10 +188,15 @@ class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.op = silu_and_mul
+        # x -> silu_and_mul(x), maybe quantized for the FP8 projection it feeds
+        # (sluice.worker.compile); None: not fused.
+        self.quant_op = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 residual_eps: float = 0.0) -> torch.Tensor:
         """x: [T, 2 * I] (gate, up) -> [T, I]; `residual`: see silu_and_mul."""
+        if residual is None and self.quant_op is not None:
+            return self.quant_op(x)
         if residual is None:
             return self.op(x)
         return self.op(x, residual, residual_eps)

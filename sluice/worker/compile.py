@@ -12,18 +12,21 @@ decode steps hand the raw q/k/v projection to the attention backend, which folds
 RoPE and KV store into its decode attention for batches of 16 requests to about one wave of
 programs (TritonBackend.decode_from_qkv): one launch a layer fewer there. The layers of an FP8
 checkpoint multiply in FP8 (sluice.model.fp8_gemm); their norms are not folded (the weights
-would need quantizing again).
+would need quantizing again), but the norms and SiLU-and-mul before them write FP8 activations
+and scales where the product takes them (fp8_gemm.norm_for_fp8, silu_for_fp8).
 
 Only the instance attributes of this model change; other engines in the process are untouched.
 """
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from sluice.model.layers import RMSNorm, SiluAndMul
 from sluice.model.linear import Linear, RowParallelLinear
-from sluice.model.models.llama import LlamaAttention, LlamaMLP, LlamaModel
+from sluice.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
 def install_fp8_ops(model: nn.Module) -> None:
@@ -63,6 +66,24 @@ def install_fused_ops(model: nn.Module) -> None:
         elif isinstance(module, LlamaAttention):
             module.qk_norm_rope_op = triton_ops.qk_norm_rope_store_kv
             module.fused_decode = True
+    # FP8 layers (not folded): the norm before q/k/v and gate/up, and SiLU-and-mul before
+    # down, write FP8 activations and their scales where the projection quantizes its input
+    # (fp8_gemm.takes_quantized): one launch and two passes over memory fewer each.
+    from sluice.model import fp8_gemm
+
+    for module in model.modules():
+        if type(module) is not LlamaDecoderLayer:
+            continue
+        qkv = getattr(module.self_attn, "qkv_proj", None)
+        if isinstance(module.self_attn, LlamaAttention) and qkv is not None and qkv.is_fp8:
+            module.input_layernorm.quant_norm_op = functools.partial(fp8_gemm.norm_for_fp8,
+                                                                     target=qkv)
+        mlp = module.mlp
+        if type(mlp) is LlamaMLP and mlp.gate_up_proj.is_fp8:
+            module.post_attention_layernorm.quant_norm_op = functools.partial(
+                fp8_gemm.norm_for_fp8, target=mlp.gate_up_proj)
+        if type(mlp) is LlamaMLP and mlp.down_proj.is_fp8 and mlp.act_down_op is None:
+            mlp.act_fn.quant_op = functools.partial(fp8_gemm.silu_for_fp8, target=mlp.down_proj)
     # The layers' norms ride in the q/k/v and SiLU kernels (at the Triton GEMM's rows: in
     # gate_up's GEMM, and SiLU-and-mul in the down GEMM) and the residual adds in the GEMMs:
     # 7 launches a layer instead of 9 (6 instead of 8 at the Triton GEMM's rows).

@@ -222,3 +222,81 @@ def test_qwen3_8b_shapes(m: int, block: tuple[int, int] | None) -> None:
         reference = fp8_linear_reference(x, weight, scale, block).float()
         error = (y.float() - reference).norm() / reference.norm()
         assert error < (0.01 if m <= fp8_gemm.WEIGHT_ONLY_MAX_ROWS else 0.05), (n, k, error)
+
+
+# ---- activations quantized by the norm and SiLU that compute them ---------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden", [256, 320])
+@pytest.mark.parametrize("group", [None, 128])
+def test_the_fused_norm_and_silu_quantize_as_quantize_activations_does(
+        dtype: torch.dtype, hidden: int, group: int | None) -> None:
+    """rms_norm_quant and silu_and_mul_quant: the FP8 values and scales of quantize_activations
+    applied to triton_ops' norm (with and without the residual add, whose sum they also
+    return) and SiLU-and-mul, bit for bit; 320 channels end inside a group."""
+    from sluice.model import triton_ops
+
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, hidden, generator=generator) * 3).to(dtype).to(DEVICE)
+    residual = torch.randn(6, hidden, generator=generator).to(dtype).to(DEVICE)
+    weight = (torch.rand(hidden, generator=generator) + 0.5).to(dtype).to(DEVICE)
+    for res in (None, residual):
+        acts, summed = fp8_gemm.rms_norm_quant(x, res, weight, 1e-6, group)
+        if res is None:
+            normed = triton_ops.rms_norm(x, weight, 1e-6)
+            assert summed is None
+        else:
+            normed, want_sum = triton_ops.add_rms_norm(x, res, weight, 1e-6)
+            assert torch.equal(summed, want_sum)
+        q, scale = quantize_activations(normed, group)
+        assert acts.dtype == dtype and acts.scale.shape == scale.shape
+        assert torch.equal(acts.q.float(), q.float()) and torch.equal(acts.scale, scale)
+    gate_up = (torch.randn(6, 2 * hidden, generator=generator) * 2).to(dtype).to(DEVICE)
+    acts = fp8_gemm.silu_and_mul_quant(gate_up, group)
+    q, scale = quantize_activations(triton_ops.silu_and_mul(gate_up), group)
+    assert torch.equal(acts.q.float(), q.float()) and torch.equal(acts.scale, scale)
+
+
+@pytest.mark.parametrize("kind", ["block", "channel"])
+def test_an_fp8_model_with_fused_quantization_gives_the_unfused_hidden_states(
+        kind: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """install_fused_ops on a model that keeps FP8 weights: the norms before q/k/v and gate/up
+    and the SiLU before down hand their projections FP8 activations (a 15-token prefill and a
+    2-token decode step: both W8A8), and the model's hidden states and caches are those of the
+    same model quantizing in the projections, exactly."""
+    from sluice.attention.backend import get_attention_backend
+    from sluice.model.hf_config import load_hf_config
+    from sluice.model.loader import load_model
+    from sluice.model.tiny import make_tiny_model
+    from sluice.worker.compile import install_fp8_ops, install_fused_ops
+    from tests.kernels.test_fused_ops import prefill_then_decode
+
+    monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "keep")
+    folder = make_tiny_model(str(tmp_path / "m"), arch="qwen3", quantize=f"fp8-{kind}",
+                             block_size=(16, 32))
+    config = load_hf_config(folder)
+    model = load_model(folder, config, torch.float32, torch.device(DEVICE),
+                       get_attention_backend("torch_ref"), fp8_weights=True)
+    install_fp8_ops(model)
+    install_fused_ops(model)
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.is_fp8 and layer.input_layernorm.quant_norm_op is not None
+    assert layer.post_attention_layernorm.quant_norm_op is not None
+    assert layer.mlp.act_fn.quant_op is not None
+    calls = {"norm": 0, "silu": 0}
+    real_norm, real_silu = fp8_gemm.rms_norm_quant, fp8_gemm.silu_and_mul_quant
+    monkeypatch.setattr(fp8_gemm, "rms_norm_quant", lambda *a: calls.__setitem__(
+        "norm", calls["norm"] + 1) or real_norm(*a))
+    monkeypatch.setattr(fp8_gemm, "silu_and_mul_quant", lambda *a: calls.__setitem__(
+        "silu", calls["silu"] + 1) or real_silu(*a))
+    got = prefill_then_decode(model, config)
+    layers = config.num_hidden_layers
+    assert calls == {"norm": 2 * 2 * layers, "silu": 2 * layers}
+    for each in model.model.layers:
+        each.input_layernorm.quant_norm_op = None
+        each.post_attention_layernorm.quant_norm_op = None
+        each.mlp.act_fn.quant_op = None
+    want = prefill_then_decode(model, config)
+    for actual, reference in zip(got[0] + got[1], want[0] + want[1], strict=True):
+        assert torch.equal(actual, reference)
