@@ -21,6 +21,7 @@ Only the instance attributes of this model change; other engines in the process 
 from __future__ import annotations
 
 import functools
+import os
 
 from torch import nn
 
@@ -69,10 +70,13 @@ def install_fused_ops(model: nn.Module) -> None:
     # FP8 layers (not folded): the norm before q/k/v and gate/up, and SiLU-and-mul before
     # down, write FP8 activations and their scales where the projection quantizes its input
     # (fp8_gemm.takes_quantized): one launch and two passes over memory fewer each.
+    # SLUICE_FP8_FUSED_QUANT=0 leaves the quantization to the projections (new, not yet run
+    # on a GPU when written).
     from sluice.model import fp8_gemm
 
     for module in model.modules():
-        if type(module) is not LlamaDecoderLayer:
+        if type(module) is not LlamaDecoderLayer or os.environ.get(
+                "SLUICE_FP8_FUSED_QUANT", "1") == "0":
             continue
         qkv = getattr(module.self_attn, "qkv_proj", None)
         if isinstance(module.self_attn, LlamaAttention) and qkv is not None and qkv.is_fp8:
