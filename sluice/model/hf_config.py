@@ -72,6 +72,8 @@ class GemmaConfig:
     local_rope_theta: float
     query_pre_attn_scalar: float
     final_logit_softcapping: float | None
+    # the global layers' linear RoPE scaling (the 4B-27B models: 8), None: none
+    global_rope_factor: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,8 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
     architectures = list(raw.get("architectures") or [])
     resolve_architecture(architectures)  # raises, listing the supported ones
     model_type = raw.get("model_type", "")
+    if model_type == "gemma3":  # Gemma3ForConditionalGeneration: its text model's config
+        raw, model_type = _gemma3_text_config(raw), "gemma3_text"
     defaults = _MODEL_TYPE_DEFAULTS.get(model_type, _MODEL_TYPE_DEFAULTS["llama"])
 
     def get(key: str) -> Any:
@@ -195,6 +199,24 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
     )
 
 
+def _gemma3_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma3ForConditionalGeneration config.json (the 4B-27B models: model_type gemma3)
+    -> its `text_config` as a gemma3_text config, with the top level's token ids, dtype, tied
+    embeddings and quantization where the text config does not set them. Only the text model
+    runs (sluice.model.models.gemma3); the vision tower's weights are not read."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("a Gemma 3 (model_type 'gemma3') config.json must have a text_config")
+    text = dict(text)
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings",
+                "quantization_config"):
+        if key in raw and text.get(key) is None:
+            text[key] = raw[key]
+    text["model_type"] = "gemma3_text"
+    text["architectures"] = list(raw.get("architectures") or [])
+    return text
+
+
 def _parse_gemma3(raw: dict[str, Any], get: Any) -> tuple[dict[str, Any], GemmaConfig]:
     """Gemma 3's fields -> (raw with its RoPE and activation in the Llama form the rest of
     parse_hf_config reads, GemmaConfig). Both styles: transformers 5 (`rope_parameters` per
@@ -225,11 +247,19 @@ def _parse_gemma3(raw: dict[str, Any], get: Any) -> tuple[dict[str, Any], GemmaC
         full = {"rope_type": (raw.get("rope_scaling") or {}).get("rope_type", "default"),
                 "rope_theta": raw.get("rope_theta", 1e6), **(raw.get("rope_scaling") or {})}
         local = {"rope_type": "default", "rope_theta": raw.get("rope_local_base_freq", 1e4)}
+    allowed = {"full_attention": ("default", "linear"), "sliding_attention": ("default",)}
     for name, rope in (("full_attention", full), ("sliding_attention", local)):
-        if (rope.get("rope_type") or rope.get("type") or "default") != "default":
-            raise ValueError(f"Gemma 3's {name} rope_type {rope.get('rope_type')!r} is not "
-                             "supported (allowed: 'default'; the 4B-27B models' linear "
-                             "scaling is not read)")
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in allowed[name]:
+            raise ValueError(f"Gemma 3's {name} rope_type {rope_type!r} is not supported "
+                             f"(allowed: {list(allowed[name])})")
+    factor = None
+    if (full.get("rope_type") or full.get("type")) == "linear":
+        factor = full.get("factor")
+        if not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"Gemma 3's linear RoPE scaling needs a positive factor, got "
+                             f"{factor!r}")
+        factor = float(factor)
     rewritten = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")}
     rewritten["rope_theta"] = float(full.get("rope_theta", 1e6))
     rewritten["hidden_act"] = "silu"  # checked above: the MLP is Gemma's own
@@ -237,7 +267,8 @@ def _parse_gemma3(raw: dict[str, Any], get: Any) -> tuple[dict[str, Any], GemmaC
         sliding_layers=tuple(t == "sliding_attention" for t in types),
         local_rope_theta=float(local.get("rope_theta", 1e4)),
         query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
-        final_logit_softcapping=raw.get("final_logit_softcapping"))
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+        global_rope_factor=factor)
 
 
 def _parse_moe(raw: dict[str, Any], get: Any) -> MoeConfig:

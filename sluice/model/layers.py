@@ -94,8 +94,11 @@ def rope_inv_freq(head_dim: int, base: float,
     inv_freq = 1.0 / (base**exponents)
     if rope_scaling is None:
         return inv_freq
+    if rope_scaling.get("rope_type") == "linear":  # positions divided by the factor
+        return inv_freq / float(rope_scaling["factor"])
     if rope_scaling.get("rope_type") != "llama3":
-        raise ValueError(f"rope_type must be one of ['llama3'] when scaling, got {rope_scaling!r}")
+        raise ValueError(f"rope_type must be one of ['llama3', 'linear'] when scaling, got "
+                         f"{rope_scaling!r}")
     return _llama3_inv_freq(inv_freq, rope_scaling)
 
 

@@ -25,6 +25,9 @@ _MODELS: dict[str, tuple[str, str, str]] = {
                             "Qwen3-MoE (30B-A3B, 235B-A22B): top-k routed SwiGLU experts"),
     "Gemma3ForCausalLM": ("sluice.model.models.gemma3", "Gemma3ForCausalLM",
                           "Gemma 3 270M / 1B (text): local (windowed) and global layers"),
+    "Gemma3ForConditionalGeneration": (
+        "sluice.model.models.gemma3", "Gemma3ForConditionalGeneration",
+        "Gemma 3 4B / 12B / 27B: the text model (linear RoPE scaling); images not read"),
     "MistralForCausalLM": ("sluice.model.models.mistral", "MistralForCausalLM",
                            "Mistral 7B, Nemo; a sliding window frees KV blocks behind it"),
     "Phi3ForCausalLM": ("sluice.model.models.phi3", "Phi3ForCausalLM",

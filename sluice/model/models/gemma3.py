@@ -1,4 +1,6 @@
-"""Gemma 3's text decoder (`Gemma3ForCausalLM`: Gemma 3 270M and 1B).
+"""Gemma 3's text decoder: `Gemma3ForCausalLM` (Gemma 3 270M and 1B) and the text model of
+`Gemma3ForConditionalGeneration` checkpoints (4B, 12B, 27B; their vision tower is not read, so
+prompts are text only).
 
 What it adds to the Llama decoder:
 - RMSNorms scaling by (1 + weight), computed in float32 then cast (`GemmaRMSNorm`);
@@ -8,7 +10,8 @@ What it adds to the Llama decoder:
 - GeGLU with the tanh GELU;
 - embeddings scaled by sqrt(hidden_size), in the model's dtype;
 - attention scaled by query_pre_attn_scalar ** -0.5;
-- sliding-window layers with their own RoPE base (10,000) beside the global layers' (1e6);
+- sliding-window layers with their own RoPE base (10,000) beside the global layers' (1e6,
+  linearly scaled by 8 in the 4B-27B models);
 - the final logits soft-capped where the config sets it.
 
 A sliding layer's attention is bounded by the config's window (Attention.sliding_window: a
@@ -18,9 +21,8 @@ is not. The KV cache keeps every block of a request, since the global layers rea
 attention backend. None of the fused CUDA kernels (sluice.worker.compile) applies, and the
 projections take the small-batch GEMM like any Linear.
 
-Not read: Gemma3ForConditionalGeneration checkpoints (the 4B-27B models, weights under
-`language_model.`), and the 4B-27B global layers' linear RoPE scaling (refused by
-sluice.model.hf_config).
+Not read: the vision tower and multimodal projector of Gemma3ForConditionalGeneration (image
+inputs are not supported).
 """
 
 from __future__ import annotations
@@ -135,7 +137,9 @@ class Gemma3Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.embed_scale = config.hidden_size ** 0.5
         max_pos = config.max_position_embeddings
-        global_rope = RotaryEmbedding(config.head_dim, max_pos, config.rope_theta)
+        scaling = (None if gemma.global_rope_factor is None
+                   else {"rope_type": "linear", "factor": gemma.global_rope_factor})
+        global_rope = RotaryEmbedding(config.head_dim, max_pos, config.rope_theta, scaling)
         local_rope = RotaryEmbedding(config.head_dim, max_pos, gemma.local_rope_theta)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, local_rope if sliding else global_rope, attn_backend, tp,
@@ -184,3 +188,29 @@ class Gemma3ForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             skip += ("lm_head.weight",)
         load_packed_weights(self, weights, self.packed_modules, skip)
+
+
+# Where a Gemma3ForConditionalGeneration checkpoint keeps its text model (the Hub's layout and
+# transformers 5's), and what of it is not the text model.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of a Gemma 3 4B-27B checkpoint: Gemma3ForCausalLM over its
+    `language_model` weights; the vision weights are skipped unread."""
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
+        def text_weights() -> Iterable[tuple[str, LoadedWeight]]:
+            for name, weight in weights:
+                if name.startswith(_VISION_PREFIXES):
+                    continue
+                for prefix, replacement in _TEXT_PREFIXES:
+                    if name.startswith(prefix):
+                        name = replacement + name[len(prefix):]
+                        break
+                yield name, weight
+
+        super().load_weights(text_weights())
