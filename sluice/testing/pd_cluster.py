@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from sluice.testing.instances import Instance, serve_argv, start_instances
-from sluice.testing.servers import HOST, free_port
+from sluice.testing.instances import start_router as launch_router
+from sluice.testing.servers import free_port
 
 
 def pd_flags(role: str, backend: str, bootstrap_port: int | None = None,
@@ -124,15 +124,12 @@ def start_cluster(model: str, engine_flags: list[str], backend: str = "fake",
 
 def start_router(prefills: list[Instance], decodes: list[Instance], workdir: Path,
                  flags: list[str], name: str = "router") -> Instance:
-    port = free_port()
-    argv = [sys.executable, "-m", "sluice", "router", "--host", HOST, "--port", str(port)]
+    instance_flags: list[str] = []
     for prefill in prefills:
-        argv += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+        instance_flags += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
     for decode in decodes:
-        argv += ["--decode", decode.url]
-    router = Instance(name, [*argv, *flags], port, workdir)
-    start_instances([router], timeout_s=60.0)
-    return router
+        instance_flags += ["--decode", decode.url]
+    return launch_router(instance_flags, workdir, flags, name)
 
 
 def wait_blocks_back(instance: Instance, timeout_s: float = 20.0) -> dict[str, Any]:

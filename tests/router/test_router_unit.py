@@ -11,7 +11,8 @@ import pytest
 from sluice.entrypoints.cli import build_parser, build_router_parser
 from sluice.router.cli import _prefill_arg
 from sluice.router.policies import CacheAware, LeastLoaded, RoundRobin
-from sluice.router.proxy import _carries_token, _failed_before_first_token, prompt_key, refusal
+from sluice.router.proxy import refusal
+from sluice.router.relay import carries_token, failed_before_first_token, prompt_key
 from sluice.router.server import RouterArgs
 from sluice.router.workers import Worker
 
@@ -63,14 +64,14 @@ def test_refusals_name_what_the_pd_router_cannot_do() -> None:
 
 
 def test_the_stream_commits_at_the_first_token_and_an_early_error_is_the_retry_signal() -> None:
-    assert not _carries_token({"index": 0, "delta": {"role": "assistant", "content": ""}})
-    assert not _carries_token({"index": 0, "text": "", "finish_reason": None})
-    assert _carries_token({"index": 0, "text": "Hi", "finish_reason": None})
-    assert _carries_token({"index": 0, "delta": {"content": "Hi"}})
-    assert _carries_token({"index": 0, "text": "", "finish_reason": "length"})
-    assert _failed_before_first_token({"finish_reason": "error"}, 0)
-    assert not _failed_before_first_token({"finish_reason": "error"}, 3)
-    assert not _failed_before_first_token({"finish_reason": "stop"}, 0)
+    assert not carries_token({"index": 0, "delta": {"role": "assistant", "content": ""}})
+    assert not carries_token({"index": 0, "text": "", "finish_reason": None})
+    assert carries_token({"index": 0, "text": "Hi", "finish_reason": None})
+    assert carries_token({"index": 0, "delta": {"content": "Hi"}})
+    assert carries_token({"index": 0, "text": "", "finish_reason": "length"})
+    assert failed_before_first_token({"finish_reason": "error"}, 0)
+    assert not failed_before_first_token({"finish_reason": "error"}, 3)
+    assert not failed_before_first_token({"finish_reason": "stop"}, 0)
 
 
 @pytest.mark.parametrize("parser", [build_parser, build_router_parser])
