@@ -67,7 +67,7 @@ def _pool_config(ns: argparse.Namespace, stack: ExitStack) -> dict[str, Any]:
             "kv_connector_extra_config": extra}
 
 
-def _num_gpus(device: str) -> int:
+def num_gpus(device: str) -> int:
     if not device.startswith("cuda"):
         return 0
     import torch
@@ -79,7 +79,7 @@ def _instances(ns: argparse.Namespace, flags: list[str], workdir: Path) -> list[
     from sluice.testing.pd_cluster import Instance, serve_argv
     from sluice.testing.servers import free_port
 
-    own_gpus = _num_gpus(ns.device) >= 2
+    own_gpus = num_gpus(ns.device) >= 2
     instances = []
     for i in range(2):
         port = free_port()
@@ -152,7 +152,7 @@ def main(ns: argparse.Namespace) -> int:
     print(machine_line())
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-kv-pool-serve-"))
     result: dict[str, Any] = {"model": ns.model,
-                              "backend": ns.backend, "gpus": _num_gpus(ns.device),
+                              "backend": ns.backend, "gpus": num_gpus(ns.device),
                               "workload": {k: getattr(ns, k) for k in (
                                   "num_prompts", "shared_prefix_len", "shared_prefix_groups",
                                   "suffix_len", "output_len", "request_rate", "seed")}}

@@ -58,6 +58,7 @@ def start_replicas(model: str | None, engine_flags: list[str], num_workers: int 
     """`num_workers` colocated `sluice serve` instances of `model` with `engine_flags` (`env[i]`
     for replica i), up and healthy."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="sluice-replicas-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     workers = []
     for i in range(num_workers):
         port = free_port()
