@@ -37,17 +37,17 @@ from typing import Any
 
 import httpx
 
-from sluice.bench.kv_pool_serve import num_gpus
-from sluice.bench.serve import (
-    ServeBenchConfig,
-    add_served_model_args,
-    machine_line,
-    model_tokenizer,
-    run_benchmark,
+from sluice.bench.serve import add_served_model_args, machine_line, run_benchmark
+from sluice.bench.shared_prefix_load import (
+    add_load_args,
+    check_load_args,
+    instance_flags,
+    load_config,
+    num_gpus,
+    workload,
 )
 from sluice.router.policies import POLICIES
 
-_METRICS = ("ttft", "tpot", "itl")
 _SUMMARY = ("prefix_hit_rate", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
             "request_throughput", "output_throughput", "completed")
 _COUNTERS = ("sluice:prefix_cache_queries_total", "sluice:prefix_cache_hits_total",
@@ -77,14 +77,9 @@ def _policies(text: str) -> list[str]:
 
 
 def _run_policy(ns: argparse.Namespace, policy: str, workdir: Path) -> dict[str, Any]:
-    from sluice.bench.serve_metrics import parse_goodput
     from sluice.testing.replica_cluster import start_replicas
 
-    flags = ["--device", ns.device, "--max-model-len", str(ns.max_model_len),
-             "--served-model-name", "bench", "--gpu-memory-utilization",
-             str(ns.gpu_memory_utilization), *shlex.split(ns.engine_args or "")]
-    if ns.dtype:
-        flags += ["--dtype", ns.dtype]
+    flags = instance_flags(ns)
     own_gpus = num_gpus(ns.device) >= ns.num_workers
     env = [{"CUDA_VISIBLE_DEVICES": str(i)} if own_gpus else {} for i in range(ns.num_workers)]
     # Replicas sharing a GPU size their cache from what is free: one after the other.
@@ -99,16 +94,7 @@ def _run_policy(ns: argparse.Namespace, policy: str, workdir: Path) -> dict[str,
             httpx.post(f"{url}/v1/completions", timeout=600, json={
                 "model": "bench", "prompt": "warm up", "max_tokens": 2}).raise_for_status()
         before = [worker_counters(url) for url in urls]
-        config = ServeBenchConfig(
-            base_url=router.url, endpoint="/v1/completions", model="bench",
-            tokenizer=model_tokenizer(ns), dataset_name="shared-prefix",
-            num_prompts=ns.num_prompts, random_input_len=ns.suffix_len,
-            random_output_len=ns.output_len, random_range_ratio=0.0,
-            shared_prefix_len=ns.shared_prefix_len, shared_prefix_groups=ns.shared_prefix_groups,
-            request_rate=ns.request_rate, burstiness=1.0, max_concurrency=ns.max_concurrency,
-            seed=ns.seed, goodput=parse_goodput(ns.goodput or []), ignore_eos=True,
-            temperature=0.0, percentile_metrics=_METRICS, metric_percentiles=(99.0,),
-            num_warmups=0, disable_tqdm=True, api_key=None)
+        config = load_config(ns, router.url)
         result = asyncio.run(run_benchmark(config))
         after = [worker_counters(url) for url in urls]
     finally:
@@ -145,16 +131,7 @@ def _table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float
 
 
 def main(ns: argparse.Namespace) -> int:
-    for flag in ("num_workers", "num_prompts", "shared_prefix_groups", "shared_prefix_len",
-                 "suffix_len", "output_len"):
-        if getattr(ns, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
-    if ns.model is None:
-        import os
-
-        from sluice.bench.workloads import benchmark_model_dir, cache_root
-
-        ns.model = benchmark_model_dir(cache_root(dict(os.environ)))
+    check_load_args(ns, "num_workers")
     command = shlex.join(["sluice", "bench", "router", *sys.argv[3:]])
     print(command)
     print(machine_line())
@@ -162,9 +139,7 @@ def main(ns: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "model": ns.model, "num_workers": ns.num_workers, "gpus": num_gpus(ns.device),
         "engine_args": ns.engine_args, "router_args": ns.router_args,
-        "workload": {k: getattr(ns, k) for k in (
-            "num_prompts", "shared_prefix_len", "shared_prefix_groups", "suffix_len",
-            "output_len", "request_rate", "max_concurrency", "seed")},
+        "workload": workload(ns),
         "policies": {}}
     for policy in ns.policies:
         result["policies"][policy] = _run_policy(ns, policy, workdir)
@@ -194,17 +169,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--policies", type=_policies, default=list(POLICIES),
                         help="comma-separated (default: all); round_robin, the baseline of "
                              "the ratios, is added first when missing")
-    parser.add_argument("--num-prompts", type=int, default=400)
-    parser.add_argument("--shared-prefix-len", type=int, default=2048)
-    parser.add_argument("--shared-prefix-groups", type=int, default=32)
-    parser.add_argument("--suffix-len", type=int, default=128,
-                        help="tokens of each prompt after its shared prefix")
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--request-rate", type=float, default=8.0)
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--start-timeout", type=float, default=900.0)
-    parser.add_argument("--output", default=None, help="JSON file for the results")
+    add_load_args(parser, num_prompts=400, shared_prefix_len=2048, shared_prefix_groups=32,
+                  suffix_len=128, output_len=64, request_rate=8.0)
     parser.set_defaults(func=main)
     return parser

@@ -85,13 +85,21 @@ def serve_argv(model: str | None, port: int, *flags: str) -> list[str]:
             *flags]
 
 
-def start_instances(instances: list[Instance], timeout_s: float = 180.0) -> None:
-    """Start them all at once, then wait for each (stopping all if one fails)."""
+def start_instances(instances: list[Instance], timeout_s: float = 180.0,
+                    one_at_a_time: bool = False) -> None:
+    """Start them all at once, then wait for each (stopping all if one fails); `one_at_a_time`:
+    start each once the one before is up (instances sharing a GPU size their memory from what
+    is free when they start)."""
     try:
-        for instance in instances:
-            instance.spawn()
-        for instance in instances:
-            instance.wait_ready(timeout_s)
+        if one_at_a_time:
+            for instance in instances:
+                instance.spawn()
+                instance.wait_ready(timeout_s)
+        else:
+            for instance in instances:
+                instance.spawn()
+            for instance in instances:
+                instance.wait_ready(timeout_s)
     except BaseException:
         for instance in instances:
             instance.stop(5.0)

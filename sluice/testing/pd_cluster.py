@@ -100,18 +100,7 @@ def start_cluster(model: str, engine_flags: list[str], backend: str = "fake",
         decodes.append(Instance(f"decode{i}", serve_argv(model, port, *engine_flags,
                                                          *(decode_flags or []), *flags),
                                 port, workdir))
-    if one_at_a_time:
-        started: list[Instance] = []
-        try:
-            for instance in [*prefills, *decodes]:
-                start_instances([instance], timeout_s)
-                started.append(instance)
-        except BaseException:
-            for instance in started:
-                instance.stop(5.0)
-            raise
-    else:
-        start_instances([*prefills, *decodes], timeout_s)
+    start_instances([*prefills, *decodes], timeout_s, one_at_a_time)
     cluster = PDCluster(prefills, decodes, None, workdir)
     if with_router:
         try:

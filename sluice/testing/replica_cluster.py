@@ -64,16 +64,5 @@ def start_replicas(model: str | None, engine_flags: list[str], num_workers: int 
         port = free_port()
         workers.append(Instance(f"worker{i}", serve_argv(model, port, *engine_flags), port,
                                 workdir, (env or [{}] * num_workers)[i]))
-    if one_at_a_time:
-        started: list[Instance] = []
-        try:
-            for worker in workers:
-                start_instances([worker], timeout_s)
-                started.append(worker)
-        except BaseException:
-            for worker in started:
-                worker.stop(5.0)
-            raise
-    else:
-        start_instances(workers, timeout_s)
+    start_instances(workers, timeout_s, one_at_a_time)
     return ReplicaCluster(workers, workdir)
