@@ -13,8 +13,7 @@ class RouterMetrics:
         self.requests = Counter("sluice_router_requests", "Requests answered, by route and "
                                 "HTTP status", ["route", "status"], registry=self.registry)
         self.attempts = Counter("sluice_router_attempts", "Attempts tried (a worker, or a "
-                                "prefill/decode pair)",
-                                registry=self.registry)
+                                "prefill/decode pair)", registry=self.registry)
         self.retries = Counter("sluice_router_retries", "Attempts that failed and were "
                                "retried (or gave up), by the role at fault", ["role"],
                                registry=self.registry)
