@@ -139,6 +139,7 @@ class CommittedStream:
         self.buffered = buffered
         self.on_close = on_close
         self.patch = patch or (lambda line: line)
+        worker.streaming += 1
 
     async def events(self) -> AsyncIterator[str]:
         done = False
@@ -155,6 +156,7 @@ class CommittedStream:
         except httpx.HTTPError as exc:
             yield failed_mid_stream(self.role, self.worker, f"{type(exc).__name__}: {exc}")
         finally:
+            self.worker.streaming -= 1
             await self.response.aclose()
             await self.on_close()
 

@@ -26,6 +26,7 @@ class Worker:
     bootstrap_port: int | None = None  # prefill: its PD bootstrap server
     healthy: bool = False  # until a health check says so
     in_flight: int = 0
+    streaming: int = 0  # of those, streams past their first token (no longer retried)
     failures: int = 0  # health checks failed in a row
     num_requests: int = 0
     num_errors: int = 0
@@ -39,6 +40,7 @@ class Worker:
     def describe(self) -> dict:
         return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port,
                 "healthy": self.healthy, "in_flight": self.in_flight,
+                "streaming": self.streaming,
                 "num_requests": self.num_requests, "num_errors": self.num_errors,
                 "last_error": self.last_error}
 

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from sluice.testing.instances import Instance, serve_argv, start_instances, start_router
-from sluice.testing.servers import free_port
+from sluice.testing.servers import ServerError, free_port
 
 
 @dataclass
@@ -30,12 +33,22 @@ class ReplicaCluster:
     routers: list[Instance] = field(default_factory=list)
 
     def start_router(self, flags: list[str], name: str | None = None,
-                     ready_unhealthy: bool = False) -> Instance:
-        """A router over every replica (`--worker` each, in order) with `flags`."""
+                     ready_unhealthy: bool = False, timeout_s: float = 30.0) -> Instance:
+        """A router over every replica (`--worker` each, in order) with `flags`, returned once
+        it routes to all of them (its /health says 200 once one is admitted); with
+        `ready_unhealthy`, once it answers at all."""
         worker_flags = [word for w in self.workers for word in ("--worker", w.url)]
         router = start_router(worker_flags, self.workdir, flags,
                               name or f"router{len(self.routers)}", ready_unhealthy)
         self.routers.append(router)
+        deadline = time.monotonic() + timeout_s
+        while not ready_unhealthy and not all(
+                w["healthy"] for w in httpx.get(f"{router.url}/workers", timeout=10).json()[
+                    "worker"]):
+            if time.monotonic() > deadline:
+                raise ServerError(f"{router.name} did not admit every replica within "
+                                  f"{timeout_s:g} s; log:\n{router.log_tail()}")
+            time.sleep(0.05)
         return router
 
     def stop_router(self, router: Instance) -> None:

@@ -149,4 +149,4 @@ def test_a_stream_that_breaks_after_its_first_token_ends_with_an_error_event(
     assert error["code"] == 502 and error["type"] == "BadGatewayError"
     assert error["message"].startswith(f"the worker instance {A} failed mid-stream")
     assert events[3:] == ["[DONE]"]
-    assert workers["worker"][0]["in_flight"] == 0
+    assert workers["worker"][0]["in_flight"] == workers["worker"][0]["streaming"] == 0
