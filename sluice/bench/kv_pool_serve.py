@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import shlex
 import sys
 import tempfile
@@ -34,15 +33,16 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from sluice.bench.serve import (
-    ServeBenchConfig,
-    add_served_model_args,
-    machine_line,
-    model_tokenizer,
-    run_benchmark,
+from sluice.bench.serve import add_served_model_args, machine_line, run_benchmark
+from sluice.bench.shared_prefix_load import (
+    add_load_args,
+    check_load_args,
+    instance_flags,
+    load_config,
+    num_gpus,
+    workload,
 )
 
-_METRICS = ("ttft", "tpot", "itl")
 _SUMMARY = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
             "request_throughput", "output_throughput", "total_token_throughput", "completed")
 
@@ -67,19 +67,11 @@ def _pool_config(ns: argparse.Namespace, stack: ExitStack) -> dict[str, Any]:
             "kv_connector_extra_config": extra}
 
 
-def _num_gpus(device: str) -> int:
-    if not device.startswith("cuda"):
-        return 0
-    import torch
-
-    return torch.cuda.device_count()
-
-
 def _instances(ns: argparse.Namespace, flags: list[str], workdir: Path) -> list[Any]:
     from sluice.testing.pd_cluster import Instance, serve_argv
     from sluice.testing.servers import free_port
 
-    own_gpus = _num_gpus(ns.device) >= 2
+    own_gpus = num_gpus(ns.device) >= 2
     instances = []
     for i in range(2):
         port = free_port()
@@ -91,14 +83,9 @@ def _instances(ns: argparse.Namespace, flags: list[str], workdir: Path) -> list[
 
 def _run_setting(ns: argparse.Namespace, name: str, pooled: bool, workdir: Path
                  ) -> dict[str, Any]:
-    from sluice.bench.serve_metrics import parse_goodput
     from sluice.testing.pd_cluster import start_instances
 
-    flags = ["--device", ns.device, "--max-model-len", str(ns.max_model_len),
-             "--served-model-name", "bench", "--gpu-memory-utilization",
-             str(ns.gpu_memory_utilization), *shlex.split(ns.engine_args or "")]
-    if ns.dtype:
-        flags += ["--dtype", ns.dtype]
+    flags = instance_flags(ns)
     with ExitStack() as stack:
         if pooled:
             flags += ["--kv-transfer-config", json.dumps(_pool_config(ns, stack))]
@@ -109,17 +96,7 @@ def _run_setting(ns: argparse.Namespace, name: str, pooled: bool, workdir: Path
             start_instances([instance], ns.start_timeout)
             stack.callback(instance.stop)
         print(f"--- {name}: {', '.join(i.url for i in instances)}", flush=True)
-        config = ServeBenchConfig(
-            base_url=instances[0].url, more_base_urls=(instances[1].url,),
-            endpoint="/v1/completions", model="bench", tokenizer=model_tokenizer(ns),
-            dataset_name="shared-prefix", num_prompts=ns.num_prompts,
-            random_input_len=ns.suffix_len, random_output_len=ns.output_len,
-            random_range_ratio=0.0, shared_prefix_len=ns.shared_prefix_len,
-            shared_prefix_groups=ns.shared_prefix_groups, request_rate=ns.request_rate,
-            burstiness=1.0, max_concurrency=ns.max_concurrency, seed=ns.seed,
-            goodput=parse_goodput(ns.goodput or []), ignore_eos=True, temperature=0.0,
-            percentile_metrics=_METRICS, metric_percentiles=(99.0,), num_warmups=0,
-            disable_tqdm=True, api_key=None)
+        config = load_config(ns, instances[0].url, (instances[1].url,))
         result = asyncio.run(run_benchmark(config))
         counters = [instance.engine_info()["scheduler"] for instance in instances]
     summary = {key: result.get(key, math.nan) for key in _SUMMARY}
@@ -139,23 +116,14 @@ def _table(base: dict[str, Any], pool: dict[str, Any]) -> str:
 
 
 def main(ns: argparse.Namespace) -> int:
-    for flag in ("num_prompts", "shared_prefix_groups", "shared_prefix_len", "suffix_len",
-                 "output_len"):
-        if getattr(ns, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
-    if ns.model is None:
-        from sluice.bench.workloads import benchmark_model_dir, cache_root
-
-        ns.model = benchmark_model_dir(cache_root(dict(os.environ)))
+    check_load_args(ns)
     command = shlex.join(["sluice", "bench", "kv-pool-serve", *sys.argv[3:]])
     print(command)
     print(machine_line())
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-kv-pool-serve-"))
     result: dict[str, Any] = {"model": ns.model,
-                              "backend": ns.backend, "gpus": _num_gpus(ns.device),
-                              "workload": {k: getattr(ns, k) for k in (
-                                  "num_prompts", "shared_prefix_len", "shared_prefix_groups",
-                                  "suffix_len", "output_len", "request_rate", "seed")}}
+                              "backend": ns.backend, "gpus": num_gpus(ns.device),
+                              "workload": workload(ns)}
     result["no_pool"] = _run_setting(ns, "no_pool", False, workdir)
     result["pool"] = _run_setting(ns, "pool", True, workdir)
     print(_table(result["no_pool"], result["pool"]))
@@ -191,17 +159,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--staging-bytes", type=int, default=4 << 30,
                         help="each instance's host staging buffer (default: 4 GiB; its save "
                              "half must hold the saves of the steps whose puts are in flight)")
-    parser.add_argument("--num-prompts", type=int, default=200)
-    parser.add_argument("--shared-prefix-len", type=int, default=4096)
-    parser.add_argument("--shared-prefix-groups", type=int, default=10)
-    parser.add_argument("--suffix-len", type=int, default=256,
-                        help="tokens of each prompt after its shared prefix")
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--request-rate", type=float, default=4.0)
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--start-timeout", type=float, default=900.0)
-    parser.add_argument("--output", default=None, help="JSON file for the results")
+    add_load_args(parser, num_prompts=200, shared_prefix_len=4096, shared_prefix_groups=10,
+                  suffix_len=256, output_len=64, request_rate=4.0)
     parser.set_defaults(func=main)
     return parser

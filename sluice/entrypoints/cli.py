@@ -203,11 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
         throughput,
     )
     from sluice.bench import pd as bench_pd
+    from sluice.bench import router as bench_router
     from sluice.bench import serve as bench_serve
 
     bench_serve.add_parser(bench_sub)
     serve_offline.add_parser(bench_sub)
     bench_pd.add_parser(bench_sub)
+    bench_router.add_parser(bench_sub)
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
     profile_steps.add_parser(bench_sub)

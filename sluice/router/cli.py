@@ -23,10 +23,14 @@ def _prefill_arg(values: list[str]) -> tuple[str, int]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("router", help="prefill/decode disaggregation router "
-                                           "(OpenAI-compatible)")
+    parser = sub.add_parser("router", help="OpenAI-compatible router over plain replicas "
+                                           "(--worker) or prefill/decode pairs (--prefill, "
+                                           "--decode)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: a free port (logged)")
+    parser.add_argument("--worker", action="append", default=[], metavar="URL",
+                        help="a colocated `sluice serve` replica; repeat for more (plain mode: "
+                             "not with --prefill/--decode)")
     parser.add_argument("--prefill", nargs="+", action="append", default=[],
                         metavar=("URL", "BOOTSTRAP_PORT"),
                         help="a prefill instance and its bootstrap port (default "
@@ -39,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode-policy", default=None, choices=POLICIES,
                         help="(default: --policy)")
     parser.add_argument("--max-retries", type=int, default=3,
-                        help="new pairs tried after a failed attempt (default: 3)")
+                        help="new workers (or pairs) tried after a failed attempt (default: 3)")
     parser.add_argument("--health-check-interval", type=float, default=2.0,
                         help="seconds between health checks of every instance (default: 2)")
     parser.add_argument("--health-failure-threshold", type=int, default=2,
@@ -55,7 +59,8 @@ def _cmd_router(ns: argparse.Namespace) -> int:
 
     args = RouterArgs(
         prefills=tuple(_prefill_arg(values) for values in ns.prefill),
-        decodes=tuple(ns.decode), host=ns.host, port=ns.port, policy=ns.policy,
+        decodes=tuple(ns.decode), workers=tuple(ns.worker), host=ns.host, port=ns.port,
+        policy=ns.policy,
         prefill_policy=ns.prefill_policy, decode_policy=ns.decode_policy,
         max_retries=ns.max_retries, health_check_interval_s=ns.health_check_interval,
         health_failure_threshold=ns.health_failure_threshold,

@@ -12,8 +12,8 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("sluice_router_requests", "Requests answered, by route and "
                                 "HTTP status", ["route", "status"], registry=self.registry)
-        self.attempts = Counter("sluice_router_attempts", "Prefill/decode pairs tried",
-                                registry=self.registry)
+        self.attempts = Counter("sluice_router_attempts", "Attempts tried (a worker, or a "
+                                "prefill/decode pair)", registry=self.registry)
         self.retries = Counter("sluice_router_retries", "Attempts that failed and were "
                                "retried (or gave up), by the role at fault", ["role"],
                                registry=self.registry)

@@ -1,5 +1,6 @@
 """The PD router's request path: pick a pair, send both halves at once, hand the client the
-decode's answer, and retry what a prefill failure broke.
+decode's answer, and retry what a prefill failure broke (the retry loop, the commit at the
+first token and the errors are relay.py's, shared with the replica router).
 
 Per request (POST /v1/completions, /v1/chat/completions; one prompt, n = 1):
 
@@ -30,65 +31,31 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from sluice.entrypoints.openai.connection import run_until_disconnected
-from sluice.entrypoints.openai.errors import error_response
-from sluice.router.metrics import RouterMetrics
-from sluice.router.policies import Policy
-from sluice.router.workers import Worker, WorkerPool
-
-logger = logging.getLogger("sluice")
-
-
-class _Failure(Exception):
-    """An attempt failed for a reason a retry may get past."""
-
-    def __init__(self, role: str, worker: Worker, reason: str, drop: bool = False) -> None:
-        super().__init__(reason)
-        self.role = role
-        self.worker = worker
-        self.reason = reason
-        self.drop = drop  # stop routing to the worker until a health check re-admits it
-
-
-class _ClientError(Exception):
-    """An instance refused the request (4xx): the client's answer, as is."""
-
-    def __init__(self, response: Response) -> None:
-        super().__init__(response.status_code)
-        self.response = response
-
-
-class _NoWorker(Exception):
-    pass
-
-
-def _client_error(status: int, content: bytes) -> _ClientError:
-    return _ClientError(Response(content, status_code=status, media_type="application/json"))
-
-
-def prompt_key(path: str, body: dict[str, Any]) -> str:
-    """The text the cache-aware policy matches prefixes on."""
-    if path.endswith("/chat/completions"):
-        return "\n".join(f"{m.get('role')}:{m.get('content')}" for m in body.get("messages") or []
-                         if isinstance(m, dict))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        return " ".join(str(t) for t in prompt)
-    return str(prompt)
+from sluice.router.relay import (
+    ClientError,
+    CommittedStream,
+    Failure,
+    Relay,
+    cancel,
+    failed_before_first_token,
+    open_stream,
+    post_whole,
+    read_to_first_token,
+    sse_event,
+)
+from sluice.router.workers import Worker
 
 
 def refusal(path: str, body: dict[str, Any]) -> str | None:
-    """Why the router cannot serve this request, or None."""
+    """Why the PD router cannot serve this request, or None."""
     if body.get("kv_transfer_params") is not None:
         return "kv_transfer_params are the router's to set; leave them out"
     if body.get("n", 1) not in (1, None) or body.get("best_of") not in (1, None):
@@ -106,32 +73,6 @@ def refusal(path: str, body: dict[str, Any]) -> str | None:
     return None
 
 
-def _failed_before_first_token(choice: dict[str, Any], completion_tokens: int | None) -> bool:
-    return choice.get("finish_reason") == "error" and not completion_tokens
-
-
-def _carries_token(choice: dict[str, Any]) -> bool:
-    if choice.get("finish_reason") is not None or choice.get("text"):
-        return True
-    delta = choice.get("delta") or {}
-    return bool(delta.get("content") or delta.get("reasoning_content")
-                or delta.get("tool_calls"))
-
-
-def _event(line: str) -> dict[str, Any] | str | None:
-    """A parsed `data:` line: its JSON object, "[DONE]", or None for anything else."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return data
-    try:
-        event = json.loads(data)
-    except json.JSONDecodeError:
-        return None
-    return event if isinstance(event, dict) else None
-
-
 def _patch_usage(usage: dict[str, Any] | None, prefill: dict[str, Any] | None) -> None:
     if not isinstance(usage, dict) or not isinstance(prefill, dict):
         return
@@ -140,6 +81,13 @@ def _patch_usage(usage: dict[str, Any] | None, prefill: dict[str, Any] | None) -
     details = usage.get("prompt_tokens_details")
     if cached is not None and isinstance(details, dict):
         details["cached_tokens"] = cached
+
+
+def _lost_prefill(prefill: Worker) -> Callable[[dict[str, Any]], Failure]:
+    """A decode that ends a choice with "error" before its first token reports a lost prefill:
+    the prefill's failure (the attempt is retried with another pair)."""
+    return lambda choice: Failure("prefill", prefill, f"the decode instance reported: "
+                                                      f"{choice.get('stop_reason')}")
 
 
 @dataclass
@@ -159,87 +107,16 @@ class _Pair:
         self.decode.in_flight -= 1
 
 
-class Proxy:
-    def __init__(self, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy,
-                 max_retries: int, request_timeout_s: float, metrics: RouterMetrics) -> None:
-        self.pool = pool
-        self.policies = {"prefill": prefill_policy, "decode": decode_policy}
-        self.max_retries = max_retries
-        self.metrics = metrics
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(request_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+class Proxy(Relay[_Pair]):
+    def refusal(self, path: str, body: dict[str, Any]) -> str | None:
+        return refusal(path, body)
 
-    async def close(self) -> None:
-        await self.client.aclose()
+    def _choose(self, key: str, avoid: dict[str, set[Worker]]) -> _Pair:
+        return _Pair(self._pick("prefill", key, avoid["prefill"]),
+                     self._pick("decode", key, avoid["decode"]), secrets.randbits(63))
 
-    # ---- the route -------------------------------------------------------------------------
-
-    async def generate(self, path: str, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return self._done(path, error_response(400, "the request body is not JSON"))
-        if not isinstance(body, dict):
-            return self._done(path, error_response(400, "the request body must be an object"))
-        problem = refusal(path, body)
-        if problem is not None:
-            return self._done(path, error_response(400, problem))
-        key = prompt_key(path, body)
-        if body.get("stream"):
-            stream = await run_until_disconnected(request, self._run(path, body, key, True))
-            if stream is None:
-                return self._done(path, Response(status_code=499))
-            if isinstance(stream, Response):
-                return self._done(path, stream)
-            return StreamingResponse(stream.events(), media_type="text/event-stream")
-        response = await run_until_disconnected(request, self._run(path, body, key, False))
-        return self._done(path, response if response is not None else Response(status_code=499))
-
-    def _done(self, path: str, response: Response) -> Response:
-        self.metrics.requests.labels(route=path, status=str(response.status_code)).inc()
-        return response
-
-    async def _run(self, path: str, body: dict[str, Any], key: str, stream: bool
-                   ) -> Response | _DecodeStream:
-        avoid: dict[str, set[Worker]] = {"prefill": set(), "decode": set()}
-        last_reason = "no attempt was made"
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
-            try:
-                pair = _Pair(self._pick("prefill", key, avoid["prefill"]),
-                             self._pick("decode", key, avoid["decode"]), secrets.randbits(63))
-            except _NoWorker as exc:
-                last_reason = str(exc)
-                continue  # a health check may re-admit one meanwhile
-            self.metrics.attempts.inc()
-            try:
-                if stream:
-                    return await self._attempt_stream(path, body, pair)
-                return await self._attempt_full(path, body, pair)
-            except _ClientError as exc:
-                return exc.response
-            except _Failure as failure:
-                last_reason = f"{failure.role} {failure.worker.url}: {failure.reason}"
-                avoid[failure.role].add(failure.worker)
-                if failure.drop:
-                    self.pool.drop(failure.worker, failure.reason)
-                else:
-                    failure.worker.num_errors += 1
-                    failure.worker.last_error = failure.reason
-                self.metrics.retries.labels(role=failure.role).inc()
-                logger.warning("router: attempt %d (room %d) failed: %s", attempt + 1,
-                               pair.room, last_reason)
-        return error_response(503, f"the request failed on every attempt "
-                                   f"({self.max_retries + 1}); last: {last_reason}")
-
-    def _pick(self, role: str, key: str, avoid: set[Worker]) -> Worker:
-        healthy = self.pool.healthy(role)
-        candidates = [w for w in healthy if w not in avoid] or healthy
-        if not candidates:
-            raise _NoWorker(f"no healthy {role} instance")
-        return self.policies[role].pick(candidates, key)
+    def _describe(self, pair: _Pair) -> str:
+        return f"room {pair.room}"
 
     def _bodies(self, body: dict[str, Any], pair: _Pair) -> tuple[dict, dict]:
         prefill = {k: v for k, v in body.items() if k != "stream_options"}
@@ -254,21 +131,15 @@ class Proxy:
     # ---- the halves ------------------------------------------------------------------------
 
     async def _prefill(self, worker: Worker, path: str, body: dict[str, Any]) -> dict:
-        try:
-            response = await self.client.post(f"{worker.url}{path}", json=body)
-        except httpx.HTTPError as exc:
-            raise _Failure("prefill", worker, f"{type(exc).__name__}: {exc}", drop=True) from None
-        if response.status_code >= 500:
-            raise _Failure("prefill", worker, f"HTTP {response.status_code}: "
-                                              f"{response.text[:300]}")
-        if response.status_code >= 400:
-            raise _client_error(response.status_code, response.content)
+        # Any transport error drops a prefill (its rooms are lost with it).
+        response = await post_whole(self.client, "prefill", worker, f"{worker.url}{path}", body,
+                                    drop_on=httpx.HTTPError)
         data = response.json()
         for choice in data.get("choices") or []:
             if choice.get("finish_reason") in ("error", "abort"):
-                raise _Failure("prefill", worker, f"the prefill ended the request with "
-                                                  f"{choice.get('finish_reason')}: "
-                                                  f"{choice.get('stop_reason')}")
+                raise Failure("prefill", worker, f"the prefill ended the request with "
+                                                 f"{choice.get('finish_reason')}: "
+                                                 f"{choice.get('stop_reason')}")
         return data
 
     async def _attempt_full(self, path: str, body: dict[str, Any], pair: _Pair) -> Response:
@@ -276,151 +147,60 @@ class Proxy:
         p, d = pair.prefill, pair.decode
         pair.begin()
         p_task = asyncio.ensure_future(self._prefill(p, path, prefill_body))
-        d_task = asyncio.ensure_future(self.client.post(f"{d.url}{path}", json=decode_body))
+        d_task = asyncio.ensure_future(post_whole(self.client, "decode", d, f"{d.url}{path}",
+                                                  decode_body))
         try:
             done, _ = await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
             if p_task in done:
                 p_task.result()  # a failed prefill ends the attempt now
-            try:
-                response = await d_task
-            except httpx.HTTPError as exc:
-                raise _Failure("decode", d, f"{type(exc).__name__}: {exc}",
-                               drop=isinstance(exc, httpx.ConnectError)) from None
-            if response.status_code >= 500:
-                raise _Failure("decode", d, f"HTTP {response.status_code}: "
-                                            f"{response.text[:300]}")
-            if response.status_code >= 400:
-                raise _client_error(response.status_code, response.content)
-            data = response.json()
+            data = (await d_task).json()
             usage = data.get("usage") or {}
             for choice in data.get("choices") or []:
-                if _failed_before_first_token(choice, usage.get("completion_tokens")):
-                    raise _Failure("prefill", p, f"the decode instance reported: "
-                                                 f"{choice.get('stop_reason')}")
+                if failed_before_first_token(choice, usage.get("completion_tokens")):
+                    raise _lost_prefill(p)(choice)
             try:
                 prefill = await asyncio.wait_for(asyncio.shield(p_task), 5.0)
-            except (asyncio.TimeoutError, _Failure, _ClientError):
+            except (asyncio.TimeoutError, Failure, ClientError):
                 prefill = None
             _patch_usage(data.get("usage"), prefill)
             return JSONResponse(data)
         finally:
-            await _cancel(p_task, d_task)
+            await cancel(p_task, d_task)
             pair.end()
 
     async def _attempt_stream(self, path: str, body: dict[str, Any], pair: _Pair
-                              ) -> _DecodeStream:
-        """Open the decode's stream and read it up to its first token."""
+                              ) -> CommittedStream:
         prefill_body, decode_body = self._bodies(body, pair)
         p, d = pair.prefill, pair.decode
         pair.begin()
         p_task = asyncio.ensure_future(self._prefill(p, path, prefill_body))
-        response: httpx.Response | None = None
-        line_task: asyncio.Future | None = None
-        committed = False
+        response = None
         try:
-            try:
-                response = await self.client.send(
-                    self.client.build_request("POST", f"{d.url}{path}", json=decode_body),
-                    stream=True)
-            except httpx.HTTPError as exc:
-                raise _Failure("decode", d, f"{type(exc).__name__}: {exc}",
-                               drop=isinstance(exc, httpx.ConnectError)) from None
-            if response.status_code >= 400:
-                content = await response.aread()
-                if response.status_code >= 500:
-                    raise _Failure("decode", d, f"HTTP {response.status_code}: "
-                                                f"{content[:300]!r}")
-                raise _client_error(response.status_code, content)
+            response = await open_stream(self.client, "decode", d, f"{d.url}{path}",
+                                         decode_body)
             lines = response.aiter_lines()
-            buffered: list[str] = []
-            while True:
-                line_task = asyncio.ensure_future(anext(lines, None))
-                if not p_task.done():
-                    await asyncio.wait((p_task, line_task), return_when=asyncio.FIRST_COMPLETED)
-                    if p_task.done() and p_task.exception() is not None:
-                        raise p_task.exception()
-                try:
-                    line = await line_task
-                except httpx.HTTPError as exc:
-                    raise _Failure("decode", d, f"{type(exc).__name__}: {exc}") from None
-                line_task = None
-                if line is None:
-                    raise _Failure("decode", d, "the stream ended before its first token")
-                buffered.append(line)
-                event = _event(line)
-                if event == "[DONE]":
-                    raise _Failure("decode", d, "the stream ended before its first token")
-                if not isinstance(event, dict):
-                    continue
-                if "error" in event:
-                    raise _Failure("decode", d, f"error event: {event['error']}")
-                choices = event.get("choices") or []
-                failed = [c for c in choices if _failed_before_first_token(c, 0)]
-                if failed:
-                    raise _Failure("prefill", p, f"the decode instance reported: "
-                                                 f"{failed[0].get('stop_reason')}")
-                if any(_carries_token(c) for c in choices) or event.get("usage"):
-                    committed = True
-                    return _DecodeStream(self, pair, p_task, response, lines, buffered)
-        finally:
-            if not committed:
-                await _cancel(p_task, line_task)
-                if response is not None:
-                    await response.aclose()
-                pair.end()
+            buffered = await read_to_first_token("decode", d, lines, _lost_prefill(p), p_task)
+        except BaseException:
+            await cancel(p_task)
+            if response is not None:
+                await response.aclose()
+            pair.end()
+            raise
 
+        async def on_close() -> None:
+            await cancel(p_task)
+            pair.end()
 
-async def _cancel(*tasks: asyncio.Future | None) -> None:
-    pending = [t for t in tasks if t is not None and not t.done()]
-    for task in pending:
-        task.cancel()
-    for task in tasks:
-        if task is not None:
-            try:
-                await task
-            except BaseException:  # noqa: BLE001 - its outcome no longer matters
-                pass
+        def patched(line: str) -> str:
+            if '"usage"' not in line:
+                return line
+            event = sse_event(line)
+            if not isinstance(event, dict) or not event.get("usage"):
+                return line
+            prefill = None
+            if p_task.done() and not p_task.cancelled() and p_task.exception() is None:
+                prefill = p_task.result()
+            _patch_usage(event["usage"], prefill)
+            return f"data: {json.dumps(event)}"
 
-
-class _DecodeStream:
-    """A decode stream past its first token: the buffered events, then the rest as they
-    come. Closing it (the client went away) closes the decode's connection, which aborts the
-    request there."""
-
-    def __init__(self, proxy: Proxy, pair: _Pair, p_task: asyncio.Future,
-                 response: httpx.Response, lines: AsyncIterator[str], buffered: list[str]
-                 ) -> None:
-        self.proxy = proxy
-        self.pair = pair
-        self.p_task = p_task
-        self.response = response
-        self.lines = lines
-        self.buffered = buffered
-
-    async def events(self) -> AsyncIterator[str]:
-        try:
-            for line in self.buffered:
-                yield self._patched(line) + "\n"
-            async for line in self.lines:
-                yield self._patched(line) + "\n"
-        except httpx.HTTPError as exc:
-            message = f"the decode instance {self.pair.decode.url} failed mid-stream: {exc}"
-            logger.warning("router: %s", message)
-            yield f"data: {json.dumps({'error': {'message': message, 'code': 502}})}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            await _cancel(self.p_task)
-            await self.response.aclose()
-            self.pair.end()
-
-    def _patched(self, line: str) -> str:
-        if '"usage"' not in line:
-            return line
-        event = _event(line)
-        if not isinstance(event, dict) or not event.get("usage"):
-            return line
-        prefill = None
-        if self.p_task.done() and not self.p_task.cancelled() and self.p_task.exception() is None:
-            prefill = self.p_task.result()
-        _patch_usage(event["usage"], prefill)
-        return f"data: {json.dumps(event)}"
+        return CommittedStream("decode", d, response, lines, buffered, on_close, patched)

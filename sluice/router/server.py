@@ -1,13 +1,17 @@
-"""`sluice router`: the PD router as an HTTP server (FastAPI under uvicorn).
+"""`sluice router`: the router as an HTTP server (FastAPI under uvicorn), in one of two modes.
 
+    sluice router --port 8000 --worker http://127.0.0.1:8100 --worker http://127.0.0.1:8101 \
+                  [--policy cache_aware]                                 # plain replicas
     sluice router --port 8000 --prefill http://127.0.0.1:8100 8998 \
-                  --decode http://127.0.0.1:8200 [--policy cache_aware]
+                  --decode http://127.0.0.1:8200 [--policy cache_aware]  # PD
 
-Routes: POST /v1/completions and /v1/chat/completions (streamed or not; see proxy.py), GET
-/v1/models (a healthy decode's), /health (200 while at least one prefill and one decode are
-healthy, else 503 naming the missing role), /metrics (Prometheus text), /workers (each
-instance's health and load, JSON). A prefill given without a bootstrap port uses 8998 (the
-default of `--disaggregation-bootstrap-port`). Port 0 picks a free port (logged).
+Plain mode (only `--worker` given; replicas.py) sends each request whole to one colocated
+`sluice serve`; PD mode (`--prefill` and `--decode`; proxy.py) pairs a prefill and a decode.
+Giving both is an error. Routes: POST /v1/completions and /v1/chat/completions (streamed or
+not), GET /v1/models (a healthy worker's, or decode's), /health (200 while every role has a
+healthy instance, else 503 naming the missing one), /metrics (Prometheus text), /workers (each
+instance's health and load, JSON, by role). A prefill given without a bootstrap port uses 8998
+(the default of `--disaggregation-bootstrap-port`). Port 0 picks a free port (logged).
 """
 
 from __future__ import annotations
@@ -26,15 +30,30 @@ from sluice.entrypoints.openai.errors import error_response
 from sluice.router.metrics import RouterMetrics
 from sluice.router.policies import POLICIES, make_policy
 from sluice.router.proxy import Proxy
+from sluice.router.relay import Relay
+from sluice.router.replicas import ROLE, ReplicaProxy
 from sluice.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger("sluice")
 
 
+def check_instance_url(url: str) -> None:
+    """ValueError unless `url` is http(s)://host:port with no path beyond "/"."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if (parts.scheme not in ("http", "https") or not parts.hostname or port == -1
+            or parts.path not in ("", "/") or parts.query or parts.fragment):
+        raise ValueError(f"an instance URL must be http(s)://host:port, got {url!r}")
+
+
 @dataclass(frozen=True)
 class RouterArgs:
-    prefills: tuple[tuple[str, int], ...]  # (url, bootstrap port)
-    decodes: tuple[str, ...]
+    prefills: tuple[tuple[str, int], ...] = ()  # (url, bootstrap port)
+    decodes: tuple[str, ...] = ()
+    workers: tuple[str, ...] = ()  # plain replicas (the other mode)
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "round_robin"
@@ -46,13 +65,27 @@ class RouterArgs:
     request_timeout_s: float = 600.0
     log_level: str = "info"
 
+    @property
+    def plain(self) -> bool:
+        return bool(self.workers)
+
     def __post_init__(self) -> None:
-        if not self.prefills or not self.decodes:
-            raise ValueError("the router needs at least one --prefill and one --decode")
-        for url in [u for u, _ in self.prefills] + list(self.decodes):
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"an instance URL must be http(s)://host:port, got {url!r}")
+        pd_given = [flag for flag, value in (
+            ("--prefill", self.prefills), ("--decode", self.decodes),
+            ("--prefill-policy", self.prefill_policy), ("--decode-policy", self.decode_policy))
+            if value]
+        if self.workers and pd_given:
+            raise ValueError(f"--worker (plain replicas) cannot be combined with the PD flags "
+                             f"{', '.join(pd_given)}: give --worker URL ... alone, or "
+                             f"--prefill and --decode")
+        if not self.workers and (not self.prefills or not self.decodes):
+            raise ValueError("the router needs --worker URL (plain replicas), or at least one "
+                             "--prefill and one --decode (PD)")
+        urls = [u for u, _ in self.prefills] + list(self.decodes) + list(self.workers)
+        for url in urls:
+            check_instance_url(url)
+        if len({u.rstrip("/") for u in self.workers}) < len(self.workers):
+            raise ValueError(f"a --worker URL is given twice: {list(self.workers)}")
         for _, port in self.prefills:
             if not 0 < port < 65536:
                 raise ValueError(f"a bootstrap port must be in [1, 65535], got {port}")
@@ -66,15 +99,26 @@ class RouterArgs:
                              "health_failure_threshold >= 1")
 
 
-def build_app(args: RouterArgs) -> FastAPI:
+def _relay(args: RouterArgs, metrics: RouterMetrics) -> Relay:
+    if args.plain:
+        pool = WorkerPool([Worker(url.rstrip("/"), ROLE) for url in args.workers],
+                          args.health_check_interval_s, args.health_failure_threshold)
+        return ReplicaProxy(pool, {ROLE: make_policy(args.policy)}, args.max_retries,
+                            args.request_timeout_s, metrics)
     pool = WorkerPool(
-        [Worker(url.rstrip("/"), "prefill", bootstrap_port=port) for url, port in args.prefills],
-        [Worker(url.rstrip("/"), "decode") for url in args.decodes],
+        [*(Worker(url.rstrip("/"), "prefill", bootstrap_port=port) for url, port in args.prefills),
+         *(Worker(url.rstrip("/"), "decode") for url in args.decodes)],
         args.health_check_interval_s, args.health_failure_threshold)
+    policies = {"prefill": make_policy(args.prefill_policy or args.policy),
+                "decode": make_policy(args.decode_policy or args.policy)}
+    return Proxy(pool, policies, args.max_retries, args.request_timeout_s, metrics)
+
+
+def build_app(args: RouterArgs) -> FastAPI:
     metrics = RouterMetrics()
-    proxy = Proxy(pool, make_policy(args.prefill_policy or args.policy),
-                  make_policy(args.decode_policy or args.policy), args.max_retries,
-                  args.request_timeout_s, metrics)
+    proxy = _relay(args, metrics)
+    pool = proxy.pool
+    answering = ROLE if args.plain else "decode"  # whose /v1/models the router shows
     app = FastAPI(title="sluice router", docs_url=None, redoc_url=None)
     app.state.pool = pool
     app.state.proxy = proxy
@@ -89,18 +133,18 @@ def build_app(args: RouterArgs) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        for worker in pool.healthy("decode"):
+        for worker in pool.healthy(answering):
             try:
                 response = await proxy.client.get(f"{worker.url}/v1/models", timeout=5.0)
             except Exception:  # noqa: BLE001 - try the next one
                 continue
             return Response(response.content, status_code=response.status_code,
                             media_type="application/json")
-        return error_response(503, "no healthy decode instance")
+        return error_response(503, f"no healthy {answering} instance")
 
     @app.get("/health")
     async def health() -> Response:
-        missing = [role for role in ("prefill", "decode") if not pool.healthy(role)]
+        missing = [role for role in pool.roles if not pool.healthy(role)]
         if missing:
             return error_response(503, f"no healthy {' or '.join(missing)} instance")
         return Response(status_code=200)
@@ -111,8 +155,8 @@ def build_app(args: RouterArgs) -> FastAPI:
 
     @app.get("/workers")
     async def workers() -> JSONResponse:
-        return JSONResponse({"prefill": [w.describe() for w in pool.prefills],
-                             "decode": [w.describe() for w in pool.decodes]})
+        return JSONResponse({role: [w.describe() for w in pool.of_role(role)]
+                             for role in pool.roles})
 
     return app
 
@@ -128,14 +172,14 @@ def run_router(args: RouterArgs) -> int:
     host, port = sock.getsockname()[:2]
 
     async def serve() -> None:
-        app.state.pool.start()
-        logger.info("router on http://%s:%d: prefill %s, decode %s", host, port,
-                    [w.url for w in app.state.pool.prefills],
-                    [w.url for w in app.state.pool.decodes])
+        pool = app.state.pool
+        pool.start()
+        logger.info("router on http://%s:%d: %s", host, port, ", ".join(
+            f"{role} {[w.url for w in pool.of_role(role)]}" for role in pool.roles))
         try:
             await server.serve(sockets=[sock])
         finally:
-            await app.state.pool.stop()
+            await pool.stop()
             await app.state.proxy.close()
 
     try:

@@ -22,10 +22,11 @@ logger = logging.getLogger("sluice")
 @dataclass(eq=False)
 class Worker:
     url: str  # "http://host:port", no trailing slash
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" (PD) | "worker" (a colocated replica)
     bootstrap_port: int | None = None  # prefill: its PD bootstrap server
     healthy: bool = False  # until a health check says so
     in_flight: int = 0
+    streaming: int = 0  # of those, streams past their first token (no longer retried)
     failures: int = 0  # health checks failed in a row
     num_requests: int = 0
     num_errors: int = 0
@@ -39,27 +40,30 @@ class Worker:
     def describe(self) -> dict:
         return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port,
                 "healthy": self.healthy, "in_flight": self.in_flight,
+                "streaming": self.streaming,
                 "num_requests": self.num_requests, "num_errors": self.num_errors,
                 "last_error": self.last_error}
 
 
 class WorkerPool:
-    def __init__(self, prefills: list[Worker], decodes: list[Worker],
-                 health_check_interval_s: float, health_failure_threshold: int,
-                 health_check_timeout_s: float = 2.0) -> None:
-        self.prefills = prefills
-        self.decodes = decodes
+    def __init__(self, workers: list[Worker], health_check_interval_s: float,
+                 health_failure_threshold: int, health_check_timeout_s: float = 2.0) -> None:
+        self.workers = workers
         self.interval_s = health_check_interval_s
         self.threshold = health_failure_threshold
         self.timeout_s = health_check_timeout_s
         self._task: asyncio.Task | None = None
 
     @property
-    def workers(self) -> list[Worker]:
-        return [*self.prefills, *self.decodes]
+    def roles(self) -> list[str]:
+        """The roles of its workers, in their order."""
+        return list(dict.fromkeys(w.role for w in self.workers))
+
+    def of_role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role]
 
     def healthy(self, role: str) -> list[Worker]:
-        return [w for w in (self.prefills if role == "prefill" else self.decodes) if w.healthy]
+        return [w for w in self.of_role(role) if w.healthy]
 
     def drop(self, worker: Worker, why: str) -> None:
         """Stop routing to it until a health check says it is back."""

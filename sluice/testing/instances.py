@@ -1,5 +1,6 @@
 """`sluice serve` and `sluice router` processes for tests and benchmarks, as users run them: the
-one way they are launched (a PD cluster, sluice/testing/pd_cluster.py, is made of them).
+one way they are launched (a PD cluster, sluice/testing/pd_cluster.py, and replicas behind a
+router, sluice/testing/replica_cluster.py, are made of them).
 
     server = launch_serve(model, log_path, "--dtype", "float32")  # up and healthy, port 0
     httpx.get(f"{server.url}/health"); server.engine_info(); server.log()
@@ -20,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from sluice.testing.servers import HOST, ServerError, ServerProcess
+from sluice.testing.servers import HOST, ServerError, ServerProcess, free_port
 
 _BOUND = re.compile(r"on http://127\.0\.0\.1:(\d+)")
 
@@ -33,7 +34,10 @@ class Instance(ServerProcess):
 
     def __init__(self, name: str, argv: list[str], port: int, workdir: Path,
                  env: dict[str, str] | None = None, own_group: bool = True,
-                 startup_timeout_s: float = 180.0, stop_grace_s: float = 20.0) -> None:
+                 startup_timeout_s: float = 180.0, stop_grace_s: float = 20.0,
+                 ready_unhealthy: bool = False) -> None:
+        # Ready once /health answers at all: a router over instances that are down says 503.
+        self.ready_unhealthy = ready_unhealthy
         super().__init__(name, lambda: argv, port, self._healthy, workdir, startup_timeout_s,
                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
                          run_in_workdir=False, die_with_parent=own_group,
@@ -57,9 +61,10 @@ class Instance(ServerProcess):
                 return False
             self.port = int(match.group(1))
         try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            status = httpx.get(f"{self.url}/health", timeout=2).status_code
         except httpx.HTTPError:
             return False
+        return status == 200 or (self.ready_unhealthy and status == 503)
 
     def engine_info(self, timeout_s: float = 10.0, **headers: str) -> dict[str, Any]:
         response = httpx.get(f"{self.url}/debug/engine", headers=headers, timeout=timeout_s)
@@ -80,17 +85,38 @@ def serve_argv(model: str | None, port: int, *flags: str) -> list[str]:
             *flags]
 
 
-def start_instances(instances: list[Instance], timeout_s: float = 180.0) -> None:
-    """Start them all at once, then wait for each (stopping all if one fails)."""
+def start_instances(instances: list[Instance], timeout_s: float = 180.0,
+                    one_at_a_time: bool = False) -> None:
+    """Start them all at once, then wait for each (stopping all if one fails); `one_at_a_time`:
+    start each once the one before is up (instances sharing a GPU size their memory from what
+    is free when they start)."""
     try:
-        for instance in instances:
-            instance.spawn()
-        for instance in instances:
-            instance.wait_ready(timeout_s)
+        if one_at_a_time:
+            for instance in instances:
+                instance.spawn()
+                instance.wait_ready(timeout_s)
+        else:
+            for instance in instances:
+                instance.spawn()
+            for instance in instances:
+                instance.wait_ready(timeout_s)
     except BaseException:
         for instance in instances:
             instance.stop(5.0)
         raise
+
+
+def start_router(instance_flags: list[str], workdir: Path, flags: list[str],
+                 name: str = "router", ready_unhealthy: bool = False) -> Instance:
+    """`sluice router` on a free port over the instances `instance_flags` name (`--worker URL
+    ...`, or `--prefill URL PORT ... --decode URL ...`), with `flags`, up and healthy (or, with
+    `ready_unhealthy`, answering /health at all)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "sluice", "router", "--host", HOST, "--port", str(port),
+            *instance_flags, *flags]
+    router = Instance(name, argv, port, workdir, ready_unhealthy=ready_unhealthy)
+    start_instances([router], timeout_s=60.0)
+    return router
 
 
 def launch_serve(model: str | None, log_path: Path, *flags: str, timeout_s: float = 180.0,
@@ -104,4 +130,5 @@ def launch_serve(model: str | None, log_path: Path, *flags: str, timeout_s: floa
     return server
 
 
-__all__ = ["Instance", "ServerError", "launch_serve", "serve_argv", "start_instances"]
+__all__ = ["Instance", "ServerError", "launch_serve", "serve_argv", "start_instances",
+           "start_router"]

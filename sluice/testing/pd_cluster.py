@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from sluice.testing.instances import Instance, serve_argv, start_instances
-from sluice.testing.servers import HOST, free_port
+from sluice.testing.instances import start_router as launch_router
+from sluice.testing.servers import free_port
 
 
 def pd_flags(role: str, backend: str, bootstrap_port: int | None = None,
@@ -100,18 +100,7 @@ def start_cluster(model: str, engine_flags: list[str], backend: str = "fake",
         decodes.append(Instance(f"decode{i}", serve_argv(model, port, *engine_flags,
                                                          *(decode_flags or []), *flags),
                                 port, workdir))
-    if one_at_a_time:
-        started: list[Instance] = []
-        try:
-            for instance in [*prefills, *decodes]:
-                start_instances([instance], timeout_s)
-                started.append(instance)
-        except BaseException:
-            for instance in started:
-                instance.stop(5.0)
-            raise
-    else:
-        start_instances([*prefills, *decodes], timeout_s)
+    start_instances([*prefills, *decodes], timeout_s, one_at_a_time)
     cluster = PDCluster(prefills, decodes, None, workdir)
     if with_router:
         try:
@@ -124,15 +113,12 @@ def start_cluster(model: str, engine_flags: list[str], backend: str = "fake",
 
 def start_router(prefills: list[Instance], decodes: list[Instance], workdir: Path,
                  flags: list[str], name: str = "router") -> Instance:
-    port = free_port()
-    argv = [sys.executable, "-m", "sluice", "router", "--host", HOST, "--port", str(port)]
+    instance_flags: list[str] = []
     for prefill in prefills:
-        argv += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+        instance_flags += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
     for decode in decodes:
-        argv += ["--decode", decode.url]
-    router = Instance(name, [*argv, *flags], port, workdir)
-    start_instances([router], timeout_s=60.0)
-    return router
+        instance_flags += ["--decode", decode.url]
+    return launch_router(instance_flags, workdir, flags, name)
 
 
 def wait_blocks_back(instance: Instance, timeout_s: float = 20.0) -> dict[str, Any]:

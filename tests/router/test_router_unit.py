@@ -11,7 +11,8 @@ import pytest
 from sluice.entrypoints.cli import build_parser, build_router_parser
 from sluice.router.cli import _prefill_arg
 from sluice.router.policies import CacheAware, LeastLoaded, RoundRobin
-from sluice.router.proxy import _carries_token, _failed_before_first_token, prompt_key, refusal
+from sluice.router.proxy import refusal
+from sluice.router.relay import carries_token, failed_before_first_token, prompt_key
 from sluice.router.server import RouterArgs
 from sluice.router.workers import Worker
 
@@ -63,14 +64,14 @@ def test_refusals_name_what_the_pd_router_cannot_do() -> None:
 
 
 def test_the_stream_commits_at_the_first_token_and_an_early_error_is_the_retry_signal() -> None:
-    assert not _carries_token({"index": 0, "delta": {"role": "assistant", "content": ""}})
-    assert not _carries_token({"index": 0, "text": "", "finish_reason": None})
-    assert _carries_token({"index": 0, "text": "Hi", "finish_reason": None})
-    assert _carries_token({"index": 0, "delta": {"content": "Hi"}})
-    assert _carries_token({"index": 0, "text": "", "finish_reason": "length"})
-    assert _failed_before_first_token({"finish_reason": "error"}, 0)
-    assert not _failed_before_first_token({"finish_reason": "error"}, 3)
-    assert not _failed_before_first_token({"finish_reason": "stop"}, 0)
+    assert not carries_token({"index": 0, "delta": {"role": "assistant", "content": ""}})
+    assert not carries_token({"index": 0, "text": "", "finish_reason": None})
+    assert carries_token({"index": 0, "text": "Hi", "finish_reason": None})
+    assert carries_token({"index": 0, "delta": {"content": "Hi"}})
+    assert carries_token({"index": 0, "text": "", "finish_reason": "length"})
+    assert failed_before_first_token({"finish_reason": "error"}, 0)
+    assert not failed_before_first_token({"finish_reason": "error"}, 3)
+    assert not failed_before_first_token({"finish_reason": "stop"}, 0)
 
 
 @pytest.mark.parametrize("parser", [build_parser, build_router_parser])
@@ -107,3 +108,36 @@ def test_the_router_command_imports_no_pytorch() -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     assert "usage: sluice router" in run.stdout
     assert run.stdout.strip().endswith("heavy: []"), run.stdout[-500:]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--worker", "http://127.0.0.1:8100", "--prefill", "http://127.0.0.1:8200"],
+     "--worker (plain replicas) cannot be combined with the PD flags --prefill"),
+    (["--worker", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"],
+     "cannot be combined with the PD flags --decode"),
+    (["--worker", "http://127.0.0.1:8100", "--decode-policy", "least_loaded"],
+     "cannot be combined with the PD flags --decode-policy"),
+    (["--worker", "127.0.0.1:8100"], "must be http(s)://host:port, got '127.0.0.1:8100'"),
+    (["--worker", "http://127.0.0.1:port"], "must be http(s)://host:port"),
+    (["--worker", "http://127.0.0.1:8100/v1"], "must be http(s)://host:port"),
+    (["--worker", "http://127.0.0.1:8100", "--worker", "http://127.0.0.1:8100/"],
+     "a --worker URL is given twice"),
+    ([], "the router needs --worker URL (plain replicas), or at least one --prefill and one "
+         "--decode (PD)"),
+])
+def test_router_command_line_errors_name_the_problem(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from sluice.entrypoints.cli import main
+
+    assert main(["router", "--port", "0", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_only_workers_is_plain_mode_and_pd_flags_are_pd_mode() -> None:
+    ns = build_router_parser().parse_args(["router", "--worker", "http://127.0.0.1:8100",
+                                           "--worker", "http://127.0.0.1:8101"])
+    assert ns.worker == ["http://127.0.0.1:8100", "http://127.0.0.1:8101"]
+    plain = RouterArgs(workers=tuple(ns.worker))
+    assert plain.plain
+    pd = RouterArgs(prefills=(("http://127.0.0.1:8100", 8998),), decodes=("http://127.0.0.1:1",))
+    assert not pd.plain

@@ -29,6 +29,7 @@ _ERROR_TYPES = {
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
     500: "InternalServerError",
+    502: "BadGatewayError",
     503: "ServiceUnavailableError",
 }
 

@@ -1,0 +1,351 @@
+"""What both router modes do with one request, whatever they send it to: the retry loop, the
+commit at the first token, and the errors the client sees.
+
+A mode (proxy.py: a prefill and a decode; replicas.py: one colocated worker) says what it
+refuses, which instances an attempt uses (`_choose`), and how one attempt runs; `Relay` does the
+rest:
+
+1. the body is read and checked (400 with an OpenAI-shaped body if the mode refuses it);
+2. an attempt is chosen among healthy instances, avoiding those that already failed this
+   request while others are healthy; an attempt that raises `Failure` is retried after a short
+   backoff (0.1 s doubling, at most 1 s), up to `max_retries` times, and its instance is
+   avoided (and, for `Failure(drop=True)`, dropped until a health check re-admits it);
+   `ClientError` (a 4xx from an instance) ends the request with that answer as is;
+3. a stream is read up to its first event that carries a token (or ends a choice, or carries
+   usage): until then any failure is retried; from then on the client owns it, and a failure
+   ends it with an OpenAI-shaped error event and `[DONE]` (`CommittedStream`);
+4. no attempt succeeded: 503 naming the number of attempts and the last reason.
+
+A client that goes away cancels the attempt in flight: its connections close, so the engines
+abort the request and free its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, TypeVar
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from sluice.entrypoints.openai.connection import run_until_disconnected
+from sluice.entrypoints.openai.errors import error_body, error_response
+from sluice.router.metrics import RouterMetrics
+from sluice.router.policies import Policy
+from sluice.router.workers import Worker, WorkerPool
+
+logger = logging.getLogger("sluice")
+
+
+class Failure(Exception):
+    """An attempt failed for a reason a retry may get past."""
+
+    def __init__(self, role: str, worker: Worker, reason: str, drop: bool = False) -> None:
+        super().__init__(reason)
+        self.role = role
+        self.worker = worker
+        self.reason = reason
+        self.drop = drop  # stop routing to the worker until a health check re-admits it
+
+
+class ClientError(Exception):
+    """An instance refused the request (4xx): the client's answer, as is."""
+
+    def __init__(self, status: int, content: bytes) -> None:
+        super().__init__(status)
+        self.response = Response(content, status_code=status, media_type="application/json")
+
+
+class NoWorker(Exception):
+    pass
+
+
+def prompt_key(path: str, body: dict[str, Any]) -> str:
+    """The text the cache-aware policy matches prefixes on."""
+    if path.endswith("/chat/completions"):
+        return "\n".join(f"{m.get('role')}:{m.get('content')}" for m in body.get("messages") or []
+                         if isinstance(m, dict))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return " ".join(str(t) for t in prompt)
+    return str(prompt)
+
+
+def carries_token(choice: dict[str, Any]) -> bool:
+    if choice.get("finish_reason") is not None or choice.get("text"):
+        return True
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning_content")
+                or delta.get("tool_calls"))
+
+
+def failed_before_first_token(choice: dict[str, Any], completion_tokens: int | None) -> bool:
+    return choice.get("finish_reason") == "error" and not completion_tokens
+
+
+def sse_event(line: str) -> dict[str, Any] | str | None:
+    """A parsed `data:` line: its JSON object, "[DONE]", or None for anything else."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return data
+    try:
+        event = json.loads(data)
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def failed_mid_stream(role: str, worker: Worker, why: str) -> str:
+    """The events that end a committed stream whose instance failed: an error the `openai`
+    client raises (APIError with this message), then [DONE]."""
+    message = f"the {role} instance {worker.url} failed mid-stream: {why}"
+    logger.warning("router: %s", message)
+    return f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n"
+
+
+async def cancel(*tasks: asyncio.Future | None) -> None:
+    pending = [t for t in tasks if t is not None and not t.done()]
+    for task in pending:
+        task.cancel()
+    for task in tasks:
+        if task is not None:
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - its outcome no longer matters
+                pass
+
+
+class CommittedStream:
+    """A stream past its first token: the buffered lines, then the rest as they come (each
+    through `patch`). An instance that fails now, or whose stream ends without [DONE], ends
+    the client's stream with an error event. Closing it (the client went away) closes the
+    instance's connection, which aborts the request there; `on_close` then runs."""
+
+    def __init__(self, role: str, worker: Worker, response: httpx.Response,
+                 lines: AsyncIterator[str], buffered: list[str],
+                 on_close: Callable[[], Any], patch: Callable[[str], str] | None = None) -> None:
+        self.role = role
+        self.worker = worker
+        self.response = response
+        self.lines = lines
+        self.buffered = buffered
+        self.on_close = on_close
+        self.patch = patch or (lambda line: line)
+        worker.streaming += 1
+
+    async def events(self) -> AsyncIterator[str]:
+        done = False
+        try:
+            for line in self.buffered:
+                done = done or sse_event(line) == "[DONE]"
+                yield self.patch(line) + "\n"
+            async for line in self.lines:
+                done = done or sse_event(line) == "[DONE]"
+                yield self.patch(line) + "\n"
+            if not done:
+                yield failed_mid_stream(self.role, self.worker,
+                                        "its stream ended without [DONE]")
+        except httpx.HTTPError as exc:
+            yield failed_mid_stream(self.role, self.worker, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.worker.streaming -= 1
+            await self.response.aclose()
+            await self.on_close()
+
+
+async def open_stream(client: httpx.AsyncClient, role: str, worker: Worker, url: str,
+                      body: dict[str, Any]) -> httpx.Response:
+    """POST a streamed request; its response once the status is 200. An instance that cannot
+    be reached (dropped: it refused the connection) or answers 5xx is a Failure, 4xx the
+    client's answer."""
+    try:
+        response = await client.send(client.build_request("POST", url, json=body), stream=True)
+    except httpx.HTTPError as exc:
+        raise Failure(role, worker, f"{type(exc).__name__}: {exc}",
+                      drop=isinstance(exc, httpx.ConnectError)) from None
+    if response.status_code >= 400:
+        try:
+            content = await response.aread()
+        except httpx.HTTPError as exc:
+            raise Failure(role, worker, f"HTTP {response.status_code}, then "
+                                        f"{type(exc).__name__}: {exc}") from None
+        finally:
+            await response.aclose()
+        if response.status_code >= 500:
+            raise Failure(role, worker, f"HTTP {response.status_code}: {content[:300]!r}")
+        raise ClientError(response.status_code, content)
+    return response
+
+
+async def post_whole(client: httpx.AsyncClient, role: str, worker: Worker, url: str,
+                     body: dict[str, Any], drop_on: type[httpx.HTTPError] = httpx.ConnectError
+                     ) -> httpx.Response:
+    """POST a request and read its whole answer; failures as in `open_stream`, the instance
+    dropped for an error of `drop_on`."""
+    try:
+        response = await client.post(url, json=body)
+    except httpx.HTTPError as exc:
+        raise Failure(role, worker, f"{type(exc).__name__}: {exc}",
+                      drop=isinstance(exc, drop_on)) from None
+    if response.status_code >= 500:
+        raise Failure(role, worker, f"HTTP {response.status_code}: {response.text[:300]}")
+    if response.status_code >= 400:
+        raise ClientError(response.status_code, response.content)
+    return response
+
+
+async def read_to_first_token(role: str, worker: Worker, lines: AsyncIterator[str],
+                              early_failure: Callable[[dict[str, Any]], Failure | None],
+                              watch: asyncio.Future | None = None) -> list[str]:
+    """Read a stream up to its first event that carries a token, ends a choice or carries
+    usage; the lines read, that one included. A stream that ends, fails or sends an error
+    before that is a Failure, and so is a choice for which `early_failure` returns one; `watch`
+    (a task running beside the stream) that fails first raises its exception."""
+    buffered: list[str] = []
+    while True:
+        line_task = asyncio.ensure_future(anext(lines, None))
+        try:
+            if watch is not None and not watch.done():
+                await asyncio.wait((watch, line_task), return_when=asyncio.FIRST_COMPLETED)
+                if watch.done() and watch.exception() is not None:
+                    raise watch.exception()
+            try:
+                line = await line_task
+            except httpx.HTTPError as exc:
+                raise Failure(role, worker, f"{type(exc).__name__}: {exc}") from None
+        finally:
+            await cancel(line_task)
+        if line is None:
+            raise Failure(role, worker, "the stream ended before its first token")
+        buffered.append(line)
+        event = sse_event(line)
+        if event == "[DONE]":
+            raise Failure(role, worker, "the stream ended before its first token")
+        if not isinstance(event, dict):
+            continue
+        if "error" in event:
+            raise Failure(role, worker, f"error event: {event['error']}")
+        choices = event.get("choices") or []
+        for choice in choices:
+            if failed_before_first_token(choice, 0) and (failure := early_failure(choice)):
+                raise failure
+        if any(carries_token(c) for c in choices) or event.get("usage"):
+            return buffered
+
+
+Chosen = TypeVar("Chosen")
+
+
+class Relay(ABC, Generic[Chosen]):
+    """One mode of the router: see the module's docstring for what it shares."""
+
+    def __init__(self, pool: WorkerPool, policies: dict[str, Policy], max_retries: int,
+                 request_timeout_s: float, metrics: RouterMetrics) -> None:
+        self.pool = pool
+        self.policies = policies  # role -> its policy
+        self.max_retries = max_retries
+        self.metrics = metrics
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    # ---- what a mode says ------------------------------------------------------------------
+
+    @abstractmethod
+    def refusal(self, path: str, body: dict[str, Any]) -> str | None:
+        """Why this mode cannot serve the request, or None."""
+
+    @abstractmethod
+    def _choose(self, key: str, avoid: dict[str, set[Worker]]) -> Chosen:
+        """The instances of one attempt (`_pick` each; NoWorker if a role has none)."""
+
+    @abstractmethod
+    def _describe(self, chosen: Chosen) -> str:
+        """The attempt, for the log."""
+
+    @abstractmethod
+    async def _attempt_full(self, path: str, body: dict[str, Any], chosen: Chosen) -> Response:
+        ...
+
+    @abstractmethod
+    async def _attempt_stream(self, path: str, body: dict[str, Any], chosen: Chosen
+                              ) -> CommittedStream:
+        """Open the stream and read it up to its first token (`read_to_first_token`)."""
+
+    # ---- the route -------------------------------------------------------------------------
+
+    async def generate(self, path: str, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self._done(path, error_response(400, "the request body is not JSON"))
+        if not isinstance(body, dict):
+            return self._done(path, error_response(400, "the request body must be an object"))
+        problem = self.refusal(path, body)
+        if problem is not None:
+            return self._done(path, error_response(400, problem))
+        key = prompt_key(path, body)
+        if body.get("stream"):
+            stream = await run_until_disconnected(request, self._run(path, body, key, True))
+            if stream is None:
+                return self._done(path, Response(status_code=499))
+            if isinstance(stream, Response):
+                return self._done(path, stream)
+            return StreamingResponse(stream.events(), media_type="text/event-stream")
+        response = await run_until_disconnected(request, self._run(path, body, key, False))
+        return self._done(path, response if response is not None else Response(status_code=499))
+
+    def _done(self, path: str, response: Response) -> Response:
+        self.metrics.requests.labels(route=path, status=str(response.status_code)).inc()
+        return response
+
+    async def _run(self, path: str, body: dict[str, Any], key: str, stream: bool
+                   ) -> Response | CommittedStream:
+        avoid: dict[str, set[Worker]] = defaultdict(set)
+        last_reason = "no attempt was made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
+            try:
+                chosen = self._choose(key, avoid)
+            except NoWorker as exc:
+                last_reason = str(exc)
+                continue  # a health check may re-admit one meanwhile
+            self.metrics.attempts.inc()
+            try:
+                if stream:
+                    return await self._attempt_stream(path, body, chosen)
+                return await self._attempt_full(path, body, chosen)
+            except ClientError as exc:
+                return exc.response
+            except Failure as failure:
+                last_reason = f"{failure.role} {failure.worker.url}: {failure.reason}"
+                avoid[failure.role].add(failure.worker)
+                if failure.drop:
+                    self.pool.drop(failure.worker, failure.reason)
+                else:
+                    failure.worker.num_errors += 1
+                    failure.worker.last_error = failure.reason
+                self.metrics.retries.labels(role=failure.role).inc()
+                logger.warning("router: attempt %d (%s) failed: %s", attempt + 1,
+                               self._describe(chosen), last_reason)
+        return error_response(503, f"the request failed on every attempt "
+                                   f"({self.max_retries + 1}); last: {last_reason}")
+
+    def _pick(self, role: str, key: str, avoid: set[Worker]) -> Worker:
+        healthy = self.pool.healthy(role)
+        candidates = [w for w in healthy if w not in avoid] or healthy
+        if not candidates:
+            raise NoWorker(f"no healthy {role} instance")
+        return self.policies[role].pick(candidates, key)

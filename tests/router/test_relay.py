@@ -1,0 +1,152 @@
+"""The replica router's request path against scripted workers (httpx's MockTransport in place of
+the network, the app driven in-process): which failures are retried on the other worker, which
+drop a worker, what a 4xx and a stream that breaks before or after its first token look like to
+the client. The same path with real replicas and a SIGKILL: test_replica_router.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from sluice.router.server import RouterArgs, build_app
+
+A, B = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def token(text: str, finish: str | None = None) -> bytes:
+    return sse({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+
+
+def whole(text: str, finish: str = "length", completion_tokens: int = 1) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens,
+                      "total_tokens": 3 + completion_tokens}}
+
+
+def stream_of(*parts: bytes, then: Exception | None = None) -> httpx.Response:
+    async def body() -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+        if then is not None:
+            raise then
+
+    return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+
+Script = Callable[[httpx.Request], httpx.Response]
+
+
+def route(scripts: dict[str, Script], body: dict[str, Any]
+          ) -> tuple[httpx.Response, list[str], dict[str, Any]]:
+    """POST `body` to a replica router over workers A and B (round_robin: A first), each
+    answering as its script says; the response, the workers asked in order, and /workers."""
+    asked: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        asked.append(url)
+        return scripts[url](request)
+
+    async def main() -> tuple[httpx.Response, dict[str, Any]]:
+        app = build_app(RouterArgs(workers=(A, B), max_retries=2))
+        for worker in app.state.pool.workers:
+            worker.healthy = True
+        await app.state.proxy.client.aclose()
+        app.state.proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                     base_url="http://router") as client:
+            response = await client.post("/v1/completions", json=body)
+            workers = (await client.get("/workers")).json()
+            metrics = (await client.get("/metrics")).text
+        workers["retries"] = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                                 if line.startswith("sluice_router_retries_total"))
+        return response, workers
+
+    response, workers = asyncio.run(main())
+    return response, asked, workers
+
+
+def ok(text: str) -> Script:
+    return lambda request: httpx.Response(200, json=whole(text))
+
+
+def test_a_5xx_is_retried_on_the_other_worker_which_stays_routable() -> None:
+    response, asked, workers = route(
+        {A: lambda r: httpx.Response(503, json={"error": {"message": "draining"}}), B: ok("b")},
+        {"prompt": "x", "max_tokens": 1})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "b"
+    assert asked == [A, B] and workers["retries"] == 1
+    a = workers["worker"][0]
+    assert a["healthy"] and a["num_errors"] == 1 and "HTTP 503" in a["last_error"]
+
+
+def test_a_refused_connection_drops_the_worker_and_is_retried() -> None:
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    def answer(stream: bool) -> Script:
+        return (lambda r: stream_of(token("b"), DONE)) if stream else ok("b")
+
+    for stream in (False, True):
+        response, asked, workers = route({A: refused, B: answer(stream)},
+                                         {"prompt": "x", "stream": stream})
+        assert response.status_code == 200 and asked == [A, B]
+        assert [w["healthy"] for w in workers["worker"]] == [False, True]
+
+
+def test_a_4xx_is_the_clients_answer_unchanged_and_not_retried() -> None:
+    refusal = {"error": {"message": "max_tokens must be >= 1", "type": "BadRequestError",
+                         "param": "max_tokens", "code": 400}}
+    for stream in (False, True):
+        response, asked, workers = route({A: lambda r: httpx.Response(400, json=refusal),
+                                          B: ok("b")},
+                                         {"prompt": "x", "max_tokens": -1, "stream": stream})
+        assert response.status_code == 400 and response.json() == refusal
+        assert asked == [A] and workers["retries"] == 0
+
+
+def test_a_stream_that_breaks_before_its_first_token_is_retried() -> None:
+    role_only = sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+    for script in (lambda r: stream_of(role_only, then=httpx.RemoteProtocolError("reset")),
+                   lambda r: stream_of(role_only, DONE),  # ended, nothing said
+                   lambda r: stream_of(sse({"error": {"message": "engine died"}}), DONE),
+                   lambda r: stream_of(sse({"choices": [{"index": 0, "text": "",
+                                                         "finish_reason": "error"}]}), DONE)):
+        response, asked, workers = route({A: script, B: lambda r: stream_of(token("b"), DONE)},
+                                         {"prompt": "x", "stream": True})
+        assert response.status_code == 200 and asked == [A, B]
+        assert response.text == (token("b") + DONE).decode()
+        assert workers["retries"] == 1
+
+
+def test_a_whole_answer_that_failed_before_any_token_is_retried() -> None:
+    response, asked, _ = route(
+        {A: lambda r: httpx.Response(200, json=whole("", "error", completion_tokens=0)),
+         B: ok("b")}, {"prompt": "x"})
+    assert response.json()["choices"][0]["text"] == "b" and asked == [A, B]
+
+
+@pytest.mark.parametrize("then", [httpx.RemoteProtocolError("peer closed connection"), None])
+def test_a_stream_that_breaks_after_its_first_token_ends_with_an_error_event(
+        then: Exception | None) -> None:
+    # `then` None: the stream ends without [DONE] (the connection closed between events).
+    response, asked, workers = route({A: lambda r: stream_of(token("a"), token("b"), then=then),
+                                      B: ok("never")}, {"prompt": "x", "stream": True})
+    assert response.status_code == 200 and asked == [A]
+    events = [line[len("data: "):] for line in response.text.splitlines() if line]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["a", "b"]
+    error = json.loads(events[2])["error"]
+    assert error["code"] == 502 and error["type"] == "BadGatewayError"
+    assert error["message"].startswith(f"the worker instance {A} failed mid-stream")
+    assert events[3:] == ["[DONE]"]
+    assert workers["worker"][0]["in_flight"] == workers["worker"][0]["streaming"] == 0
