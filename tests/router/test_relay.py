@@ -1,22 +1,34 @@
-"""The replica router's request path against scripted workers (httpx's MockTransport in place of
-the network, the app driven in-process): which failures are retried on the other worker, which
-drop a worker, what a 4xx and a stream that breaks before or after its first token look like to
-the client. The same path with real replicas and a SIGKILL: test_replica_router.py."""
+"""The replica router's request path against scripted workers: real HTTP servers on loopback
+(sluice.testing.sse_server) that answer as each test's script says, the router's app driven
+in-process: which failures are retried on the other worker, which drop a worker, what a 4xx and
+a stream that breaks before or after its first token look like to the client. The same path
+with real replicas and a SIGKILL: test_replica_router.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+import socket
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
 import pytest
 
 from sluice.router.server import RouterArgs, build_app
+from sluice.testing.sse_server import (
+    LAST_CHUNK,
+    STREAM_HEAD,
+    HTTPRequest,
+    Reply,
+    SSEServer,
+    chunk,
+    json_reply,
+)
 
-A, B = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
 DONE = b"data: [DONE]\n\n"
+A, B = "A", "B"  # the scripts' workers; their URLs are the servers'
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -33,56 +45,76 @@ def whole(text: str, finish: str = "length", completion_tokens: int = 1) -> dict
                       "total_tokens": 3 + completion_tokens}}
 
 
-def stream_of(*parts: bytes, then: Exception | None = None) -> httpx.Response:
-    async def body() -> AsyncIterator[bytes]:
-        for part in parts:
-            yield part
-        if then is not None:
-            raise then
+def stream_of(*parts: bytes, broken: bool = False) -> Reply:
+    """A chunked event stream of `parts`; `broken`: the connection closes before the chunked
+    body's end (the client reads a protocol error), else the body ends (with or without a
+    [DONE] among the parts)."""
+    pieces = [STREAM_HEAD] + [chunk(part) for part in parts]
+    if broken:
+        return Reply(pieces, close=True)
+    return Reply(pieces + [LAST_CHUNK])
 
-    return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+Script = Callable[[HTTPRequest], Reply] | None  # None: nothing listens (connection refused)
 
 
-Script = Callable[[httpx.Request], httpx.Response]
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def route(scripts: dict[str, Script], body: dict[str, Any]
           ) -> tuple[httpx.Response, list[str], dict[str, Any]]:
-    """POST `body` to a replica router over workers A and B (round_robin: A first), each
-    answering as its script says; the response, the workers asked in order, and /workers."""
+    """POST `body` to a replica router over workers A and B (round_robin: A first), each a
+    loopback server answering as its script says; the response, the workers asked in order
+    ("A", "B"), and /workers."""
     asked: list[str] = []
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-        asked.append(url)
-        return scripts[url](request)
+    def handler(name: str, script: Callable[[HTTPRequest], Reply]
+                ) -> Callable[[HTTPRequest], Reply]:
+        def handle(request: HTTPRequest) -> Reply:
+            if request.target.endswith("completions"):
+                asked.append(name)
+                return script(request)
+            return json_reply(200, {})  # /health and the like
 
-    async def main() -> tuple[httpx.Response, dict[str, Any]]:
-        app = build_app(RouterArgs(workers=(A, B), max_retries=2))
-        for worker in app.state.pool.workers:
-            worker.healthy = True
-        await app.state.proxy.client.aclose()
-        app.state.proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
-                                     base_url="http://router") as client:
-            response = await client.post("/v1/completions", json=body)
-            workers = (await client.get("/workers")).json()
-            metrics = (await client.get("/metrics")).text
-        workers["retries"] = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                                 if line.startswith("sluice_router_retries_total"))
-        return response, workers
+        return handle
 
-    response, workers = asyncio.run(main())
+    with ExitStack() as stack:
+        urls = []
+        for name in (A, B):
+            script = scripts[name]
+            if script is None:
+                urls.append(f"http://127.0.0.1:{_free_port()}")
+            else:
+                urls.append(stack.enter_context(SSEServer(handler(name, script))).url)
+
+        async def main() -> tuple[httpx.Response, dict[str, Any]]:
+            app = build_app(RouterArgs(workers=tuple(urls), max_retries=2))
+            for worker in app.state.pool.workers:
+                worker.healthy = True
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                         base_url="http://router") as client:
+                response = await client.post("/v1/completions", json=body)
+                workers = (await client.get("/workers")).json()
+                metrics = (await client.get("/metrics")).text
+            await app.state.proxy.client.aclose()
+            workers["retries"] = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                                     if line.startswith("sluice_router_retries_total"))
+            return response, workers
+
+        response, workers = asyncio.run(main())
     return response, asked, workers
 
 
 def ok(text: str) -> Script:
-    return lambda request: httpx.Response(200, json=whole(text))
+    return lambda request: json_reply(200, whole(text))
 
 
 def test_a_5xx_is_retried_on_the_other_worker_which_stays_routable() -> None:
     response, asked, workers = route(
-        {A: lambda r: httpx.Response(503, json={"error": {"message": "draining"}}), B: ok("b")},
+        {A: lambda r: json_reply(503, {"error": {"message": "draining"}}), B: ok("b")},
         {"prompt": "x", "max_tokens": 1})
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == "b"
     assert asked == [A, B] and workers["retries"] == 1
@@ -91,8 +123,7 @@ def test_a_5xx_is_retried_on_the_other_worker_which_stays_routable() -> None:
 
 
 def test_a_refused_connection_drops_the_worker_and_is_retried() -> None:
-    def refused(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=request)
+    refused = None  # a free port nothing listens on
 
     def answer(stream: bool) -> Script:
         return (lambda r: stream_of(token("b"), DONE)) if stream else ok("b")
@@ -100,7 +131,7 @@ def test_a_refused_connection_drops_the_worker_and_is_retried() -> None:
     for stream in (False, True):
         response, asked, workers = route({A: refused, B: answer(stream)},
                                          {"prompt": "x", "stream": stream})
-        assert response.status_code == 200 and asked == [A, B]
+        assert response.status_code == 200 and asked == [B]
         assert [w["healthy"] for w in workers["worker"]] == [False, True]
 
 
@@ -108,7 +139,7 @@ def test_a_4xx_is_the_clients_answer_unchanged_and_not_retried() -> None:
     refusal = {"error": {"message": "max_tokens must be >= 1", "type": "BadRequestError",
                          "param": "max_tokens", "code": 400}}
     for stream in (False, True):
-        response, asked, workers = route({A: lambda r: httpx.Response(400, json=refusal),
+        response, asked, workers = route({A: lambda r: json_reply(400, refusal),
                                           B: ok("b")},
                                          {"prompt": "x", "max_tokens": -1, "stream": stream})
         assert response.status_code == 400 and response.json() == refusal
@@ -117,7 +148,7 @@ def test_a_4xx_is_the_clients_answer_unchanged_and_not_retried() -> None:
 
 def test_a_stream_that_breaks_before_its_first_token_is_retried() -> None:
     role_only = sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
-    for script in (lambda r: stream_of(role_only, then=httpx.RemoteProtocolError("reset")),
+    for script in (lambda r: stream_of(role_only, broken=True),
                    lambda r: stream_of(role_only, DONE),  # ended, nothing said
                    lambda r: stream_of(sse({"error": {"message": "engine died"}}), DONE),
                    lambda r: stream_of(sse({"choices": [{"index": 0, "text": "",
@@ -131,22 +162,25 @@ def test_a_stream_that_breaks_before_its_first_token_is_retried() -> None:
 
 def test_a_whole_answer_that_failed_before_any_token_is_retried() -> None:
     response, asked, _ = route(
-        {A: lambda r: httpx.Response(200, json=whole("", "error", completion_tokens=0)),
+        {A: lambda r: json_reply(200, whole("", "error", completion_tokens=0)),
          B: ok("b")}, {"prompt": "x"})
     assert response.json()["choices"][0]["text"] == "b" and asked == [A, B]
 
 
-@pytest.mark.parametrize("then", [httpx.RemoteProtocolError("peer closed connection"), None])
+@pytest.mark.parametrize("broken", [True, False])
 def test_a_stream_that_breaks_after_its_first_token_ends_with_an_error_event(
-        then: Exception | None) -> None:
-    # `then` None: the stream ends without [DONE] (the connection closed between events).
-    response, asked, workers = route({A: lambda r: stream_of(token("a"), token("b"), then=then),
+        broken: bool) -> None:
+    # `broken` False: the stream ends without [DONE] (its body ended between events).
+    response, asked, workers = route({A: lambda r: stream_of(token("a"), token("b"),
+                                                             broken=broken),
                                       B: ok("never")}, {"prompt": "x", "stream": True})
     assert response.status_code == 200 and asked == [A]
     events = [line[len("data: "):] for line in response.text.splitlines() if line]
     assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["a", "b"]
     error = json.loads(events[2])["error"]
     assert error["code"] == 502 and error["type"] == "BadGatewayError"
-    assert error["message"].startswith(f"the worker instance {A} failed mid-stream")
+    url = workers["worker"][0].get("url")
+    assert error["message"].startswith(f"the worker instance {url} failed mid-stream"), (
+        error, workers["worker"][0])
     assert events[3:] == ["[DONE]"]
     assert workers["worker"][0]["in_flight"] == workers["worker"][0]["streaming"] == 0
