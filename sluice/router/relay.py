@@ -23,6 +23,7 @@ abort the request and free its blocks.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 from abc import ABC, abstractmethod
@@ -41,6 +42,20 @@ from sluice.router.policies import Policy
 from sluice.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger("sluice")
+
+# The client's headers an instance is sent with each call made for its request: the API key of
+# instances started with --api-key, and the request id (both modes).
+FORWARDED_HEADERS = ("authorization", "x-request-id")
+_forwarded: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "forwarded", default=None)
+
+
+def forward_headers(request: Request) -> dict[str, str]:
+    """FORWARDED_HEADERS of `request`, kept for the calls made in its context (tasks started
+    from it copy the context)."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+    _forwarded.set(headers)
+    return headers
 
 
 class Failure(Exception):
@@ -167,7 +182,8 @@ async def open_stream(client: httpx.AsyncClient, role: str, worker: Worker, url:
     be reached (dropped: it refused the connection) or answers 5xx is a Failure, 4xx the
     client's answer."""
     try:
-        response = await client.send(client.build_request("POST", url, json=body), stream=True)
+        response = await client.send(
+            client.build_request("POST", url, json=body, headers=_forwarded.get()), stream=True)
     except httpx.HTTPError as exc:
         raise Failure(role, worker, f"{type(exc).__name__}: {exc}",
                       drop=isinstance(exc, httpx.ConnectError)) from None
@@ -191,7 +207,7 @@ async def post_whole(client: httpx.AsyncClient, role: str, worker: Worker, url: 
     """POST a request and read its whole answer; failures as in `open_stream`, the instance
     dropped for an error of `drop_on`."""
     try:
-        response = await client.post(url, json=body)
+        response = await client.post(url, json=body, headers=_forwarded.get())
     except httpx.HTTPError as exc:
         raise Failure(role, worker, f"{type(exc).__name__}: {exc}",
                       drop=isinstance(exc, drop_on)) from None
@@ -286,6 +302,7 @@ class Relay(ABC, Generic[Chosen]):
     # ---- the route -------------------------------------------------------------------------
 
     async def generate(self, path: str, request: Request) -> Response:
+        forward_headers(request)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -30,7 +30,7 @@ from sluice.entrypoints.openai.errors import error_response
 from sluice.router.metrics import RouterMetrics
 from sluice.router.policies import POLICIES, make_policy
 from sluice.router.proxy import Proxy
-from sluice.router.relay import Relay
+from sluice.router.relay import Relay, forward_headers
 from sluice.router.replicas import ROLE, ReplicaProxy
 from sluice.router.workers import Worker, WorkerPool
 
@@ -132,10 +132,12 @@ def build_app(args: RouterArgs) -> FastAPI:
         return await proxy.generate("/v1/chat/completions", request)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        headers = forward_headers(request)
         for worker in pool.healthy(answering):
             try:
-                response = await proxy.client.get(f"{worker.url}/v1/models", timeout=5.0)
+                response = await proxy.client.get(f"{worker.url}/v1/models", timeout=5.0,
+                                                  headers=headers)
             except Exception:  # noqa: BLE001 - try the next one
                 continue
             return Response(response.content, status_code=response.status_code,

@@ -64,7 +64,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def route(scripts: dict[str, Script], body: dict[str, Any]
+def route(scripts: dict[str, Script], body: dict[str, Any],
+          headers: dict[str, str] | None = None
           ) -> tuple[httpx.Response, list[str], dict[str, Any]]:
     """POST `body` to a replica router over workers A and B (round_robin: A first), each a
     loopback server answering as its script says; the response, the workers asked in order
@@ -96,7 +97,7 @@ def route(scripts: dict[str, Script], body: dict[str, Any]
                 worker.healthy = True
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
                                          base_url="http://router") as client:
-                response = await client.post("/v1/completions", json=body)
+                response = await client.post("/v1/completions", json=body, headers=headers)
                 workers = (await client.get("/workers")).json()
                 metrics = (await client.get("/metrics")).text
             await app.state.proxy.client.aclose()
@@ -184,3 +185,23 @@ def test_a_stream_that_breaks_after_its_first_token_ends_with_an_error_event(
         error, workers["worker"][0])
     assert events[3:] == ["[DONE]"]
     assert workers["worker"][0]["in_flight"] == workers["worker"][0]["streaming"] == 0
+
+
+def test_the_clients_api_key_and_request_id_reach_the_worker() -> None:
+    """Instances started with --api-key: the client's Authorization header (and X-Request-Id)
+    go with the request; without the key the worker's 401 is the client's answer."""
+    seen: list[dict[str, str]] = []
+
+    def keyed(request: HTTPRequest) -> Reply:
+        seen.append(request.headers)
+        if request.headers.get("authorization") != "Bearer k":
+            return json_reply(401, {"error": {"message": "bad key", "code": 401}})
+        return json_reply(200, whole("a"))
+
+    response, asked, _ = route({A: keyed, B: keyed}, {"prompt": "x"},
+                               headers={"Authorization": "Bearer k", "X-Request-Id": "r1"})
+    assert response.status_code == 200 and asked == [A]
+    assert seen[-1]["authorization"] == "Bearer k" and seen[-1]["x-request-id"] == "r1"
+    response, asked, _ = route({A: keyed, B: keyed}, {"prompt": "x", "stream": True})
+    assert response.status_code == 401 and asked == [A]
+    assert "authorization" not in seen[-1]
