@@ -46,7 +46,7 @@ def gpu_fp16_dots(cache: str, model_dtype: str) -> bool:
 
 def compile_decode_kernel(cache: str, model_dtype: str = "bf16",
                           tiles: TileConfig = PROBE_TILES,
-                          fp16_dots: bool | None = None) -> Any:
+                          fp16_dots: bool | None = None, sliding: bool = False) -> Any:
     """The unified kernel's decode variant (one query a request, ordered, paged, PDL) compiled
     for sm90. `fp16_dots` None: as KernelDtypes.of chooses on an NVIDIA GPU."""
     from sluice.attention.triton.unified import _unified_attention_kernel as kernel
@@ -57,7 +57,8 @@ def compile_decode_kernel(cache: str, model_dtype: str = "bf16",
                      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PAGE_SIZE=16, PAGED=True,
                      UPCAST_DOT=False,
                      DOT_PRECISION="ieee" if model_dtype == "fp32" else "tf32",
-                     FP16_DOTS=fp16_dots, ONE_QUERY=True, ORDERED=True, USE_PDL=True)
+                     FP16_DOTS=fp16_dots, ONE_QUERY=True, ORDERED=True, USE_PDL=True,
+                     SLIDING=sliding)
     pointers = dict(out_ptr=f"*{model_dtype}", query_ptr=f"*{model_dtype}",
                     key_ptr=f"*{cache}", value_ptr=f"*{cache}", block_tables_ptr="*i32",
                     seq_lens_ptr="*i32", query_start_loc_ptr="*i32", order_ptr="*i32")
@@ -68,7 +69,7 @@ def compile_decode_kernel(cache: str, model_dtype: str = "bf16",
 
 
 def compile_fused_decode_kernel(cache: str, tiles: TileConfig,
-                                model_dtype: str = "bf16") -> Any:
+                                model_dtype: str = "bf16", sliding: bool = False) -> Any:
     """The fused decode kernel (sluice.attention.triton.decode_qkv: q/k norm, RoPE, the KV
     store and attention in one launch) as Qwen3-0.6B's layers run it (q/k norms, the input
     norm folded, ordered, PDL), compiled for sm90."""
@@ -78,7 +79,8 @@ def compile_fused_decode_kernel(cache: str, tiles: TileConfig,
                      HEAD_DIM=128, PAGE_SIZE=16, HAS_NORM=True, ROW_RMS=True, HIDDEN_PAD=1024,
                      ORDERED=True, UPCAST_DOT=False,
                      DOT_PRECISION="ieee" if model_dtype == "fp32" else "tf32",
-                     FP16_DOTS=gpu_fp16_dots(cache, model_dtype), USE_PDL=True)
+                     FP16_DOTS=gpu_fp16_dots(cache, model_dtype), USE_PDL=True,
+                     SLIDING=sliding)
     pointers = dict(out_ptr=f"*{model_dtype}", qkv_ptr=f"*{model_dtype}",
                     positions_ptr="*i64", cos_sin_ptr="*fp32", q_weight_ptr=f"*{model_dtype}",
                     k_weight_ptr=f"*{model_dtype}", residual_ptr=f"*{model_dtype}",

@@ -7,10 +7,14 @@ interpreter would otherwise wrap the kernels).
   conversions to bfloat16 in the main loop: how it treats an 8-bit cache.
 - `ptx_probe.py fused` (the fused decode kernel, with the backend's fused tiles and with the
   unified kernel's 8-bit tiles): per case, the registers a thread uses (ptxas), the shared
-  memory a program takes, and how many programs an SM holds at once."""
+  memory a program takes, and how many programs an SM holds at once.
+- `ptx_probe.py variants`: kernels and variants the CPU tests run only under the interpreter,
+  which accepts code Triton's compiler refuses: the decode kernels with a sliding window, the
+  FP8 norm and SiLU that quantize their output (sluice.model.fp8_gemm); the PTX size of each."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -53,8 +57,49 @@ def fused_occupancy() -> dict:
     return report
 
 
+def variants() -> dict:
+    from sluice.attention.triton_backend import FUSED_DECODE_TILES
+    from sluice.bench.decode_ptx import (
+        PROBE_TILES,
+        _compile_sm90,
+        compile_decode_kernel,
+        compile_fused_decode_kernel,
+    )
+    from sluice.model import fp8_gemm
+
+    report = {}
+    for cache in ("bf16", "fp8e4nv"):
+        report[f"unified decode {cache} sliding"] = len(
+            compile_decode_kernel(cache, "bf16", PROBE_TILES, sliding=True).asm["ptx"])
+        report[f"fused decode {cache} sliding"] = len(
+            compile_fused_decode_kernel(cache, FUSED_DECODE_TILES, sliding=True).asm["ptx"])
+    fp8 = dict(FP8_MAX_VALUE=448.0, MIN_SCALE=1e-10)
+    for group in (None, 128):  # Qwen3-8B's rows: per token, and per 128-channel group
+        size = 4096 if group is None else group
+        for residual in (False, True):
+            tiles = dataclasses.replace(PROBE_TILES, num_warps=16, num_stages=1)
+            compiled = _compile_sm90(
+                fp8_gemm._rms_norm_quant_kernel,
+                dict(BLOCK=4096, GROUP=size, GROUPS_PAD=4096 // size, NUM_GROUPS=4096 // size,
+                     HAS_RESIDUAL=residual, **fp8),
+                dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16",
+                     q_ptr="*fp8e4nv", s_ptr="*fp32", sum_ptr="*bf16"), ("eps",), [], tiles)
+            report[f"rms_norm_quant {group} {residual}"] = len(compiled.asm["ptx"])
+        size = 12288 if group is None else group
+        per_program = 1 if group is None else 8
+        tiles = dataclasses.replace(PROBE_TILES, num_warps=8, num_stages=1)
+        compiled = _compile_sm90(
+            fp8_gemm._silu_and_mul_quant_kernel,
+            dict(GROUP=size, GROUP_PAD=1 << (size - 1).bit_length(),
+                 GROUPS_PER_PROGRAM=per_program, NUM_GROUPS=1 if group is None else 96, **fp8),
+            dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"), (), [], tiles)
+        report[f"silu_and_mul_quant {group}"] = len(compiled.asm["ptx"])
+    return report
+
+
 def main(argv: list[str]) -> None:
-    probe = fused_occupancy if argv[1:] == ["fused"] else conversions
+    probe = {"fused": fused_occupancy, "variants": variants}.get(
+        argv[1] if len(argv) > 1 else "", conversions)
     try:
         report = probe()
     except (ImportError, FileNotFoundError, RuntimeError) as exc:

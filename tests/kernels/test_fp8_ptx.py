@@ -83,3 +83,15 @@ def test_programs_per_sm_counts_registers_in_eights_and_a_reserved_kib():
     assert programs_per_sm(129, 128, 39168) == 3  # 136 after rounding: 17,408
     assert programs_per_sm(64, 128, 56 * 1024) == 4  # 57 KiB with the reserve: 4 in 228
     assert programs_per_sm(64, 128, 57 * 1024) == 3
+
+
+def test_kernels_the_cpu_runs_only_interpreted_compile_for_sm90() -> None:
+    """The interpreter runs code Triton's compiler refuses (a branch on a run-time value that
+    changes a tensor's shape, say): the windowed decode kernels and the FP8 norm and SiLU
+    that quantize their output compile for sm90."""
+    run = _run(str(ROOT / "tests" / "kernels" / "ptx_probe.py"), "variants")
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in report:
+        pytest.skip(report["skip"])
+    assert len(report) == 10 and all(size > 1000 for size in report.values()), report

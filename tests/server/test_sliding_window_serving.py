@@ -45,4 +45,5 @@ def test_debug_engine_shows_the_blocks_a_window_frees(tmp_path: Path) -> None:
         assert scheduler["peak_blocks_per_request"] <= -(-(WINDOW - 1 + 16) // BLOCK) + 1
         assert scheduler["num_window_freed_blocks"] >= full_context - 6
     finally:
-        assert server.stop() == 0, server.log()[-4000:]
+        # a loaded 2-core box can take more than the default 5 s to end the engine process
+        assert server.stop(grace_s=30) == 0, server.log()[-4000:]
