@@ -89,7 +89,8 @@ def test_cache_exports_travel_as_typed_fields_and_bytes() -> None:
     handle = bytes(range(64))  # a cudaIpcMemHandle_t: any bytes, NULs included
     cuda = CudaIpcExport(host_id="h", pid=1, pid_start=2, layers=[CudaIpcLayer(
         address=0x7000, nbytes=4096, tensor_offset=0, device=0, handle=handle,
-        storage_nbytes=8192, storage_offset=512, ref_counter_handle=b"ref\x00", ref_counter_offset=8,
+        storage_nbytes=8192, storage_offset=512, ref_counter_handle=b"ref\x00",
+        ref_counter_offset=8,
         event_handle=b"\x01" * 64, event_sync_required=True)])
     decoder = control_decoder()
     base = dict(room=1, decode_rank=0, tp_size=1, status_address="tcp://127.0.0.1:1",

@@ -353,7 +353,8 @@ def test_an_injected_write_failure_fails_the_room_on_both_sides() -> None:
 
 def test_a_suspect_decode_endpoint_is_probed_and_then_used_again() -> None:
     with pd_pair("fake") as pair:
-        pair.prefill._suspect_peers.add(pair.decode.backends["fake"].session)  # a write to it failed
+        # A write to it failed.
+        pair.prefill._suspect_peers.add(pair.decode.backends["fake"].session)
         pair.decode.receiver(41).init("d", pair.server.address, [4], 0, 3)
         pair.prefill.sender(41).send("p", [1], 3, first_token=3, first_logprobs=None)
         [received] = pair.wait(pair.decode)
