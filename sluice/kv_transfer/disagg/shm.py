@@ -33,6 +33,7 @@ this was written): scripts/gpu_check.py's `pd-cuda-ipc` setting is the check.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -118,10 +119,14 @@ class SharedKVArena:
         fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, total)
+            # Every page now: a shared-memory file short of memory would otherwise fail a
+            # write later with SIGBUS, and the first write of each page would pay its fault.
+            os.posix_fallocate(fd, 0, total)
             mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
+        except OSError as exc:
             os.close(fd)
-            raise
+            raise ValueError(f"PD transfer_backend shm: cannot place a KV cache of {total} "
+                             f"bytes in shared memory: {exc}") from None
         flat = torch.frombuffer(mapping, dtype=torch.uint8)  # zeros: a fresh file
         self.segment = _Segment(fd, mapping, flat)
         return {name: flat[i * stride:i * stride + layer_bytes].view(dtype).view(shape)
@@ -298,8 +303,10 @@ class ShmBackend(TransferBackend):
                         self._copy_gpu(mapped, src[start:end], dst[start:end],
                                        lengths[start:end])
                     else:
+                        # One thread, the GIL released: no intra-op pool racing the engine's.
                         for s, d, n in zip(src[start:end], dst[start:end], lengths[start:end]):
-                            mapped.regions.slice(d, n).copy_(self._local.slice(s, n))
+                            ctypes.memmove(mapped.regions.local_address(d, n),
+                                           self._local.local_address(s, n), n)
                     self.copies += end - start
             except ValueError as exc:
                 return str(exc)

@@ -173,13 +173,22 @@ class _Regions:
         self._starts.insert(index, start)
         self._regions.insert(index, (start, start + flat.numel(), flat))
 
-    def slice(self, address: int, length: int) -> Any:
+    def _find(self, address: int, length: int) -> tuple[int, Any]:
         index = bisect.bisect(self._starts, address) - 1
         if index >= 0:
             start, end, flat = self._regions[index]
             if address + length <= end:
-                return flat[address - start:address - start + length]
+                return address - start, flat
         raise ValueError(f"address {address:#x} + {length} is not within a registered tensor")
+
+    def slice(self, address: int, length: int) -> Any:
+        offset, flat = self._find(address, length)
+        return flat[offset:offset + length]
+
+    def local_address(self, address: int, length: int) -> int:
+        """Where [address, address + length) of the region is in this process."""
+        offset, flat = self._find(address, length)
+        return flat.data_ptr() + offset
 
 
 class FakeBackend(TransferBackend):
