@@ -50,7 +50,9 @@ def pd(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDC
     cluster = start_cluster(
         qwen3_dir, [*FLAGS, *CHUNKED], "auto", num_prefills=2, prefill_backends=["shm", "auto"],
         prefill_env=[{"SLUICE_PD_FAULT_SEND_HOLD_FILE": str(hold_file)}, {}],
-        prefill_extra={"send_lease_s": 30.0}, decode_extra=HEARTBEAT,
+        # A decode half the router never delivered (a reused connection that breaks) leaves its
+        # prefill holding the room until the send lease: within the 20 s the checks wait.
+        prefill_extra={"send_lease_s": 12.0}, decode_extra=HEARTBEAT,
         router_flags=["--health-check-interval", "0.5", "--health-failure-threshold", "2",
                       "--max-retries", "5"],
         workdir=workdir)

@@ -271,6 +271,7 @@ class ShmBackend(TransferBackend):
     def _open_cuda(self, export: CudaIpcExport) -> _Peer:
         import torch
 
+        torch.cuda._lazy_init()
         regions = _Regions()
         storages = []
         for layer in export.layers:
@@ -279,7 +280,7 @@ class ShmBackend(TransferBackend):
                 layer.ref_counter_handle, layer.ref_counter_offset, layer.event_handle,
                 layer.event_sync_required)
             flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{layer.device}")
-            flat.set_(storage)
+            flat.set_(storage, 0, (layer.storage_nbytes,), (1,))
             storages.append(storage)
             regions.add(flat[layer.tensor_offset:layer.tensor_offset + layer.nbytes],
                         start=layer.address)
