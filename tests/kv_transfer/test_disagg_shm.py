@@ -187,3 +187,20 @@ def test_a_decode_process_that_dies_has_its_mapping_closed_and_leaves_nothing(
             child.kill()
             child.wait(10)
         prefill.close()
+
+
+def test_shm_between_two_hosts_fails_the_room_naming_the_setting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.kv_transfer.test_disagg_transfer import pd_pair
+
+    # The prefill registers as if on another machine.
+    monkeypatch.setattr("sluice.kv_transfer.disagg.sender.host_id", lambda: "other/boot/pidns:1")
+    with pd_pair("shm") as pair:
+        pair.decode.receiver(61).init("d", pair.server.address, [4], 0, 3)
+        pair.prefill.sender(61).send("p", [1], 3, first_token=3, first_logprobs=None)
+        [received] = pair.wait(pair.decode)
+        assert not received.ok and received.failed_block_ids == [4]
+        assert "transfer_backend shm needs the prefill and decode on one host" in received.error
+        assert "--disaggregation-transfer-backend" in received.error
+        [sent] = pair.wait(pair.prefill)  # told by the decode: its blocks freed too
+        assert not sent.ok

@@ -338,12 +338,17 @@ class ShmBackend(TransferBackend):
         if now - self._last_sweep < _SWEEP_INTERVAL_S:
             return
         self._last_sweep = now
-        with self._lock:
+        # Called from the control thread: never wait behind a write (it checks its own peer).
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
             for peer, mapped in list(self._peers.items()):
                 if process_start(mapped.export.pid) != mapped.export.pid_start:
                     logger.info("PD shm: decode process %d is gone; closing its mapping",
                                 mapped.export.pid)
                     self._close(peer)
+        finally:
+            self._lock.release()
 
     def num_mapped(self) -> int:
         with self._lock:
