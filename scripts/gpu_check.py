@@ -8,9 +8,11 @@ the drafting policy switching drafting on and off);
 with the model in a worker process; with the CPU KV tier and the global KV pool (in-process,
 Redis and Mooncake Store where their servers are installed: started on loopback), saved and then
 loaded; through a prefill, a decode and a router (PD over the Mooncake Transfer Engine, TCP,
-`--only pd`, where Mooncake is installed); the pool and PD with an 8-bit cache too; and, on a
-machine of two or more GPUs, tensor parallelism (NCCL; the all-reduces inside the CUDA graphs,
-the fused ops and folded norms per rank), with graphs on and off; and with an 8-bit KV cache
+`--only pd`, where Mooncake is installed; and over the same-host `shm` backend, which on a GPU
+is CUDA IPC, `--only pd` or `--only pd_shm`: never run on a GPU before); the pool and PD
+with an 8-bit cache too; and, on a machine of two or more GPUs, tensor parallelism (NCCL; the
+all-reduces inside the CUDA graphs, the fused ops and folded norms per rank), with graphs on and
+off; and with an 8-bit KV cache
 (`kv_cache_dtype="fp8"`, and "fp8_e5m2") against the CPU reference with the same cache dtype;
 with `--trained-gguf`, the trained SmolLM2 in float32 and bfloat16 (trained_model_check); FP8
 checkpoints with their FP8 weights kept (fp8_weights_check, `--only fp8_weights`); Mistral,
@@ -118,9 +120,10 @@ def wants_pools(only: tuple[str, ...]) -> bool:
 
 
 def pd_equals_cpu(model: str, prompts: list[dict], reference: list[list[int]],
-                  kv_cache_dtype: str = "auto") -> dict:
+                  kv_cache_dtype: str = "auto", backend: str = "mooncake") -> dict:
     """A prefill, a decode and a router (sluice serve processes on this GPU, KV over the
-    Mooncake Transfer Engine on TCP): the completions' text equals the CPU reference's
+    Mooncake Transfer Engine on TCP, or `backend` shm: CUDA IPC, the decode's cache opened by
+    the prefill, device-to-device copies): the completions' text equals the CPU reference's
     (made with the same `kv_cache_dtype`)."""
     import httpx
     from transformers import AutoTokenizer
@@ -130,8 +133,8 @@ def pd_equals_cpu(model: str, prompts: list[dict], reference: list[list[int]],
     tokenizer = AutoTokenizer.from_pretrained(model)
     flags = ["--device", "cuda", "--dtype", "float32", "--gpu-memory-utilization", "0.2",
              "--kv-cache-dtype", kv_cache_dtype]
-    key = "pd_mooncake" if kv_cache_dtype == "auto" else f"pd_mooncake_{kv_cache_dtype}"
-    cluster = start_cluster(model, flags, backend="mooncake", one_at_a_time=True)
+    key = f"pd_{backend}" if kv_cache_dtype == "auto" else f"pd_{backend}_{kv_cache_dtype}"
+    cluster = start_cluster(model, flags, backend=backend, one_at_a_time=True)
     try:
         texts = []
         for prompt in prompts:
@@ -146,7 +149,10 @@ def pd_equals_cpu(model: str, prompts: list[dict], reference: list[list[int]],
             texts.append(response.json()["choices"][0]["text"])
         expected = [tokenizer.decode(ids) for ids in reference]
         decode = cluster.decodes[0].engine_info()
+        rooms = decode["scheduler"]["kv_connector"].get(f"worker_rooms_over_{backend}", 0)
         return {f"{key}_equals_cpu": texts == expected,
+                f"{key}_rooms_over_{backend}": rooms,
+                f"{key}_every_room_over_{backend}": rooms >= len(prompts),
                 f"{key}_decode_integrity": decode["integrity"],
                 f"{key}_prefill_integrity": cluster.prefills[0].engine_info()["integrity"]}
     finally:
@@ -471,7 +477,7 @@ def main() -> None:
         # them: (prompts, the 24 prompts, the long prompts).
         fp8_references: dict[str, tuple[list[list[int]], ...]] = {}
         configs = {**CONFIGS, **pools}
-        if arch == "qwen3" and "pd" in only:
+        if arch == "qwen3" and ("pd" in only or "pd_shm" in only):
             pd = (model, prompts, reference)
         eagle = None
         if arch != "qwen2":
@@ -595,7 +601,9 @@ def main() -> None:
     if pd is not None:
         from sluice.testing.servers import mooncake_missing
 
-        if mooncake_missing() is None:
+        # CUDA IPC (UNTESTED on a GPU when written): the same check over the shm backend.
+        result.update(pd_equals_cpu(*pd, backend="shm"))
+        if "pd" in only and mooncake_missing() is None:
             result.update(pd_equals_cpu(*pd))
             model, prompts, _ = pd
             fp8_reference = cpu_greedy_ids(model, "fp8", [(prompts, 32)])[0]

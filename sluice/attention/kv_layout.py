@@ -27,7 +27,7 @@ handshakes, so instances of different cache dtypes never exchange blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -109,9 +109,19 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
 
 
+# (layer names, shape of each layer's cache, dtype, device) -> zeroed caches by layer name, in
+# that order: where a KV connector places the cache (KVConnectorWorker.kv_cache_allocator).
+KVCacheAllocator = Callable[[Sequence[str], tuple[int, ...], torch.dtype, torch.device],
+                            dict[str, torch.Tensor]]
+
+
 def allocate_kv_caches(layer_names: Sequence[str], num_blocks: int, block_size: int,
                        num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       device: torch.device) -> dict[str, torch.Tensor]:
-    """Zeroed caches, one per layer name, in the order given (layer order)."""
+                       device: torch.device, allocator: KVCacheAllocator | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """Zeroed caches, one per layer name, in the order given (layer order); from `allocator`
+    where one is given."""
     shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    if allocator is not None:
+        return allocator(layer_names, shape, dtype, device)
     return {name: torch.zeros(shape, dtype=dtype, device=device) for name in layer_names}

@@ -206,7 +206,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--max-model-len", type=int, default=34816)
     parser.add_argument("--engine-args", default="", help="more `sluice serve` flags, quoted")
-    parser.add_argument("--backend", default="mooncake", choices=("mooncake", "fake"))
+    parser.add_argument("--backend", default="mooncake",
+                        choices=("mooncake", "shm", "auto", "fake"))
     parser.add_argument("--mooncake-protocol", default="tcp", help="tcp | rdma")
     parser.add_argument("--colocated-memory", type=float, default=0.9)
     parser.add_argument("--prefill-memory", type=float, default=0.45)

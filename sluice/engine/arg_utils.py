@@ -66,7 +66,7 @@ class EngineArgs:
     # the prefill's bootstrap server port (0: a free one), and the transfer backend.
     disaggregation_mode: str | None = None
     disaggregation_bootstrap_port: int = 8998
-    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_transfer_backend: str = "auto"
     # Accepted for compatibility with vLLM scripts.
     trust_remote_code: bool = False
     disable_log_stats: bool = True

@@ -81,8 +81,10 @@ ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
                                  "disaggregation (the PDConnector; a router pairs them)"),
     ("disaggregation-bootstrap-port", int, "a prefill instance's bootstrap server port "
                                            "(0: a free one, logged)"),
-    ("disaggregation-transfer-backend", str, "mooncake (Mooncake Transfer Engine) | fake "
-                                             "(loopback ZMQ, for tests)"),
+    ("disaggregation-transfer-backend", str, "auto (the default: shm with a peer on this "
+                                             "host, else mooncake) | shm (same host: shared "
+                                             "memory, CUDA IPC) | mooncake (Mooncake Transfer "
+                                             "Engine) | fake (loopback ZMQ, for tests)"),
 ]
 
 

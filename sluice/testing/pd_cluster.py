@@ -79,15 +79,18 @@ def start_cluster(model: str, engine_flags: list[str], backend: str = "fake",
                   router_flags: list[str] | None = None, workdir: Path | None = None,
                   with_router: bool = True, prefill_flags: list[str] | None = None,
                   decode_flags: list[str] | None = None, one_at_a_time: bool = False,
-                  timeout_s: float = 180.0) -> PDCluster:
+                  timeout_s: float = 180.0, prefill_backends: list[str] | None = None
+                  ) -> PDCluster:
     """Prefill and decode instances of `model` with `engine_flags` (and each role's own flags),
-    and a router over them. `one_at_a_time`: start each instance once the one before is up
+    and a router over them; each prefill transfers over `backend`, or its own of
+    `prefill_backends`. `one_at_a_time`: start each instance once the one before is up
     (instances sharing a GPU size their memory from what is free when they start)."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="sluice-pd-"))
     prefills, decodes = [], []
     for i in range(num_prefills):
         port, bootstrap_port = free_port(), free_port()
-        flags = pd_flags("prefill", backend, bootstrap_port, **(prefill_extra or {}))
+        flags = pd_flags("prefill", (prefill_backends or [backend] * num_prefills)[i],
+                         bootstrap_port, **(prefill_extra or {}))
         env = (prefill_env or [{}] * num_prefills)[i]
         instance = Instance(f"prefill{i}", serve_argv(model, port, *engine_flags,
                                                       *(prefill_flags or []), *flags),

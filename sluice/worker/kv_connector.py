@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from sluice.attention.kv_layout import KVCacheAllocator
     from sluice.attention.metadata import AttentionMetadata
     from sluice.config import KVTransferConfig
     from sluice.core.kv_connector import KVCacheSpec
@@ -53,6 +54,12 @@ class KVConnectorWorker(ABC):
         self.config = config
         self.kv_cache_spec = kv_cache_spec
         self._metadata: Any = None
+
+    def kv_cache_allocator(self) -> KVCacheAllocator | None:
+        """Where this rank's cache is to live, for a connector that must place it (the PD
+        decode's shared memory); None: allocated as usual. Asked once, before the cache is
+        allocated and given to register_kv_caches."""
+        return None
 
     @abstractmethod
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

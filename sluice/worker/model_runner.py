@@ -32,7 +32,12 @@ import numpy as np
 import torch
 
 from sluice.attention import get_attention_backend
-from sluice.attention.kv_layout import allocate_kv_caches, kv_bytes, resolve_kv_cache_dtype
+from sluice.attention.kv_layout import (
+    KVCacheAllocator,
+    allocate_kv_caches,
+    kv_bytes,
+    resolve_kv_cache_dtype,
+)
 from sluice.config import CacheConfig, ModelConfig, SchedulerConfig
 from sluice.core.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -185,15 +190,18 @@ class ModelRunner:
                                     self.kv_cache_dtype, self.device, self.gpu_bytes_available,
                                     extra_bytes_per_block=extra, tp_size=self.tp.size)
 
-    def initialize_kv_cache(self, num_blocks: int, with_connector: bool = False) -> None:
-        """Allocate and bind the cache, warm up, capture the graphs (with the per-layer events
-        of a KV connector when `with_connector`: sluice/worker/layer_events.py)."""
+    def initialize_kv_cache(self, num_blocks: int, with_connector: bool = False,
+                            allocator: KVCacheAllocator | None = None) -> None:
+        """Allocate (through a KV connector's `allocator`, if any) and bind the cache, warm up,
+        capture the graphs (with the per-layer events of a KV connector when `with_connector`:
+        sluice/worker/layer_events.py)."""
         hf = self.hf_config
         self.kv_caches = allocate_kv_caches(list(attention_layers(self.model)), num_blocks,
                                             self.block_size,
                                             kv_heads_per_rank(hf.num_key_value_heads,
                                                               self.tp.size),
-                                            hf.head_dim, self.kv_cache_dtype, self.device)
+                                            hf.head_dim, self.kv_cache_dtype, self.device,
+                                            allocator)
         bind_kv_caches(self.model, self.kv_caches)
         self._connector_caches = {name: kv_bytes(kv) for name, kv in self.kv_caches.items()}
         self.num_blocks = num_blocks

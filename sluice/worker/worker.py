@@ -22,6 +22,7 @@ from sluice.core.kv_connector import KVCacheSpec
 from sluice.core.outputs import SchedulerOutput
 from sluice.distributed.head_split import kv_heads_per_rank
 from sluice.distributed.tp import SINGLE_RANK, TPGroup
+from sluice.model.attention import attention_layers
 from sluice.worker.kv_connector import KVConnectorWorker
 from sluice.worker.model_runner import ModelRunner
 from sluice.worker.profiler import ProfileSummary, StepProfiler
@@ -51,14 +52,17 @@ class Worker:
         return self.model_runner.determine_num_blocks()
 
     def initialize_kv_cache(self, num_blocks: int) -> KVCacheSpec:
-        """Allocate `num_blocks` blocks per layer, capture graphs, and give the cache to the
-        connector; returns the cache's description."""
+        """Build the connector, allocate `num_blocks` blocks per layer (where the connector
+        places them, if it does), capture graphs, and give the cache to the connector; returns
+        the cache's description."""
         runner = self.model_runner
-        runner.initialize_kv_cache(num_blocks,
-                                   with_connector=self.connector_factory is not None)
         spec = self.kv_cache_spec()
         if self.connector_factory is not None:
             self.connector = self.connector_factory(spec)
+        allocator = self.connector.kv_cache_allocator() if self.connector is not None else None
+        runner.initialize_kv_cache(num_blocks, with_connector=self.connector is not None,
+                                   allocator=allocator)
+        if self.connector is not None:
             self.connector.register_kv_caches(runner.connector_kv_caches())
             runner.kv_connector = self.connector
         return spec
@@ -72,7 +76,7 @@ class Worker:
             block_size=self.config.cache_config.block_size,
             num_kv_heads=kv_heads_per_rank(hf_config.num_key_value_heads, self.tp.size),
             head_dim=hf_config.head_dim,
-            layer_names=tuple(runner.kv_caches),
+            layer_names=tuple(attention_layers(runner.model)),
             tp_rank=self.tp.rank,
             tp_size=self.tp.size,
             max_tokens_per_step=self.config.scheduler_config.max_num_batched_tokens,

@@ -30,6 +30,7 @@ from sluice.kv_transfer.disagg.manager import Finished, KVManager
 from sluice.kv_transfer.disagg.messages import AbortRoom
 from sluice.kv_transfer.disagg.receiver import DecodeKVManager
 from sluice.kv_transfer.disagg.sender import PrefillKVManager
+from sluice.kv_transfer.disagg.shm import SharedKVArena
 from tests.kv_transfer.test_disagg_transfer import require_backend
 
 pytestmark = pytest.mark.serial
@@ -128,12 +129,15 @@ def instances(backend: str, model_heads: int, prefill_tp: int, decode_tp: int,
                 (faults or [None] * prefill_tp)[rank]))
         for rank in range(decode_tp):
             spec = rank_spec(model_heads, decode_tp, rank)
-            caches = {name: torch.zeros(2, NUM_BLOCKS, BLOCK, spec.num_kv_heads, HEAD_DIM)
-                      for name in full}
+            shape = (2, NUM_BLOCKS, BLOCK, spec.num_kv_heads, HEAD_DIM)
+            arena = SharedKVArena(f"test-decode-{rank}") if backend == "shm" else None
+            caches = (arena.allocate(list(full), shape, torch.float32, torch.device("cpu"))
+                      if arena is not None else {name: torch.zeros(shape) for name in full})
             decode_caches.append(caches)
             decodes.append(DecodeKVManager(
                 PDConfig(role="decode", engine_id="d", transfer_backend=backend,
-                         **{"heartbeat_interval_s": 0.2, **decode_config}), spec, caches))
+                         **{"heartbeat_interval_s": 0.2, **decode_config}), spec, caches,
+                arena=arena))
         for manager in [*prefills, *decodes]:
             manager.start()
         assert all(p.registered.wait(10) for p in prefills)
@@ -146,7 +150,8 @@ def instances(backend: str, model_heads: int, prefill_tp: int, decode_tp: int,
 
 @pytest.mark.parametrize(("backend", "model_heads", "prefill_tp", "decode_tp"), [
     ("fake", 2, 2, 1), ("fake", 1, 2, 1), ("fake", 2, 1, 2), ("fake", 1, 1, 2),
-    ("fake", 4, 4, 2), ("mooncake", 2, 2, 1), ("mooncake", 2, 1, 2)])
+    ("fake", 4, 4, 2), ("mooncake", 2, 2, 1), ("mooncake", 2, 1, 2), ("shm", 2, 2, 1),
+    ("shm", 2, 1, 2)])
 def test_each_prefill_rank_writes_its_heads_into_the_decode_rank_that_holds_them(
         backend: str, model_heads: int, prefill_tp: int, decode_tp: int) -> None:
     with instances(backend, model_heads, prefill_tp, decode_tp) as pd:

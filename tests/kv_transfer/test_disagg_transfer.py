@@ -34,11 +34,12 @@ from sluice.kv_transfer.disagg.messages import RankRoute
 from sluice.kv_transfer.disagg.poll import KVPoll, advance, consensus
 from sluice.kv_transfer.disagg.receiver import DecodeKVManager
 from sluice.kv_transfer.disagg.sender import PrefillKVManager
+from sluice.kv_transfer.disagg.shm import SharedKVArena
 from sluice.testing.servers import free_port
 
 pytestmark = pytest.mark.serial
 
-BACKENDS = ("fake", "mooncake")
+BACKENDS = ("fake", "mooncake", "shm")
 
 
 def require_backend(backend: str) -> None:
@@ -159,6 +160,12 @@ def pd_pair(backend: str, faults: Faults | None = None, p_spec: KVCacheSpec | No
     server = bootstrap.BootstrapServer("127.0.0.1", 0, world_size=1)
     p_caches, d_caches = make_caches(p_spec, p_blocks, seed=1), make_caches(d_spec, d_blocks,
                                                                             seed=None)
+    arena = None
+    if backend == "shm":  # the decode's cache in shared memory, as its connector places it
+        arena = SharedKVArena("test-decode")
+        first = next(iter(d_caches.values()))
+        d_caches = arena.allocate(list(d_caches), tuple(first.shape), first.dtype,
+                                  first.device)
     prefill = PrefillKVManager(
         PDConfig(role="prefill", engine_id="p", transfer_backend=backend,
                  bootstrap_port=server.port, send_lease_s=decode_config.pop("send_lease_s", 30)),
@@ -166,7 +173,7 @@ def pd_pair(backend: str, faults: Faults | None = None, p_spec: KVCacheSpec | No
     decode = DecodeKVManager(
         PDConfig(role="decode", engine_id="d", transfer_backend=backend,
                  **{"heartbeat_interval_s": 0.2, "heartbeat_misses": 2, **decode_config}),
-        d_spec, d_caches)
+        d_spec, d_caches, arena=arena)
     try:
         prefill.start()
         decode.start()
@@ -346,7 +353,8 @@ def test_an_injected_write_failure_fails_the_room_on_both_sides() -> None:
 
 def test_a_suspect_decode_endpoint_is_probed_and_then_used_again() -> None:
     with pd_pair("fake") as pair:
-        pair.prefill._suspect_peers.add(pair.decode.backend.session)  # a write to it failed
+        # A write to it failed.
+        pair.prefill._suspect_peers.add(pair.decode.backends["fake"].session)
         pair.decode.receiver(41).init("d", pair.server.address, [4], 0, 3)
         pair.prefill.sender(41).send("p", [1], 3, first_token=3, first_logprobs=None)
         [received] = pair.wait(pair.decode)

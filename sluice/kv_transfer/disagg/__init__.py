@@ -14,7 +14,8 @@ worker half runs on every rank, and the decode rank asks the prefill ranks that 
     bootstrap.py    the prefill's bootstrap server (PUT/GET /route, /health) and its clients
     heads.py        which KV heads each prefill rank sends each decode rank (TP sizes may differ)
     descriptors.py  what a write copies: whole blocks, or a head slice per token
-    transfer.py     the backends: mooncake (Transfer Engine) and fake (loopback ZMQ)
+    transfer.py     the backends: mooncake (Transfer Engine) and fake (loopback ZMQ); auto's choice
+    shm.py          the same-host backend: the decode's cache in shared memory (CPU), CUDA IPC (GPU)
     manager.py      KVManager: one rank's sockets, threads and rooms
     sender.py       the prefill side (KVSender, PrefillKVManager)
     receiver.py     the decode side (KVReceiver, DecodeKVManager, heartbeat)

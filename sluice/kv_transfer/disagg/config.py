@@ -1,11 +1,11 @@
 """The settings of prefill/decode disaggregation, from `kv_transfer_config`:
 
     {"kv_connector": "PDConnector", "kv_role": "kv_producer" | "kv_consumer",
-     "kv_connector_extra_config": {"transfer_backend": "mooncake" | "fake",
+     "kv_connector_extra_config": {"transfer_backend": "auto" | "shm" | "mooncake" | "fake",
                                    "bootstrap_port": 8998, ...}}
 
 (or `sluice serve --disaggregation-mode prefill|decode --disaggregation-bootstrap-port N
---disaggregation-transfer-backend mooncake|fake`, which builds the same). Every key of the
+--disaggregation-transfer-backend auto|shm|mooncake|fake`, which builds the same). Every key of the
 extra config is a field of PDConfig; unknown keys and bad values are errors naming them.
 """
 
@@ -18,7 +18,8 @@ from dataclasses import dataclass, fields
 
 from sluice.config import KVTransferConfig
 
-BACKENDS = ("mooncake", "fake")
+# auto: shm with a prefill on this host, else mooncake (transfer.choose_backend).
+BACKENDS = ("auto", "shm", "mooncake", "fake")
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's default
 # Transfers per Mooncake batch: TCP batches above the per-peer queue limit fail.
 MAX_BATCH_DESCRIPTORS = 1024
@@ -28,7 +29,7 @@ MAX_BATCH_DESCRIPTORS = 1024
 class PDConfig:
     role: str  # "prefill" | "decode"
     engine_id: str
-    transfer_backend: str = "mooncake"
+    transfer_backend: str = "auto"
     # The address this instance binds its sockets to and tells its peers.
     host: str = "127.0.0.1"
     # Prefill: its bootstrap server's port (0: a free one, logged).

@@ -58,8 +58,10 @@ from sluice.worker.kv_connector import KVConnectorWorker
 if TYPE_CHECKING:
     import torch
 
+    from sluice.attention.kv_layout import KVCacheAllocator
     from sluice.core.request import Request
     from sluice.kv_transfer.disagg.manager import KVManager
+    from sluice.kv_transfer.disagg.shm import SharedKVArena
 
 logger = logging.getLogger("sluice")
 
@@ -243,13 +245,28 @@ class PDConnectorWorker(KVConnectorWorker):
         self._first_tokens: dict[str, FirstToken] = {}
         self._errors: dict[str, str] = {}
         self._acknowledged: set[str] = set()  # requests whose abort plan the manager has
+        self._arena: SharedKVArena | None = None
+
+    def kv_cache_allocator(self) -> KVCacheAllocator | None:
+        """A decode rank that may pair over shm places its (CPU) cache in shared memory, for
+        a prefill on this host to write into (shm.py); a GPU cache is allocated as usual."""
+        from sluice.kv_transfer.disagg.shm import SharedKVArena, shm_unavailable
+
+        if self.pd.role != "decode" or self.pd.transfer_backend not in ("shm", "auto"):
+            return None
+        if self.pd.transfer_backend == "auto" and shm_unavailable() is not None:
+            return None
+        spec = self.kv_cache_spec
+        self._arena = SharedKVArena(f"sluice-kv-{os.getpid()}-tp{spec.tp_rank}")
+        return self._arena.allocate
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.pd.role == "prefill":
             from sluice.kv_transfer.disagg.sender import PrefillKVManager as Manager
         else:
             from sluice.kv_transfer.disagg.receiver import DecodeKVManager as Manager
-        self.manager = Manager(self.pd, self.kv_cache_spec, kv_caches, self.faults)
+        self.manager = Manager(self.pd, self.kv_cache_spec, kv_caches, self.faults,
+                               arena=self._arena)
         self.manager.start()
         self.cuda = next(iter(kv_caches.values())).is_cuda
 

@@ -28,7 +28,7 @@ from sluice.kv_transfer.disagg.config import PDConfig
 from sluice.kv_transfer.disagg.descriptors import CacheLayout
 from sluice.kv_transfer.disagg.faults import Faults
 from sluice.kv_transfer.disagg.messages import Logprobs, control_decoder
-from sluice.kv_transfer.disagg.transfer import TransferBackend, create_backend
+from sluice.kv_transfer.disagg.transfer import TransferBackend, create_backends
 
 logger = logging.getLogger("sluice")
 
@@ -52,7 +52,8 @@ class Finished:
 
 class KVManager(ABC):
     def __init__(self, config: PDConfig, spec: KVCacheSpec, kv_caches: dict[str, Any],
-                 faults: Faults | None = None, backend: TransferBackend | None = None) -> None:
+                 faults: Faults | None = None, backend: TransferBackend | None = None,
+                 arena: Any = None) -> None:
         self.config = config
         self.spec = spec
         self.rank = spec.tp_rank
@@ -67,10 +68,14 @@ class KVManager(ABC):
             block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
             head_bytes=spec.head_bytes)
         assert self.layout.bytes_per_block_layer == spec.bytes_per_block_layer
-        self.backend = backend or create_backend(
-            config.transfer_backend, config.host, config.max_batch_descriptors,
-            config.mooncake_protocol, config.mooncake_device)
-        self.backend.register(tensors)
+        # By name: one, or for transfer_backend auto those that run here (the pair's is
+        # chosen per peer: transfer.choose_backend). `arena`: the decode's shared-memory cache.
+        self.backends: dict[str, TransferBackend] = (
+            {backend.name: backend} if backend is not None else create_backends(
+                config.transfer_backend, config.host, config.max_batch_descriptors,
+                config.mooncake_protocol, config.mooncake_device, arena))
+        for each in self.backends.values():
+            each.register(tensors)
         self.lock = threading.Lock()
         self._finished: list[Finished] = []
         self._stats: dict[str, float] = defaultdict(float)
@@ -120,7 +125,10 @@ class KVManager(ABC):
                         logger.error("PD rank %d dropped a control frame: %s", self.rank, exc)
                         continue
                     self.handle(message)
-            self.check_deadlines(time.monotonic())
+            now = time.monotonic()
+            self.check_deadlines(now)
+            for backend in self.backends.values():
+                backend.sweep(now)
 
     @abstractmethod
     def handle(self, message: Message) -> None:
@@ -181,4 +189,5 @@ class KVManager(ABC):
             self._out.clear()
         self._control.close(linger=0)
         self._context.term()
-        self.backend.close()
+        for backend in self.backends.values():
+            backend.close()

@@ -7,6 +7,10 @@ the fake backend's data frames, and the JSON bodies of the bootstrap server.
     prefill rank -> decode rank   TransferStatus   (Transferring; then Success with the first
                                                     token and its logprobs, or Failed + why)
     fake backend                  FakeWrite + raw payload frame -> FakeWriteAck
+
+A decode rank on the prefill's host hands over its cache in its TransferRequest (`export`):
+ShmExport (a CPU cache in shared memory) or CudaIpcExport (a GPU cache's IPC handles), plain
+typed fields and bytes, never pickled (shm.py).
 """
 
 from __future__ import annotations
@@ -17,6 +21,50 @@ from sluice.channel import Message, MessageDecoder
 
 # token id -> (logprob, rank), as sluice.core.outputs.PositionLogprobs
 Logprobs = dict[int, tuple[float, int]]
+
+
+class ShmExport(msgspec.Struct, tag="shm", forbid_unknown_fields=True):
+    """A decode rank's CPU cache: one anonymous shared-memory file (memfd, never named under
+    /dev/shm) holding every layer, opened by a peer on the same host through
+    /proc/<pid>/fd/<fd> and checked by inode and size."""
+
+    host_id: str  # shm.host_id() of the decode's host
+    pid: int
+    pid_start: int  # the process's start time (clock ticks): a reused pid is not the same peer
+    fd: int
+    inode: int
+    nbytes: int
+    base_address: int  # the decode's address of the segment's first byte
+
+
+class CudaIpcLayer(msgspec.Struct, forbid_unknown_fields=True):
+    """One layer's cache as torch's CUDA storage sharing describes it (the fields of
+    `UntypedStorage._share_cuda_()`), plus where the layer sits in that storage."""
+
+    address: int  # the decode's data_ptr() of the layer's [2, nb, bs, h, d] tensor
+    nbytes: int
+    tensor_offset: int  # bytes from the storage's start to the layer's
+    device: int
+    handle: bytes  # cudaIpcMemHandle_t of the allocation
+    storage_nbytes: int
+    storage_offset: int  # of the storage within the allocation
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class CudaIpcExport(msgspec.Struct, tag="cuda_ipc", forbid_unknown_fields=True):
+    """A decode rank's GPU cache, one layer per entry (UNTESTED on a GPU: see
+    docs/kv-transfer.md)."""
+
+    host_id: str
+    pid: int
+    pid_start: int
+    layers: list[CudaIpcLayer]
+
+
+CacheExport = ShmExport | CudaIpcExport
 
 
 class TransferRequest(Message, tag="pd.transfer_request"):
@@ -47,6 +95,9 @@ class TransferRequest(Message, tag="pd.transfer_request"):
     # The prefill must not start (or go on) writing after this many seconds from receipt:
     # decode frees the blocks after its own, later, deadline.
     lease_s: float
+    # The decode's cache for the same-host backend (shm), sent with every ask (a few dozen
+    # bytes) and mapped once per peer by the prefill.
+    export: CacheExport | None = None
 
 
 class AbortRoom(Message, tag="pd.abort_room"):
@@ -90,7 +141,7 @@ class RankRoute(msgspec.Struct, forbid_unknown_fields=True):
     rank: int
     world_size: int  # the prefill instance's TP size
     control_address: str  # "tcp://host:port": where decode ranks send TransferRequest
-    backend: str
+    backend: str  # the prefill's transfer_backend setting ("auto", "shm", ...)
     block_size: int
     kv_dtype: str
     head_dim: int
@@ -98,6 +149,10 @@ class RankRoute(msgspec.Struct, forbid_unknown_fields=True):
     model_num_kv_heads: int
     num_layers: int
     engine_id: str
+    # The backends this rank has up (auto: shm and mooncake) and its host (shm.host_id()): the
+    # decode picks the pair's backend from them (transfer.choose_backend).
+    backends: list[str] = msgspec.field(default_factory=list)
+    host_id: str = ""
 
 
 class Route(msgspec.Struct):

@@ -5,7 +5,8 @@ Lifecycle of a room (KVPoll, forward only, Failed sticky):
     Bootstrapping     blocks allocated; the route of the prefill instance (its bootstrap
                       server's GET /route, cached per instance) is being fetched, and its TP
                       size, page size, KV dtype and heads checked against ours (a pair that
-                      cannot be served fails the room with a message saying why)
+                      cannot be served fails the room with a message saying why), and the
+                      backend picked (transfer.choose_backend: shm on one host under auto)
     WaitingForInput   TransferRequest sent to each prefill rank that holds some of our heads
                       (heads.py: rank r at equal TP sizes; k ranks when the prefill's TP is k
                       times ours; one, shared with k - 1 other decode ranks, when ours is k
@@ -57,6 +58,8 @@ from sluice.kv_transfer.disagg.messages import (
     TransferStatus,
 )
 from sluice.kv_transfer.disagg.poll import KVPoll, advance, consensus
+from sluice.kv_transfer.disagg.shm import host_id
+from sluice.kv_transfer.disagg.transfer import choose_backend
 
 logger = logging.getLogger("sluice")
 
@@ -114,6 +117,9 @@ class DecodeKVManager(KVManager):
         super().__init__(*args, **kwargs)
         self.rooms: dict[int, _Room] = {}
         self._routes: dict[str, Route] = {}
+        # The backend each prefill (with a cached route) pairs with us over.
+        self._pair_backends: dict[str, str] = {}
+        self._host_id = host_id()
         self._misses: dict[str, int] = {}
         self._bootstrap_work = threading.Condition(self.lock)
         # Rooms aborted before their prefill was asked: (prefill, room, reason, deadline).
@@ -264,9 +270,33 @@ class DecodeKVManager(KVManager):
         problem = self._check_route(prefill, route)
         if problem is not None:
             return route, problem
+        backend, problem = self._pick_backend(prefill, route)
+        if problem is not None:
+            return route, problem
         with self.lock:
             self._routes[prefill] = route
+            if self._pair_backends.get(prefill) != backend:
+                logger.info("PD decode rank %d: the prefill at %s pairs over %s (%s)",
+                            self.rank, prefill, backend,
+                            "same host" if route.ranks[0].host_id == self._host_id
+                            else "another host")
+            self._pair_backends[prefill] = backend
         return route, None
+
+    def _pick_backend(self, prefill: str, route: Route) -> tuple[str | None, str | None]:
+        """(the backend to ask `prefill`'s ranks over, why there is none)."""
+        chosen = set()
+        for peer in self._peer_ranks(route):
+            rank = route.ranks[peer]
+            backend, problem = choose_backend(
+                self.config.transfer_backend, list(self.backends), self._host_id,
+                rank.backend, rank.backends or [rank.backend], rank.host_id)
+            if problem is not None:
+                return None, f"the prefill instance at {prefill}: {problem}"
+            chosen.add(backend)
+        if len(chosen) != 1:
+            return None, f"the prefill instance at {prefill}: its ranks pair over {chosen}"
+        return chosen.pop(), None
 
     def _check_route(self, prefill: str, route: Route) -> str | None:
         spec = self.spec
@@ -296,10 +326,6 @@ class DecodeKVManager(KVManager):
             if rank.num_layers != spec.num_layers:
                 return (f"the prefill instance at {prefill} has {rank.num_layers} layers, this "
                         f"decode instance {spec.num_layers}: not the same model")
-            if rank.backend != self.backend.name:
-                return (f"the prefill instance at {prefill} transfers over {rank.backend!r}, "
-                        f"this decode instance over {self.backend.name!r} "
-                        "(--disaggregation-transfer-backend)")
         try:
             plan_slices(spec.model_num_kv_heads, route.world_size, self.world_size, self.rank)
         except ValueError as exc:
@@ -323,6 +349,14 @@ class DecodeKVManager(KVManager):
         controls = ({r: route.ranks[r].control_address for r in self._peer_ranks(route)}
                     if route is not None else {})
         spec = self.spec
+        backend = export = None
+        if problem is None and route is not None:
+            with self.lock:
+                backend = self.backends[self._pair_backends[prefill]]
+            try:
+                export = backend.export(list(self.kv_caches.values()))
+            except ValueError as exc:
+                problem = str(exc)
         with self.lock:
             unsent = [a for a in self._unsent_aborts if a[0] == prefill]
             self._unsent_aborts = [a for a in self._unsent_aborts if a[0] != prefill]
@@ -343,21 +377,23 @@ class DecodeKVManager(KVManager):
                 if entry.aborted:
                     self._fail(entry, "aborted before the prefill was asked")
                     continue
+                assert backend is not None
                 entry.peers = {r: (control, KVPoll.WaitingForInput)
                                for r, control in controls.items()}
+                self.add_stat(f"rooms_over_{backend.name}", 1)
                 entry.instance_id = route.instance_id
                 entry.state = advance(entry.state, KVPoll.WaitingForInput)
                 entry.deadline = now + self.config.waiting_timeout_s
                 ask = TransferRequest(
                     room=room, decode_rank=self.rank, tp_size=self.world_size,
-                    status_address=self.control_address, session=self.backend.session,
-                    backend=self.backend.name, block_size=spec.block_size,
+                    status_address=self.control_address, session=backend.session,
+                    backend=backend.name, block_size=spec.block_size,
                     kv_dtype=spec.dtype, head_dim=spec.head_dim,
                     num_kv_heads=spec.num_kv_heads, model_num_kv_heads=spec.model_num_kv_heads,
                     layer_addresses=list(self.layout.layer_addresses),
                     num_blocks=self.layout.num_blocks, first_block=entry.first_block,
                     block_ids=entry.block_ids, num_prompt_tokens=entry.num_prompt_tokens,
-                    lease_s=self.config.lease_s)
+                    lease_s=self.config.lease_s, export=export)
                 for control in controls.values():
                     self.send_to(control, ask)
 
@@ -391,6 +427,7 @@ class DecodeKVManager(KVManager):
         """Fail every unfinished room of a lost prefill (lock held); rooms already asked of
         instance `keep` (the one answering now) go on."""
         self._routes.pop(prefill, None)
+        self._pair_backends.pop(prefill, None)
         self._misses.pop(prefill, None)
         lost = [e for e in self.rooms.values()
                 if e.prefill == prefill and not e.state.is_done

@@ -14,7 +14,7 @@ the decode ranks that will ask it (Bootstrapping for one that has not yet):
     WaitingForInput   decode's ask is in, the KV is not (the prompt is still computing)
     Transferring      both are in: the transfer thread writes the rank's heads of the blocks
                       (after the fault injection's delay or hold, if any) into decode's
-                      registered memory
+                      registered memory (shm: its shared cache, mapped at the first write)
     Success | Failed  then the status goes to that decode rank: Success with the first token
                       and its logprobs, or Failed with why
 
@@ -58,6 +58,7 @@ from sluice.kv_transfer.disagg.messages import (
     TransferStatus,
 )
 from sluice.kv_transfer.disagg.poll import KVPoll, advance, consensus
+from sluice.kv_transfer.disagg.shm import host_id
 
 logger = logging.getLogger("sluice")
 
@@ -150,10 +151,10 @@ class PrefillKVManager(KVManager):
         spec = self.spec
         route = RankRoute(
             rank=self.rank, world_size=self.world_size, control_address=self.control_address,
-            backend=self.backend.name, block_size=spec.block_size, kv_dtype=spec.dtype,
-            head_dim=spec.head_dim, num_kv_heads=spec.num_kv_heads,
+            backend=self.config.transfer_backend, block_size=spec.block_size,
+            kv_dtype=spec.dtype, head_dim=spec.head_dim, num_kv_heads=spec.num_kv_heads,
             model_num_kv_heads=spec.model_num_kv_heads, num_layers=spec.num_layers,
-            engine_id=self.config.engine_id)
+            engine_id=self.config.engine_id, backends=list(self.backends), host_id=host_id())
         address = f"{self.config.host}:{self.config.bootstrap_port}"
         if bootstrap.register(address, route, self.config.register_timeout_s, self._stop):
             self.registered.set()
@@ -258,10 +259,10 @@ class PrefillKVManager(KVManager):
                           f"{spec.model_num_kv_heads} heads of {spec.head_dim}, the decode "
                           f"instance {ask.kv_dtype} of {ask.model_num_kv_heads} heads of "
                           f"{ask.head_dim} (same model and --dtype on both)")
-        if len(ask.layer_addresses) != spec.num_layers or ask.backend != self.backend.name:
+        if len(ask.layer_addresses) != spec.num_layers or ask.backend not in self.backends:
             return None, (f"the decode instance has {len(ask.layer_addresses)} layers over "
                           f"{ask.backend!r}, this prefill instance {spec.num_layers} over "
-                          f"{self.backend.name!r}")
+                          f"{' or '.join(map(repr, self.backends))}")
         try:
             check_tp_pair(self.world_size, ask.tp_size)
             heads = slice_for(spec.model_num_kv_heads, self.world_size, ask.tp_size,
@@ -363,8 +364,12 @@ class PrefillKVManager(KVManager):
             return "transfer failed (injected: SLUICE_PD_FAULT_TRANSFER_FAIL_PROB)"
         if heads.num_heads == 0:
             return None  # another prefill rank sends these heads
+        backend = self.backends[ask.backend]
+        problem = backend.attach(ask.session, ask.export)  # maps a shm peer, once
+        if problem is not None:
+            return problem
         if suspect:
-            if not self.backend.probe(ask.session):
+            if not backend.probe(ask.session):
                 return f"the decode endpoint {ask.session} does not answer a probe"
             with self.lock:
                 self._suspect_peers.discard(ask.session)
@@ -373,7 +378,7 @@ class PrefillKVManager(KVManager):
         runs = block_runs(src_blocks, ask.block_ids)
         src, dst, lengths = build_descriptors(self.layout, self._peer_layout(ask), runs, heads)
         start = time.perf_counter()
-        error = self.backend.write(ask.session, src, dst, lengths, should_stop)
+        error = backend.write(ask.session, src, dst, lengths, should_stop)
         elapsed = time.perf_counter() - start
         with self.lock:
             if error is not None:

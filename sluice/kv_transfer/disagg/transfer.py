@@ -1,7 +1,7 @@
 """Moving KV bytes from a prefill rank's paged cache into a decode rank's: the transfer
 backends.
 
-Both backends write synchronously into memory the peer registered, addressed by raw addresses,
+Every backend writes synchronously into memory the peer registered, addressed by raw addresses,
 and return only once the bytes are there (or with an error), so the status sent after a write
 never overtakes the data:
 
@@ -12,6 +12,12 @@ never overtakes the data:
 - `fake`: the same writes over a plain loopback ZMQ socket (no Mooncake): the writer sends a
   FakeWrite header and the bytes, the owner of the memory copies them into its registered
   tensors and acknowledges. Real bytes move, so greedy output through it is exact.
+- `shm` (shm.py): prefill and decode on one host. The decode's cache is in shared memory (CPU)
+  or exported by CUDA IPC (GPU); the prefill maps it once per peer and copies into it.
+
+`auto` (the default setting) brings up shm and, where Mooncake is installed, mooncake; the
+decode picks one per prefill from what both have up and whether they share a host
+(`choose_backend`) and names it in each ask.
 
 What moves (whole blocks, or a head slice per token when the TP sizes differ) is
 descriptors.py's.
@@ -24,7 +30,7 @@ import logging
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +39,7 @@ import zmq
 from sluice.channel import Encoder, WireError
 from sluice.kv_transfer.disagg.descriptors import batches
 from sluice.kv_transfer.disagg.messages import (
+    CacheExport,
     FakePing,
     FakeWrite,
     FakeWriteAck,
@@ -71,17 +78,80 @@ class TransferBackend(ABC):
     def probe(self, peer: str) -> bool:
         """Whether the peer's endpoint answers now."""
 
+    def export(self, tensors: Sequence[Any]) -> CacheExport | None:
+        """What a decode rank's asks carry for the writer to reach its memory (None: the
+        session says it all)."""
+        return None
+
+    def attach(self, peer: str, export: CacheExport | None) -> str | None:
+        """Before a write to `peer`: reach its memory (once); None, or why not."""
+        return None
+
+    def sweep(self, now: float) -> None:
+        """Drop what is held for peers that are gone (called about every 50 ms)."""
+        return None
+
     def close(self) -> None:
         return None
 
 
 def create_backend(name: str, host: str, max_batch: int, protocol: str = "tcp",
-                   device: str = "") -> TransferBackend:
+                   device: str = "", arena: Any = None) -> TransferBackend:
     if name == "fake":
         return FakeBackend(host, max_batch)
     if name == "mooncake":
         return MooncakeBackend(host, max_batch, protocol, device)
+    if name == "shm":
+        from sluice.kv_transfer.disagg.shm import ShmBackend
+
+        return ShmBackend(max_batch, arena)
     raise ValueError(f"unknown PD transfer backend {name!r}")
+
+
+def create_backends(setting: str, host: str, max_batch: int, protocol: str = "tcp",
+                    device: str = "", arena: Any = None) -> dict[str, TransferBackend]:
+    """The backends a transfer_backend setting brings up, by name: one, or for `auto` shm
+    and mooncake where each can run here (at least one)."""
+    if setting != "auto":
+        return {setting: create_backend(setting, host, max_batch, protocol, device, arena)}
+    backends: dict[str, TransferBackend] = {}
+    problems = []
+    for name in ("shm", "mooncake"):
+        try:
+            backends[name] = create_backend(name, host, max_batch, protocol, device, arena)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if not backends:
+        raise ValueError("PD transfer_backend auto: neither shm nor mooncake can run here: "
+                         + "; ".join(problems))
+    for problem in problems:
+        logger.info("PD transfer_backend auto without one backend: %s", problem)
+    return backends
+
+
+# Where both sides have several, the first of these they share (shm only on one host).
+_PREFERENCE = ("shm", "mooncake", "fake")
+
+
+def choose_backend(decode_setting: str, decode_backends: Sequence[str], decode_host: str,
+                   prefill_setting: str, prefill_backends: Sequence[str], prefill_host: str
+                   ) -> tuple[str | None, str | None]:
+    """(the backend a decode rank and a prefill rank transfer over, why they cannot): shm when
+    both have it up and share a host, else another backend both have."""
+    same_host = bool(decode_host) and decode_host == prefill_host
+    shared = [b for b in _PREFERENCE if b in decode_backends and b in prefill_backends]
+    for name in shared:
+        if name != "shm" or same_host:
+            return name, None
+    if "shm" in shared:
+        return None, (f"transfer_backend shm needs the prefill and decode on one host (and "
+                      f"pid namespace): the prefill is on {prefill_host!r}, this decode on "
+                      f"{decode_host!r}; set --disaggregation-transfer-backend to auto or "
+                      "mooncake on both")
+    return None, (f"the prefill transfers over {prefill_setting!r} (up: "
+                  f"{', '.join(prefill_backends)}), this decode instance over "
+                  f"{decode_setting!r} (up: {', '.join(decode_backends)}); no backend in "
+                  "common (--disaggregation-transfer-backend)")
 
 
 class _Regions:
@@ -91,24 +161,34 @@ class _Regions:
         self._starts: list[int] = []
         self._regions: list[tuple[int, int, Any]] = []
 
-    def add(self, tensor: Any) -> None:
+    def add(self, tensor: Any, start: int | None = None) -> None:
+        """`tensor`'s bytes, at its own address or (a peer's memory mapped here) `start`."""
         import torch
 
         if not tensor.is_contiguous():
             raise ValueError("only contiguous tensors can be registered")
-        start = tensor.data_ptr()
+        start = tensor.data_ptr() if start is None else start
         flat = tensor.view(-1).view(torch.uint8)
         index = bisect.bisect(self._starts, start)
         self._starts.insert(index, start)
         self._regions.insert(index, (start, start + flat.numel(), flat))
 
-    def slice(self, address: int, length: int) -> Any:
+    def _find(self, address: int, length: int) -> tuple[int, Any]:
         index = bisect.bisect(self._starts, address) - 1
         if index >= 0:
             start, end, flat = self._regions[index]
             if address + length <= end:
-                return flat[address - start:address - start + length]
+                return address - start, flat
         raise ValueError(f"address {address:#x} + {length} is not within a registered tensor")
+
+    def slice(self, address: int, length: int) -> Any:
+        offset, flat = self._find(address, length)
+        return flat[offset:offset + length]
+
+    def local_address(self, address: int, length: int) -> int:
+        """Where [address, address + length) of the region is in this process."""
+        offset, flat = self._find(address, length)
+        return flat.data_ptr() + offset
 
 
 class FakeBackend(TransferBackend):
