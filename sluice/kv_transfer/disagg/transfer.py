@@ -15,7 +15,8 @@ never overtakes the data:
 - `shm` (shm.py): prefill and decode on one host. The decode's cache is in shared memory (CPU)
   or exported by CUDA IPC (GPU); the prefill maps it once per peer and copies into it.
 
-`auto` (the default setting) brings up shm and, where Mooncake is installed, mooncake; the
+`auto` (the default setting) brings up shm (CPU caches only: its CUDA IPC path has not run on a
+GPU yet) and, where Mooncake is installed, mooncake; the
 decode picks one per prefill from what both have up and whether they share a host
 (`choose_backend`) and names it in each ask.
 
@@ -109,14 +110,16 @@ def create_backend(name: str, host: str, max_batch: int, protocol: str = "tcp",
 
 
 def create_backends(setting: str, host: str, max_batch: int, protocol: str = "tcp",
-                    device: str = "", arena: Any = None) -> dict[str, TransferBackend]:
+                    device: str = "", arena: Any = None, cuda_caches: bool = False
+                    ) -> dict[str, TransferBackend]:
     """The backends a transfer_backend setting brings up, by name: one, or for `auto` shm
-    and mooncake where each can run here (at least one)."""
+    and mooncake where each can run here (at least one). With CUDA caches `auto` leaves shm
+    out: its CUDA IPC path has not run on a GPU yet (`shm` asks for it by name)."""
     if setting != "auto":
         return {setting: create_backend(setting, host, max_batch, protocol, device, arena)}
     backends: dict[str, TransferBackend] = {}
     problems = []
-    for name in ("shm", "mooncake"):
+    for name in (("mooncake",) if cuda_caches else ("shm", "mooncake")):
         try:
             backends[name] = create_backend(name, host, max_batch, protocol, device, arena)
         except ValueError as exc:
