@@ -184,10 +184,13 @@ class TritonBackend:
         if not kv_stored:
             store_kv(key, value, kv_cache, metadata.slot_mapping)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        # A windowed layer takes the paged kernels even in a step marked dense (cuDNN's
-        # attention is given no window mask here): the choice follows the layer alone, so a
-        # dense-prefill CUDA graph captures the kernel every replay of it needs.
-        if metadata.dense_prefill and sliding_window is None:
+        # A windowed layer takes dense attention (no window mask there) only where every key
+        # of the step lies in each query's window: a context of at most `sliding_window`
+        # tokens. A dense-prefill graph is captured with seq_lens[0] its size, which bounds
+        # every prompt that replays it, so the choice holds for each replay; an eager step
+        # reads its own. Longer contexts take the paged kernels.
+        if metadata.dense_prefill and (sliding_window is None
+                                       or int(metadata.seq_lens_cpu[0]) <= sliding_window):
             return dense_prefill_attention(query, key, value, key_cache, value_cache, metadata,
                                            scale, kv_as_cached=kv_stored)
         num_splits = self._num_splits(metadata, key.shape[1], query.device, sliding_window)

@@ -201,3 +201,33 @@ def test_the_split_rule_counts_only_a_windowed_layer_s_keys(device):
     assert backend._num_splits(step.metadata, 2, step.query.device) > 1
     assert backend._num_splits(step.metadata, 2, step.query.device, sliding_window=300) == 0
     run_windowed([(2000, 1)], 300, backend, seed=5, expect_poisoned=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [24, 40, 48])
+def test_a_windowed_layer_runs_dense_prefill_only_where_the_window_holds_every_key(
+        device, window, monkeypatch):
+    """A fresh prompt of 37 rows and 11 padding rows (a dense-prefill graph of 48) marked
+    dense: a window of 48 (the step's size: every key of every replay in each query's window)
+    runs dense attention; 24 and 40 take the paged kernel. Both equal the windowed reference."""
+    from sluice.attention import triton_backend
+    from tests.kernels.test_triton_attention import dense_step
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    step = dense_step(37, 11, 4, 2, dtype, device)
+    # as a graph of 48 is captured: its host-side lengths are its size
+    step.metadata.seq_lens_cpu[0] = step.metadata.query_start_loc_cpu[1] = 48
+    calls = []
+    real = triton_backend.dense_prefill_attention
+    monkeypatch.setattr(triton_backend, "dense_prefill_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = step.kv_cache.clone()
+    out = TritonBackend().forward(step.query, step.key, step.value, step.kv_cache,
+                                  step.metadata, 0.25, sliding_window=window)
+    assert calls == ([1] if window >= 48 else [])
+    step.metadata.seq_lens_cpu[0] = step.metadata.query_start_loc_cpu[1] = 37
+    expected = TorchRefBackend().forward(step.query, step.key, step.value, cache, step.metadata,
+                                         0.25, sliding_window=window)
+    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5,
+                                                                                rtol=1e-5)
+    torch.testing.assert_close(out[:37], expected[:37], **tolerance)
