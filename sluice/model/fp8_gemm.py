@@ -530,12 +530,15 @@ def norm_for_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     from sluice.model import triton_ops
 
     rows = x.reshape(-1, x.shape[-1])
-    if takes_quantized(rows.shape[0], target.weight, target.fp8_block, x) and (
-            triton.next_power_of_2(x.shape[-1]) <= MAX_FUSED_QUANT_WIDTH):
+    block, group = triton.next_power_of_2(x.shape[-1]), _group(target)
+    # the kernel cuts its row into groups of a power of two (any block width 32 and up fits)
+    fits = block <= MAX_FUSED_QUANT_WIDTH and (group is None or (
+        group & (group - 1) == 0 and block % group == 0))
+    if fits and takes_quantized(rows.shape[0], target.weight, target.fp8_block, x):
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         res = None if residual is None else residual.reshape(rows.shape).contiguous()
-        acts, summed = rms_norm_quant(rows, res, weight, eps, _group(target))
+        acts, summed = rms_norm_quant(rows, res, weight, eps, group)
         return acts if residual is None else (acts, summed.reshape(x.shape))
     if residual is None:
         return triton_ops.rms_norm(x, weight, eps)

@@ -300,3 +300,20 @@ def test_an_fp8_model_with_fused_quantization_gives_the_unfused_hidden_states(
     want = prefill_then_decode(model, config)
     for actual, reference in zip(got[0] + got[1], want[0] + want[1], strict=True):
         assert torch.equal(actual, reference)
+
+
+def test_norms_feeding_blocks_of_no_power_of_two_width_quantize_in_the_projection() -> None:
+    """Scale blocks 96 wide (W8A8 takes any multiple of 32): norm_for_fp8 hands the projection
+    the norm's plain output, which it quantizes itself; 128 wide: FP8 activations."""
+    from sluice.model import triton_ops
+
+    x = torch.randn(8, 192).to(DEVICE)
+    weight = torch.ones(192).to(DEVICE)
+    for width, fused in ((96, False), (64, True)):
+        target = torch.nn.Module()
+        target.weight, _ = fp8_weight(64, 192, (32, width), seed=1)
+        target.fp8_block = (32, width)
+        out = fp8_gemm.norm_for_fp8(x, None, weight, 1e-6, target=target)
+        assert isinstance(out, fp8_gemm.QuantizedActivations) == fused
+        if not fused:
+            assert torch.equal(out, triton_ops.rms_norm(x, weight, 1e-6))
