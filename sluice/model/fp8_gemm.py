@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from sluice.model.quantization import FP8_MAX
+from sluice.model.triton_ops import norm_row
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -402,17 +403,10 @@ def _rms_norm_quant_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < hidden_size
-    dtype = sum_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-        x = (x + residual.to(tl.float32)).to(dtype).to(tl.float32)
-        tl.store(sum_ptr + row * hidden_size + cols, x.to(dtype), mask=mask)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # the norm's output as triton_ops.rms_norm rounds it, then quantized group by group
-    normed = (weight * (x * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    normed = norm_row(x_ptr, residual_ptr, weight_ptr, sum_ptr, row, stride_x, stride_residual,
+                      hidden_size, eps, BLOCK, HAS_RESIDUAL)
+    normed = normed.to(sum_ptr.dtype.element_ty).to(tl.float32)
     groups = tl.reshape(normed, (GROUPS_PAD, GROUP))
     scale = tl.maximum(tl.max(tl.abs(groups), axis=1) / FP8_MAX_VALUE, MIN_SCALE)
     q = tl.clamp(groups / scale[:, None], -FP8_MAX_VALUE, FP8_MAX_VALUE)

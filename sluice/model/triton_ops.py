@@ -444,8 +444,20 @@ def _rms_norm_kernel(
     # One program per row; out and sum are fresh contiguous [T, N] tensors.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
+    normed = norm_row(x_ptr, residual_ptr, weight_ptr, sum_ptr, row, stride_x, stride_residual,
+                      hidden_size, eps, BLOCK, HAS_RESIDUAL)
+    tl.store(out_ptr + row * hidden_size + cols, normed.to(sum_ptr.dtype.element_ty),
+             mask=cols < hidden_size)
+
+
+@triton.jit
+def norm_row(x_ptr, residual_ptr, weight_ptr, sum_ptr, row, stride_x, stride_residual,
+             hidden_size, eps, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Row `row` of rms_norm(x) or rms_norm(x + residual) in float32 (its values before the
+    last rounding to sum_ptr's dtype), writing the sum's row with HAS_RESIDUAL: [BLOCK]."""
+    cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
-    dtype = out_ptr.dtype.element_ty
+    dtype = sum_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
@@ -453,8 +465,7 @@ def _rms_norm_kernel(
         tl.store(sum_ptr + row * hidden_size + cols, x.to(dtype), mask=mask)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = weight * (x * inv_rms).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * hidden_size + cols, normed.to(dtype), mask=mask)
+    return weight * (x * inv_rms).to(dtype).to(tl.float32)
 
 
 def _launch_rms_norm(

@@ -387,12 +387,15 @@ def test_random_transfer_failures_end_in_correct_output_or_a_clean_error(
           f"{elapsed:.1f} s")
 
 
-def test_sigkill_of_a_prefill_mid_flight_loses_no_request(
-        pd2: PDCluster, server: ServerProcess) -> None:
-    dying, survivor = pd2.prefills
-    decode, router = pd2.decodes[0], pd2.router
-    batch = [replace(c, max_tokens=24 + i % 8) for i, c in enumerate(calls(24, seed=5))]
-    want = reference(server, batch)
+def kill_a_prefill_mid_transfer(pd: PDCluster, dying: Instance, batch: list[Call],
+                                concurrency: int, lost_within_s: float,
+                                before_kill: Any = None) -> tuple[list[Any], dict[str, float]]:
+    """`batch` through the router with the prefills' transfers held; once two rooms pend on
+    `dying`, `before_kill()` (if given) and SIGKILL it (the server, its engine core and its
+    bootstrap server, at once). The decode must give up the lost rooms (their blocks freed)
+    within `lost_within_s`, while the router retries their requests on the other prefill.
+    Returns the batch's results and the decode's connector stats from before."""
+    decode, router = pd.decodes[0], pd.router
     before = connector_stats(decode)
 
     def pending_on_dying() -> bool:
@@ -405,23 +408,32 @@ def test_sigkill_of_a_prefill_mid_flight_loses_no_request(
 
     async def scenario() -> list[Any]:
         results = asyncio.ensure_future(asyncio.to_thread(
-            run_calls, router.url, batch, 24, 90.0))
+            run_calls, router.url, batch, concurrency, 90.0))
         deadline = time.monotonic() + 30
         while not await asyncio.to_thread(pending_on_dying):
             assert time.monotonic() < deadline, "no room was ever pending on the prefill"
             await asyncio.sleep(0.02)
-        dying.kill()  # the server, its engine core and its bootstrap server, at once
-        # The decode gives up the lost rooms (their blocks freed) within the heartbeat bound,
-        # while the router retries their requests on the survivor.
+        if before_kill is not None:
+            before_kill()
+        dying.kill()
         lost_before = before.get("worker_prefills_lost", 0)
-        deadline = time.monotonic() + heartbeat_bound_s() + 5
+        deadline = time.monotonic() + lost_within_s
         while await asyncio.to_thread(prefills_lost) <= lost_before:
             assert time.monotonic() < deadline, "the lost rooms outlived the heartbeat bound"
             await asyncio.sleep(0.05)
         return await results
 
-    with transfers_held(pd2.hold_file):  # type: ignore[attr-defined]
-        got = asyncio.run(scenario())
+    with transfers_held(pd.hold_file):  # type: ignore[attr-defined]
+        return asyncio.run(scenario()), before
+
+
+def test_sigkill_of_a_prefill_mid_flight_loses_no_request(
+        pd2: PDCluster, server: ServerProcess) -> None:
+    dying, survivor = pd2.prefills
+    decode, router = pd2.decodes[0], pd2.router
+    batch = [replace(c, max_tokens=24 + i % 8) for i, c in enumerate(calls(24, seed=5))]
+    want = reference(server, batch)
+    got, before = kill_a_prefill_mid_transfer(pd2, dying, batch, 24, heartbeat_bound_s() + 5)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_same(g, w, (i, batch[i]))
     wait_blocks_back(decode, timeout_s=heartbeat_bound_s() + 5)

@@ -7,13 +7,11 @@ request and no block; nothing is left in /dev/shm or mapped once the decode is g
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -28,10 +26,10 @@ from tests.server.test_disagg_serving import (
     assert_same,
     calls,
     connector_stats,
+    kill_a_prefill_mid_transfer,
     reference,
     router_metric,
     run_calls,
-    transfers_held,
 )
 
 pytestmark = pytest.mark.serial
@@ -138,33 +136,12 @@ def test_sigkill_of_a_prefill_mid_transfer_over_shm_loses_no_request(
     decode, router = pd.decodes[0], pd.router
     batch = [replace(c, max_tokens=24 + i % 8) for i, c in enumerate(calls(16, seed=5))]
     want = reference(server, batch)
-    before = connector_stats(decode)
 
-    def pending_on_dying() -> bool:
-        stats = connector_stats(dying)
-        done = stats.get("worker_rooms_sent", 0) + stats.get("worker_rooms_failed", 0)
-        return stats.get("send_rooms", 0) - done >= 2
-
-    def prefills_lost() -> float:
-        return connector_stats(decode).get("worker_prefills_lost", 0)
-
-    async def scenario() -> list[Any]:
-        results = asyncio.ensure_future(asyncio.to_thread(
-            run_calls, router.url, batch, 16, 90.0))
-        deadline = time.monotonic() + 30
-        while not await asyncio.to_thread(pending_on_dying):
-            assert time.monotonic() < deadline, "no room was ever pending on the prefill"
-            await asyncio.sleep(0.02)
+    def mapped() -> None:
         assert segment_mappings(dying) == 1  # it has the decode's cache mapped
-        dying.kill()  # the server, its engine core and its bootstrap server, at once
-        deadline = time.monotonic() + 3 * 0.5 + 0.5 + 5
-        while await asyncio.to_thread(prefills_lost) <= before.get("worker_prefills_lost", 0):
-            assert time.monotonic() < deadline, "the lost rooms outlived the heartbeat bound"
-            await asyncio.sleep(0.05)
-        return await results
 
-    with transfers_held(pd.hold_file):  # type: ignore[attr-defined]
-        got = asyncio.run(scenario())
+    got, before = kill_a_prefill_mid_transfer(pd, dying, batch, 16, 3 * 0.5 + 0.5 + 5,
+                                              before_kill=mapped)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_same(g, w, (i, batch[i]))  # retried on the survivor, over shm
     wait_blocks_back(decode, timeout_s=10)
