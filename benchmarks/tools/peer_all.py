@@ -28,7 +28,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", required=True, choices=["sluice", "vllm"])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--arch", default="qwen3-8b", choices=sorted(ARCHS))
+    ap.add_argument("--arch", default="qwen3-8b",
+                    help=f"{'|'.join(sorted(ARCHS))}: the roofline's; another name skips it")
     ap.add_argument("--out")
     ap.add_argument("--repeat", type=int, default=2)
     a = ap.parse_args()
@@ -41,7 +42,9 @@ def main() -> None:
         from sluice import LLM, SamplingParams
         version = getattr(sluice, "__version__", "?")
     t_init = time.perf_counter()
-    llm = LLM(model=a.model, dtype="bfloat16", max_model_len=4096, seed=0)
+    # PEER_LLM_KWARGS: more engine arguments as JSON (e.g. vLLM's {"linear_backend": "triton"})
+    extra = json.loads(os.environ.get("PEER_LLM_KWARGS") or "{}")
+    llm = LLM(model=a.model, dtype="bfloat16", max_model_len=4096, seed=0, **extra)
     init_s = time.perf_counter() - t_init
     prompts, max_tokens = nano_vllm_workload()
     llm.generate(["t1 t2 t3"], SamplingParams(max_tokens=8))
@@ -53,7 +56,8 @@ def main() -> None:
         dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         runs.append({"tokens": n, "seconds": round(dt, 3), "tok_s": round(n / dt, 1)})
-    rl = roofline(prompts, max_tokens, cfg=ARCHS[a.arch])["roofline_tok_s"]
+    rl = (roofline(prompts, max_tokens, cfg=ARCHS[a.arch])["roofline_tok_s"]
+          if a.arch in ARCHS else None)
     rng = random.Random(0)
 
     def timed(lengths, n_out, reps=5):
@@ -73,10 +77,10 @@ def main() -> None:
     lat["ttft_1k_ms"] = round(timed([1024], 1) * 1e3, 2)
     lat["ttft_3k_ms"] = round(timed([3000], 1) * 1e3, 2)
     import torch
-    res = {"engine": a.engine, "model": a.model, "version": version,
+    res = {"engine": a.engine, "model": a.model, "version": version, "engine_kwargs": extra,
            "gpu": torch.cuda.get_device_name(), "init_s": round(init_s, 1),
            "offline": {"expected_tokens": sum(max_tokens), "runs": runs,
-                       "first_run_tok_s": runs[0]["tok_s"], "roofline_tok_s": round(rl)},
+                       "first_run_tok_s": runs[0]["tok_s"], "roofline_tok_s": rl and round(rl)},
            "latency": lat}
     print(json.dumps(res), flush=True)
     if a.out:
