@@ -283,7 +283,7 @@ def w8a8_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> Fp8Gem
     """Tiles of the W8A8 kernel (the same sweep): up to 64 rows, tiles as tall as the batch
     (16 at least), 64 columns for wide weights (N > 4,096) else 32, 256 of K a step per
     channel and 128 per block (the block's K or less, 32 at least: the FP8 tensor cores' K);
-    above, 128 by 256 with 8 warps (per block: 64 by 128, 4 warps)."""
+    above, 128 by 256 by 128 of K with 8 warps (per block: 64 by 128, 4 warps)."""
     block_k = 256 if block is None else min(128, _largest_power_of_two_dividing(block[1]))
     block_k = max(block_k, 32)
     if m <= 64:
@@ -291,7 +291,10 @@ def w8a8_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> Fp8Gem
         return Fp8GemmConfig(block_m, 64 if n > 4096 else 32, block_k, 4, 5)
     if block is not None:  # each K step's product is scaled into float32: smaller tiles win
         return Fp8GemmConfig(64, 128, block_k, 4, 3)
-    return Fp8GemmConfig(128, 256, block_k, 8, 3)
+    # 128 of K a step: 3 stages of 128 x 256 tiles with 256 of K need 288 KiB of shared
+    # memory, over an H200's 227 (found on one; this path runs where _scaled_mm does not:
+    # fp16 / fp32 activations, dimensions not multiples of 16)
+    return Fp8GemmConfig(128, 256, 128, 8, 3)
 
 
 def w8a16_tile_config(m: int, n: int, k: int, block: tuple[int, int] | None

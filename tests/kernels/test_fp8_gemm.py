@@ -317,3 +317,18 @@ def test_norms_feeding_blocks_of_no_power_of_two_width_quantize_in_the_projectio
         assert isinstance(out, fp8_gemm.QuantizedActivations) == fused
         if not fused:
             assert torch.equal(out, triton_ops.rms_norm(x, weight, 1e-6))
+
+
+# An H200's shared memory per block (232,448 bytes: the limit Triton reported there).
+HOPPER_SHARED_MEMORY = 232_448
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 65, 3000])
+@pytest.mark.parametrize("block", [(128, 128), None])
+def test_w8a8_tiles_fit_hopper_shared_memory(m: int, block: tuple[int, int] | None) -> None:
+    """Each pipeline stage of the W8A8 kernel holds one FP8 tile of x and one of W: the stages
+    must fit in shared memory (128 x 256 tiles with 256 of K and 3 stages did not, on an
+    H200; under the interpreter nothing checks it)."""
+    for n, k in [(6144, 4096), (4096, 12288), (512, 512)]:
+        c = fp8_gemm.w8a8_config(m, n, k, block)
+        assert (c.block_m + c.block_n) * c.block_k * c.num_stages <= HOPPER_SHARED_MEMORY, c
