@@ -74,6 +74,7 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * rows, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, rows), requires_grad=False)
         self.experts_op = experts_reference
+        self.route_op = route  # on CUDA triton_moe.fused_route (sluice.worker.compile)
 
     def load_expert(self, expert: int, part: str, loaded_weight: LoadedWeight) -> None:
         """One checkpoint tensor of one expert: part "gate", "up" or "down"."""
@@ -92,7 +93,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert part must be 'gate', 'up' or 'down', got {part!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.route_op(self.gate(x), self.top_k, self.renormalize)
         out = self.experts_op(x, self.w13, self.w2, weights, ids)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 

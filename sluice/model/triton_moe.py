@@ -12,6 +12,17 @@ static shapes, so a step can be captured in a CUDA graph:
    pair's row of [T * top_k, H];
 3. the top_k rows of a token summed.
 
+Few pairs (decode at batch 1 or 2: up to PAIR_KERNEL_MAX_PAIRS) skip the alignment and its ~12
+small launches: `_moe_pair_kernel` runs one program per (pair, BLOCK_N rows of the expert's
+weight), multiply-adds into a [BLOCK_N, BLOCK_K] float32 accumulator summed over K once (the
+one-row GEMM's design, sluice.model.triton_gemm), where the grouped GEMM would spend a 16-row
+tensor-core tile on each pair.
+
+`fused_route` is sluice.model.moe.route (softmax over the experts in float32, top k,
+renormalized) in one launch, a program per token: in a Qwen3-30B-A3B decode step the torch ops
+of routing and alignment were ~15 launches a layer, ~2 ms of a 7.6 ms batch-1 step on an H200
+(benchmarks/journal/2026-12-02-fp8-and-moe-beside-vllm.md).
+
 `fused_experts` is what sluice.model.moe.experts_reference computes. The kernels run on CUDA
 tensors, or CPU tensors under TRITON_INTERPRET=1 (tests/kernels/test_triton_moe.py).
 """
@@ -25,6 +36,11 @@ import triton
 import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Up to this many (token, expert) pairs, the pair kernel (no alignment): batch 1 and 2 of a
+# model with 8 experts a token. Two pairs of one expert read its weight twice; at 16 pairs of 128
+# experts about one pair in 16 shares one. Not yet timed against the grouped GEMM on a GPU.
+PAIR_KERNEL_MAX_PAIRS = 16
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -139,6 +155,135 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Te
     )
 
 
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [T, E]
+    weights_ptr,  # [T, TOP_K] (the logits' dtype)
+    ids_ptr,  # [T, TOP_K] int64
+    E,
+    stride_t,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < E
+    x = tl.load(logits_ptr + t * stride_t + offs, mask=mask, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(mask, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    slots = tl.arange(0, BLOCK_TOP)
+    picked = tl.zeros((BLOCK_TOP,), dtype=tl.float32)
+    picked_ids = tl.zeros((BLOCK_TOP,), dtype=tl.int64)
+    for i in tl.static_range(TOP_K):  # the largest left, the lowest id among equals
+        best = tl.max(p, axis=0)
+        best_id = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
+        picked = tl.where(slots == i, best, picked)
+        picked_ids = tl.where(slots == i, best_id, picked_ids)
+        p = tl.where(offs == best_id, -1.0, p)
+    if RENORMALIZE:
+        picked = picked / tl.sum(picked, axis=0)
+    top = slots < TOP_K
+    tl.store(weights_ptr + t * TOP_K + slots, picked.to(weights_ptr.dtype.element_ty), mask=top)
+    tl.store(ids_ptr + t * TOP_K + slots, picked_ids, mask=top)
+
+
+def fused_route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sluice.model.moe.route in one launch: router_logits [T, E] -> (weights [T, top_k] in the
+    logits' dtype, expert ids [T, top_k] int64), largest first."""
+    t, experts = router_logits.shape
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k must be in 1..{experts} (the experts), got {top_k}")
+    weights = torch.empty((t, top_k), dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=router_logits.device)
+    if t:
+        if router_logits.stride(1) != 1:
+            router_logits = router_logits.contiguous()
+        _route_kernel[(t,)](
+            router_logits, weights, ids, experts, router_logits.stride(0), TOP_K=top_k,
+            BLOCK_E=triton.next_power_of_2(experts), BLOCK_TOP=triton.next_power_of_2(top_k),
+            RENORMALIZE=renormalize, num_warps=1 if experts <= 256 else 4,
+        )
+    return weights, ids
+
+
+@triton.jit
+def _moe_pair_kernel(
+    a_ptr,  # [rows, K] (SILU_MUL: [rows, 2K], gate then up)
+    b_ptr,  # [E, N, K]
+    c_ptr,  # [num_pairs, N]
+    weights_ptr,  # [num_pairs] routing weights (MUL_WEIGHT)
+    ids_ptr,  # [num_pairs] each pair's expert
+    N,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    K: tl.constexpr,
+    TOP_K: tl.constexpr,
+    A_ROW_PER_PAIR: tl.constexpr,  # a's rows are pairs (the intermediate), else tokens (x)
+    SILU_MUL: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    row = pair if A_ROW_PER_PAIR else pair // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    b_ptrs = b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    a_ptrs = a_ptr + row * stride_am + offs_k
+    dtype = c_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = k_start + offs_k < K
+        w = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if SILU_MUL:  # as the grouped GEMM's prologue rounds it
+            gate = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            up = tl.load(a_ptrs + K, mask=k_mask, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            a = (act * up).to(dtype).to(tl.float32)
+        else:
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        acc += w * a[None, :]
+        b_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    if MUL_WEIGHT:
+        y *= tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(c_ptr + pair * stride_cm + offs_n, y.to(dtype), mask=n_mask)
+
+
+def _pair_block_k(k: int) -> int:
+    """All of K up to 2,048 a step where a power of two divides it so (no masked lanes: 768 takes
+    256), else the next power of two up to 2,048."""
+    for block_k in (2048, 1024, 512, 256):
+        if k % block_k == 0:
+            return block_k
+    return min(2048, triton.next_power_of_2(k))
+
+
+def _pair_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+               ids: torch.Tensor, top_k: int, a_row_per_pair: bool, silu_mul: bool,
+               mul_weight: bool) -> None:
+    n, k = b.shape[1], b.shape[2]
+    block_k = _pair_block_k(k)
+    block_n = 4
+    grid = (triton.cdiv(n, block_n), ids.numel())
+    _moe_pair_kernel[grid](
+        a, b, out, weights, ids, n, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        K=k, TOP_K=top_k, A_ROW_PER_PAIR=a_row_per_pair, SILU_MUL=silu_mul,
+        MUL_WEIGHT=mul_weight, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=8 if block_k >= 2048 else 4,
+    )
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """sluice.model.moe.experts_reference in two grouped GEMM launches (the module's
@@ -150,13 +295,20 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return torch.zeros_like(x)
     if x.stride(1) != 1:
         x = x.contiguous()
-    block_m = 16 if t * top_k <= 16 * num_experts else 64
-    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
     inter = torch.empty((t * top_k, two_inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
+    if t * top_k <= PAIR_KERNEL_MAX_PAIRS:
+        ids = topk_ids.reshape(-1).contiguous()
+        _pair_gemm(x, w13, inter, weights, ids, top_k, a_row_per_pair=False, silu_mul=False,
+                   mul_weight=False)
+        _pair_gemm(inter, w2, out, weights, ids, top_k, a_row_per_pair=True, silu_mul=True,
+                   mul_weight=True)
+        return out.view(t, top_k, hidden).sum(dim=1)
+    block_m = 16 if t * top_k <= 16 * num_experts else 64
+    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, block_m)
     _gemm(x, w13, inter, weights, sorted_ids, block_expert, top_k, block_m,
           a_row_per_pair=False, silu_mul=False, mul_weight=False)
-    out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     _gemm(inter, w2, out, weights, sorted_ids, block_expert, top_k, block_m,
           a_row_per_pair=True, silu_mul=True, mul_weight=True)
     return out.view(t, top_k, hidden).sum(dim=1)

@@ -51,6 +51,7 @@ def install_fused_ops(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FusedMoE):  # static shapes: capturable in the CUDA graphs
             module.experts_op = triton_moe.fused_experts
+            module.route_op = triton_moe.fused_route
         if isinstance(module, Linear):
             module.gemm_op = triton_gemm.linear  # FP8 layers: install_fp8_ops
         if isinstance(module, RowParallelLinear):

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sluice.model import triton_moe
 from sluice.model.moe import experts_reference, route
-from sluice.model.triton_moe import align_by_expert, fused_experts
+from sluice.model.triton_moe import align_by_expert, fused_experts, fused_route
 from tests.kernels.test_fused_ops import bfloat16_casts_round_to_nearest  # noqa: F401
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,13 +45,19 @@ def test_alignment_lays_out_every_pair_once_in_its_expert_s_blocks(t: int, exper
         assert (block_expert[block_expert >= 0].diff() >= 0).all()  # runs in expert order
 
 
+@pytest.mark.parametrize("path", ["pairs", "grouped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,experts,top_k,hidden,inter", [
     (1, 4, 2, 32, 16), (5, 8, 2, 64, 32), (33, 8, 3, 48, 40), (130, 6, 2, 32, 16)])
 def test_fused_experts_equal_the_reference(t: int, experts: int, top_k: int, hidden: int,
-                                           inter: int, dtype: torch.dtype) -> None:
+                                           inter: int, dtype: torch.dtype, path: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Every expert's tokens, several experts a token, routing that differs token to token;
-    K and N not multiples of the tiles (48, 40), more pairs than one block (130 x 2)."""
+    K and N not multiples of the tiles (48, 40), more pairs than one block (130 x 2); through
+    the pair kernel (no alignment) and the grouped GEMM, whichever the pair count would pick."""
+    monkeypatch.setattr(triton_moe, "PAIR_KERNEL_MAX_PAIRS", 10**6 if path == "pairs" else 0)
+    if path == "pairs" and t > 40:
+        pytest.skip("the pair kernel is for few pairs; its programs are one pair each")
     x, w13, w2, weights, ids = case(t, experts, top_k, hidden, inter, dtype, t)
     assert len(torch.unique(ids)) > 1
     got = fused_experts(x, w13, w2, weights, ids)
@@ -65,3 +72,47 @@ def test_fused_experts_equal_the_reference(t: int, experts: int, top_k: int, hid
 def test_no_tokens_give_no_rows() -> None:
     x, w13, w2, weights, ids = case(3, 4, 2, 32, 16, torch.float32, 0)
     assert fused_experts(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+
+
+def test_few_pairs_take_the_pair_kernel_and_many_the_grouped_gemm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch 1 and 2 of 8 experts a token need no alignment; 3 tokens (24 pairs) do."""
+    aligned = []
+    real = triton_moe.align_by_expert
+    monkeypatch.setattr(triton_moe, "align_by_expert",
+                        lambda *a: aligned.append(a[0].shape) or real(*a))
+    for t in (1, 2, 3):
+        x, w13, w2, weights, ids = case(t, 16, 8, 32, 16, torch.float32, 3)
+        torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids),
+                                   experts_reference(x, w13, w2, weights, ids),
+                                   rtol=1e-5, atol=1e-5)
+    assert aligned == [(3, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,experts,top_k,renormalize", [
+    (1, 128, 8, True), (9, 128, 8, False), (33, 6, 2, True), (4, 60, 4, False), (2, 8, 8, True)])
+def test_fused_route_equals_route(t: int, experts: int, top_k: int, renormalize: bool,
+                                  dtype: torch.dtype) -> None:
+    """Softmax, top k (largest first), renormalized or not, in one launch: route's ids, and its
+    weights to float32's rounding; experts not a power of two (6, 60), top k of all (8 of 8).
+    bfloat16 logits tie now and then, and torch.topk orders equals as it likes (the kernel:
+    the lowest id first), so there the picked experts' probabilities must be route's."""
+    generator = torch.Generator().manual_seed(t * experts)
+    logits = (torch.randn(t, experts, generator=generator) * 3).to(dtype).to(DEVICE)
+    want_w, want_ids = route(logits, top_k, renormalize)
+    got_w, got_ids = fused_route(logits, top_k, renormalize)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(got_ids, want_ids)
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        assert torch.equal(probs.gather(1, got_ids), probs.gather(1, want_ids))
+        assert (got_ids.sort(dim=1).values.diff(dim=1) > 0).all()  # distinct experts
+    tol = 1e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(got_w.float(), want_w.float(), rtol=tol, atol=tol)
+    # a router column of strided logits (a view of a wider tensor) reads the same
+    wide = torch.cat([logits, logits], dim=1)[:, :experts]
+    assert torch.equal(fused_route(wide, top_k, renormalize)[1], got_ids)
+    with pytest.raises(ValueError, match="top_k must be in 1..%d" % experts):
+        fused_route(logits, experts + 1, renormalize)
