@@ -1,11 +1,12 @@
 """The experts of a mixture-of-experts layer (sluice.model.moe) in two grouped GEMM launches, with
 static shapes, so a step can be captured in a CUDA graph:
 
-1. `align_by_expert`: the T * top_k (token, slot) pairs sorted by expert (a stable sort) and
+1. `align_by_expert`: the T * top_k (token, slot) pairs sorted by expert (a stable order) and
    laid out in blocks of BLOCK_M rows, each expert's run padded to a whole number of blocks;
    every block names its expert, blocks past the last run name none (-1) and do nothing. The
    buffers are as large as the worst case (T * top_k + E * (BLOCK_M - 1) rows), so their sizes
-   depend on T alone: torch ops, no host sync.
+   depend on T alone, with no host sync: one Triton program up to ALIGN_KERNEL_MAX_PAIRS pairs,
+   torch's sort above.
 2. `_moe_gemm_kernel` over the blocks: gate/up: [BLOCK_M, 2I] = x[token] W13[e]^T into the
    pair's row of an intermediate [T * top_k, 2I]; down: SiLU-and-mul of that row on the fly
    (rounded as silu_and_mul rounds), times W2[e]^T, times the pair's routing weight, into the
@@ -41,13 +42,84 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # model with 8 experts a token. Two pairs of one expert read its weight twice; at 16 pairs of 128
 # experts about one pair in 16 shares one. Not yet timed against the grouped GEMM on a GPU.
 PAIR_KERNEL_MAX_PAIRS = 16
+# Up to this many pairs the alignment is one program of ALIGN_CHUNK-pair chunks (batch 512 of 8
+# experts a token); more go through torch's sort. Not yet timed on a GPU.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+ALIGN_CHUNK = 128
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted pair ids [P] (pair = token * k + slot; T * k marks padding),
     each block's expert [P / block_m] (-1: no expert)), P = T * k + E * (block_m - 1) rounded
-    up to block_m."""
+    up to block_m. Up to ALIGN_KERNEL_MAX_PAIRS pairs in one launch (`_align_kernel`), more
+    through torch's sort (`align_by_expert_reference`, the same output)."""
+    flat = topk_ids.reshape(-1)
+    pairs = flat.numel()
+    if pairs > ALIGN_KERNEL_MAX_PAIRS or pairs == 0:
+        return align_by_expert_reference(topk_ids, num_experts, block_m)
+    capacity = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.empty((capacity,), dtype=torch.int64, device=flat.device)
+    block_expert = torch.empty((capacity // block_m,), dtype=torch.int64, device=flat.device)
+    _align_kernel[(1,)](
+        flat.contiguous(), sorted_ids, block_expert, pairs, capacity, E=num_experts,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK,
+        num_warps=8,
+    )
+    return sorted_ids, block_expert
+
+
+@triton.jit(do_not_specialize=["num_pairs", "capacity"])
+def _align_kernel(
+    ids_ptr,  # [num_pairs] each pair's expert
+    sorted_ptr,  # [capacity] int64
+    block_expert_ptr,  # [capacity / BLOCK_M] int64
+    num_pairs,
+    capacity,
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """align_by_expert_reference in one program: each expert's pair count (a histogram), its
+    run's start (padded to whole blocks), each block's expert, then every pair written at its
+    run's start plus the number of earlier pairs of its expert (a stable order)."""
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        mask = start + lanes < num_pairs
+        ids = tl.load(ids_ptr + start + lanes, mask=mask, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E, mask=mask)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)  # experts past E: nothing, so the total
+    padded_start = padded_end - padded
+    for start in range(0, capacity, CHUNK):
+        tl.store(sorted_ptr + start + lanes, num_pairs, mask=start + lanes < capacity)
+    num_blocks = capacity // BLOCK_M
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + lanes
+        # the first expert whose padded run ends past the block's first row (searchsorted)
+        expert = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32),
+                        axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(expert < E, expert, -1),
+                 mask=blocks < num_blocks)
+    tl.debug_barrier()  # the padding is written before the pairs overwrite it
+    seen = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        mask = start + lanes < num_pairs
+        ids = tl.load(ids_ptr + start + lanes, mask=mask, other=BLOCK_E).to(tl.int32)
+        mine = ids[:, None] == experts[None, :]
+        base = tl.sum(tl.where(mine, (padded_start + seen)[None, :], 0), axis=1)
+        earlier = tl.sum(((ids[None, :] == ids[:, None])
+                          & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
+        tl.store(sorted_ptr + base + earlier, start + lanes, mask=mask)
+        seen += tl.sum(mine.to(tl.int32), axis=0)
+
+
+def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_by_expert through torch ops (a stable sort): many pairs, and the kernel's test."""
     flat = topk_ids.reshape(-1)
     pairs = flat.numel()
     device = flat.device

@@ -10,7 +10,12 @@ import torch
 
 from sluice.model import triton_moe
 from sluice.model.moe import experts_reference, route
-from sluice.model.triton_moe import align_by_expert, fused_experts, fused_route
+from sluice.model.triton_moe import (
+    align_by_expert,
+    align_by_expert_reference,
+    fused_experts,
+    fused_route,
+)
 from tests.kernels.test_fused_ops import bfloat16_casts_round_to_nearest  # noqa: F401
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,3 +121,21 @@ def test_fused_route_equals_route(t: int, experts: int, top_k: int, renormalize:
     assert torch.equal(fused_route(wide, top_k, renormalize)[1], got_ids)
     with pytest.raises(ValueError, match="top_k must be in 1..%d" % experts):
         fused_route(logits, experts + 1, renormalize)
+
+
+@pytest.mark.parametrize("t,experts,top_k", [
+    (1, 128, 8), (3, 128, 8), (64, 128, 8), (40, 6, 2), (300, 8, 3), (129, 60, 4)])
+def test_the_alignment_kernel_equals_torch_s_stable_sort(t: int, experts: int, top_k: int
+                                                         ) -> None:
+    """One program's histogram, padded runs and stable ranks: the torch ops' output exactly,
+    over several chunks of pairs (300 x 3), experts not a power of two, experts with no pair
+    (3 tokens of 128 experts), and routing skewed to a few experts (every run of one expert)."""
+    generator = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(t)])
+    skewed = ids % 3  # many pairs of experts 0-2: runs longer than a block
+    for routing in (ids, skewed):
+        routing = routing.to(DEVICE)
+        for block_m in (16, 64):
+            want = align_by_expert_reference(routing, experts, block_m)
+            got = align_by_expert(routing, experts, block_m)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
