@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3", "llama", "qwen2", "mistral", "phi3", "qwen3_moe", "gemma3")
+ARCHS = ("qwen3", "llama", "qwen2", "mistral", "phi3", "qwen3_moe", "qwen2_moe", "gemma3")
 TINY_DIMS: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -26,10 +26,12 @@ _HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                "mistral": ("MistralConfig", "MistralForCausalLM"),
                "phi3": ("Phi3Config", "Phi3ForCausalLM"),
                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+               "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 # Config fields an arch needs at the tiny size: Phi-3's default pad id (32000) is past the
 # tiny vocabularies.
 # Qwen3-MoE: 8 experts of 32, 2 a token, renormalized; layer 1 dense (mlp_only_layers).
+# Qwen2-MoE: as Qwen3-MoE, not renormalized, with a shared expert.
 _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "phi3": dict(pad_token_id=None),
     # Gemma 3: layer 0 in a (wide) sliding window with its RoPE base, layer 1 global
@@ -37,6 +39,11 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
                    layer_types=["sliding_attention", "full_attention"]),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+    # Qwen2-MoE: 8 experts of 32, 2 a token, not renormalized (Qwen1.5-MoE's choice), and a
+    # gated shared expert of 48 in every sparse layer; layer 1 dense
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=[1]),
 }
 # The folders' own choices per arch: Qwen3 ties its embeddings, Llama has llama3 RoPE scaling.
 _FOLDER_CONFIG: dict[str, dict[str, Any]] = {
@@ -49,6 +56,7 @@ _FOLDER_CONFIG: dict[str, dict[str, Any]] = {
     "mistral": dict(tie_word_embeddings=False),
     "phi3": dict(tie_word_embeddings=False),
     "qwen3_moe": dict(tie_word_embeddings=False),
+    "qwen2_moe": dict(tie_word_embeddings=False),
     "gemma3": dict(tie_word_embeddings=True),
 }
 

@@ -40,6 +40,11 @@ _MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"vocab_size": 151936, "max_position_embeddings": 32768, "head_dim": None,
                   "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    # transformers' Qwen2MoeConfig (Qwen1.5-MoE-A2.7B's sizes)
+    "qwen2_moe": {"vocab_size": 151936, "max_position_embeddings": 32768, "head_dim": None,
+                  "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
 # Model types whose config.json `sliding_window` bounds their attention (Qwen2 / Qwen3 use it
 # only with use_sliding_window, refused).
@@ -49,16 +54,19 @@ _DEFAULT_ROPE_THETA = 10000.0
 
 @dataclass(frozen=True, slots=True)
 class MoeConfig:
-    """A mixture-of-experts MLP (Qwen3-MoE): `top_k` of `num_experts` experts a token, each a
-    SwiGLU MLP of `intermediate_size`, weighted by the router's softmax over all experts (the
-    top k renormalized to sum to 1 with `norm_topk_prob`); the layers in `dense_layers` keep a
-    dense MLP of the config's intermediate_size."""
+    """A mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE): `top_k` of `num_experts` experts a
+    token, each a SwiGLU MLP of `intermediate_size`, weighted by the router's softmax over all
+    experts (the top k renormalized to sum to 1 with `norm_topk_prob`); the layers in
+    `dense_layers` keep a dense MLP of the config's intermediate_size."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
     dense_layers: tuple[int, ...]
+    # Qwen2-MoE: a shared SwiGLU expert of this size every token goes through, scaled by a
+    # sigmoid gate of its own; None for Qwen3-MoE
+    shared_intermediate_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +197,15 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "gemma3_text")),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-        attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
+        attention_bias=(True if model_type == "qwen2"
+                        else bool(raw.get("qkv_bias", True)) if model_type == "qwen2_moe"
+                        else bool(raw.get("attention_bias", False))),
         eos_token_id=get("eos_token_id"),
         bos_token_id=get("bos_token_id"),
         quantization=parse_quantization_config(raw.get("quantization_config")),
         sliding_window=sliding_window,
-        moe=_parse_moe(raw, get) if model_type == "qwen3_moe" else None,
+        moe=_parse_moe(raw, get, model_type) if model_type in ("qwen3_moe", "qwen2_moe")
+        else None,
         gemma=gemma,
     )
 
@@ -271,7 +282,7 @@ def _parse_gemma3(raw: dict[str, Any], get: Any) -> tuple[dict[str, Any], GemmaC
         global_rope_factor=factor)
 
 
-def _parse_moe(raw: dict[str, Any], get: Any) -> MoeConfig:
+def _parse_moe(raw: dict[str, Any], get: Any, model_type: str) -> MoeConfig:
     # transformers 5 writes num_experts as num_local_experts
     num_experts = raw.get("num_experts") or raw.get("num_local_experts") or get("num_experts")
     top_k = get("num_experts_per_tok")
@@ -283,10 +294,16 @@ def _parse_moe(raw: dict[str, Any], get: Any) -> MoeConfig:
     if top_k > num_experts:
         raise ValueError(f"num_experts_per_tok ({top_k}) must be <= num_experts "
                          f"({num_experts})")
+    shared = None
+    if model_type == "qwen2_moe":
+        shared = get("shared_expert_intermediate_size")
+        if not isinstance(shared, int) or shared < 1:
+            raise ValueError(f"shared_expert_intermediate_size must be a positive integer, got "
+                             f"{shared!r}")
     only = get("mlp_only_layers") or []
     layers = raw["num_hidden_layers"]
     dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-    return MoeConfig(num_experts, top_k, inter, bool(get("norm_topk_prob")), dense)
+    return MoeConfig(num_experts, top_k, inter, bool(get("norm_topk_prob")), dense, shared)
 
 
 def _parse_rope(

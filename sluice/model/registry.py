@@ -23,6 +23,9 @@ _MODELS: dict[str, tuple[str, str, str]] = {
                          "Qwen2 / Qwen2.5: q/k/v bias"),
     "Qwen3MoeForCausalLM": ("sluice.model.models.qwen3_moe", "Qwen3MoeForCausalLM",
                             "Qwen3-MoE (30B-A3B, 235B-A22B): top-k routed SwiGLU experts"),
+    "Qwen2MoeForCausalLM": ("sluice.model.models.qwen2_moe", "Qwen2MoeForCausalLM",
+                            "Qwen1.5-MoE / Qwen2-MoE (A2.7B, 57B-A14B): routed experts and a "
+                            "gated shared expert"),
     "Gemma3ForCausalLM": ("sluice.model.models.gemma3", "Gemma3ForCausalLM",
                           "Gemma 3 270M / 1B (text): local (windowed) and global layers"),
     "Gemma3ForConditionalGeneration": (

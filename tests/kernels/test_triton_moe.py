@@ -119,7 +119,7 @@ def test_fused_route_equals_route(t: int, experts: int, top_k: int, renormalize:
     # a router column of strided logits (a view of a wider tensor) reads the same
     wide = torch.cat([logits, logits], dim=1)[:, :experts]
     assert torch.equal(fused_route(wide, top_k, renormalize)[1], got_ids)
-    with pytest.raises(ValueError, match="top_k must be in 1..%d" % experts):
+    with pytest.raises(ValueError, match=f"top_k must be in 1..{experts}"):
         fused_route(logits, experts + 1, renormalize)
 
 

@@ -49,6 +49,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3_moe_unnormalized": ("qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 3,
                                              "norm_topk_prob": False, "mlp_only_layers": []}),
     "qwen3_moe_dense_layer": ("qwen3_moe", {}),
+    # every layer sparse with the shared expert, the top 3 of 6 renormalized, no q/k/v bias
+    "qwen2_moe_all_sparse": ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 3,
+                                           "norm_topk_prob": True, "mlp_only_layers": [],
+                                           "qkv_bias": False}),
+    "qwen2_moe_dense_layer": ("qwen2_moe", {}),
     "gemma3_softcapped": ("gemma3", {"final_logit_softcapping": 5.0}),
 }
 
