@@ -395,13 +395,22 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # Qwen3-30B-A3B's routing (8 of 128 experts): the one-launch routing, the pair kernel at
+    # decode (4 requests: 32 pairs, grouped; 1-2 requests: pairs) and the alignment kernel
+    "qwen3_moe_128": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "mlp_only_layers": []}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1]}),
 }
 
 
 def families_check(work: str) -> dict[str, object]:
-    """Mistral, Phi-3 (fused q/k/v and gate/up), Gemma 3 and Qwen3-MoE (the fused expert kernels of
-    sluice.model.triton_moe in the CUDA graphs) in float32 on the GPU, by default and eager,
-    against the CPU's float32 engine: greedy ids equal (`--only families`)."""
+    """Mistral, Phi-3 (fused q/k/v and gate/up), Gemma 3, Qwen3-MoE and Qwen2-MoE (the fused
+    expert kernels of sluice.model.triton_moe in the CUDA graphs) in float32 on the GPU, by
+    default and eager, against the CPU's float32 engine: greedy ids equal (`--only
+    families`)."""
     import transformers
 
     from sluice.model.tiny import build_tokenizer
