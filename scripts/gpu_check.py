@@ -395,8 +395,9 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "norm_topk_prob": True, "mlp_only_layers": [1]}),
-    # Qwen3-30B-A3B's routing (8 of 128 experts): the one-launch routing, the pair kernel at
-    # decode (4 requests: 32 pairs, grouped; 1-2 requests: pairs) and the alignment kernel
+    # Qwen3-30B-A3B's routing (8 of 128 experts): the one-launch routing and the alignment
+    # kernel (4 requests decode 32 pairs: grouped); the 8-expert model's 8 pairs take the pair
+    # kernel
     "qwen3_moe_128": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 32,
         "norm_topk_prob": True, "mlp_only_layers": []}),
