@@ -404,13 +404,16 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 6, "num_experts_per_tok": 2, "pad_token_id": None,
+        "eos_token_id": None}),
 }
 
 
 def families_check(work: str) -> dict[str, object]:
-    """Mistral, Phi-3 (fused q/k/v and gate/up), Gemma 3, Qwen3-MoE and Qwen2-MoE (the fused
-    expert kernels of sluice.model.triton_moe in the CUDA graphs) in float32 on the GPU, by
-    default and eager, against the CPU's float32 engine: greedy ids equal (`--only
+    """Mistral, Phi-3 (fused q/k/v and gate/up), Gemma 3, Qwen3-MoE, Qwen2-MoE and Mixtral (the
+    fused expert kernels of sluice.model.triton_moe in the CUDA graphs) in float32 on the GPU,
+    by default and eager, against the CPU's float32 engine: greedy ids equal (`--only
     families`)."""
     import transformers
 

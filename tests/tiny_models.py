@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3", "llama", "qwen2", "mistral", "phi3", "qwen3_moe", "qwen2_moe", "gemma3")
+ARCHS = ("qwen3", "llama", "qwen2", "mistral", "phi3", "qwen3_moe", "qwen2_moe", "mixtral",
+         "gemma3")
 TINY_DIMS: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -27,6 +28,7 @@ _HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                "phi3": ("Phi3Config", "Phi3ForCausalLM"),
                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+               "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 # Config fields an arch needs at the tiny size: Phi-3's default pad id (32000) is past the
 # tiny vocabularies.
@@ -44,6 +46,8 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48, norm_topk_prob=False,
                       decoder_sparse_step=1, mlp_only_layers=[1]),
+    # Mixtral: 6 experts of the MLP's 128, 2 a token, every layer sparse
+    "mixtral": dict(num_local_experts=6, num_experts_per_tok=2),
 }
 # The folders' own choices per arch: Qwen3 ties its embeddings, Llama has llama3 RoPE scaling.
 _FOLDER_CONFIG: dict[str, dict[str, Any]] = {
@@ -57,6 +61,7 @@ _FOLDER_CONFIG: dict[str, dict[str, Any]] = {
     "phi3": dict(tie_word_embeddings=False),
     "qwen3_moe": dict(tie_word_embeddings=False),
     "qwen2_moe": dict(tie_word_embeddings=False),
+    "mixtral": dict(tie_word_embeddings=False),
     "gemma3": dict(tie_word_embeddings=True),
 }
 

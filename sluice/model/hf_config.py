@@ -40,6 +40,11 @@ _MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"vocab_size": 151936, "max_position_embeddings": 32768, "head_dim": None,
                   "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    # transformers' MixtralConfig: 8 experts, 2 a token, each of intermediate_size, the top 2
+    # renormalized; no window unless config.json names one
+    "mixtral": {"vocab_size": 32000, "max_position_embeddings": 131072, "head_dim": None,
+                "bos_token_id": 1, "eos_token_id": 2, "sliding_window": None,
+                "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": []},
     # transformers' Qwen2MoeConfig (Qwen1.5-MoE-A2.7B's sizes)
     "qwen2_moe": {"vocab_size": 151936, "max_position_embeddings": 32768, "head_dim": None,
                   "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
@@ -48,7 +53,7 @@ _MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # Model types whose config.json `sliding_window` bounds their attention (Qwen2 / Qwen3 use it
 # only with use_sliding_window, refused).
-_SLIDING_WINDOW_TYPES = ("mistral", "phi3", "gemma3_text")
+_SLIDING_WINDOW_TYPES = ("mistral", "mixtral", "phi3", "gemma3_text")
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -204,8 +209,8 @@ def parse_hf_config(raw: dict[str, Any]) -> HFModelConfig:
         bos_token_id=get("bos_token_id"),
         quantization=parse_quantization_config(raw.get("quantization_config")),
         sliding_window=sliding_window,
-        moe=_parse_moe(raw, get, model_type) if model_type in ("qwen3_moe", "qwen2_moe")
-        else None,
+        moe=(_parse_moe(raw, get, model_type)
+             if model_type in ("qwen3_moe", "qwen2_moe", "mixtral") else None),
         gemma=gemma,
     )
 
@@ -287,6 +292,9 @@ def _parse_moe(raw: dict[str, Any], get: Any, model_type: str) -> MoeConfig:
     num_experts = raw.get("num_experts") or raw.get("num_local_experts") or get("num_experts")
     top_k = get("num_experts_per_tok")
     inter, step = get("moe_intermediate_size"), get("decoder_sparse_step")
+    if model_type == "mixtral":  # each expert is an MLP of intermediate_size, always renormalized
+        num_experts = raw.get("num_local_experts") or 8
+        inter = raw["intermediate_size"]
     for key, value in (("num_experts", num_experts), ("num_experts_per_tok", top_k),
                        ("moe_intermediate_size", inter), ("decoder_sparse_step", step)):
         if not isinstance(value, int) or value < 1:
@@ -303,7 +311,8 @@ def _parse_moe(raw: dict[str, Any], get: Any, model_type: str) -> MoeConfig:
     only = get("mlp_only_layers") or []
     layers = raw["num_hidden_layers"]
     dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-    return MoeConfig(num_experts, top_k, inter, bool(get("norm_topk_prob")), dense, shared)
+    norm = True if model_type == "mixtral" else bool(get("norm_topk_prob"))
+    return MoeConfig(num_experts, top_k, inter, norm, dense, shared)
 
 
 def _parse_rope(

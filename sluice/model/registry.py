@@ -26,6 +26,8 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "Qwen2MoeForCausalLM": ("sluice.model.models.qwen2_moe", "Qwen2MoeForCausalLM",
                             "Qwen1.5-MoE / Qwen2-MoE (A2.7B, 57B-A14B): routed experts and a "
                             "gated shared expert"),
+    "MixtralForCausalLM": ("sluice.model.models.mixtral", "MixtralForCausalLM",
+                           "Mixtral 8x7B / 8x22B: top-2 routed SwiGLU experts"),
     "Gemma3ForCausalLM": ("sluice.model.models.gemma3", "Gemma3ForCausalLM",
                           "Gemma 3 270M / 1B (text): local (windowed) and global layers"),
     "Gemma3ForConditionalGeneration": (

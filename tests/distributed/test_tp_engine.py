@@ -82,7 +82,7 @@ def qwen3_tp2(qwen3_dir: str) -> Iterator[LLM]:
 @pytest.mark.parametrize(("model", "tp_size"), [
     ("qwen3", 2), ("qwen3", 4), ("llama", 2), ("llama", 4), ("qwen2", 4),
     ("qwen2_mqa", 2), ("qwen2_mqa", 4), ("mistral", 2), ("phi3", 2),
-    ("qwen3_moe", 2), ("qwen2_moe", 2), ("gemma3", 2)])
+    ("qwen3_moe", 2), ("qwen2_moe", 2), ("mixtral", 2), ("gemma3", 2)])
 def test_greedy_ids_equal_tp1_with_prefix_caching_chunks_and_preemption(
         tp_model_dirs: dict[str, str], model: str, tp_size: int) -> None:
     model_dir = tp_model_dirs[model]

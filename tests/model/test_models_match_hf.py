@@ -54,6 +54,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                            "norm_topk_prob": True, "mlp_only_layers": [],
                                            "qkv_bias": False}),
     "qwen2_moe_dense_layer": ("qwen2_moe", {}),
+    "mixtral_top3_windowed": ("mixtral", {"num_experts_per_tok": 3, "sliding_window": 8}),
     "gemma3_softcapped": ("gemma3", {"final_logit_softcapping": 5.0}),
 }
 

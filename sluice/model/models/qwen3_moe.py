@@ -25,7 +25,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                     ) -> Callable[[int], nn.Module | None] | None:
         moe = config.moe
         if moe is None:
-            raise ValueError("a Qwen3MoeForCausalLM config must say model_type 'qwen3_moe'")
+            raise ValueError(f"a {config.architectures[0] if config.architectures else 'MoE'} "
+                             f"config must name its experts (model_type 'qwen3_moe' or "
+                             f"'mixtral', got {config.model_type!r})")
         return lambda i: None if i in moe.dense_layers else FusedMoE(config.hidden_size, moe, tp)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
