@@ -522,8 +522,8 @@ def norm_for_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float, *, target: torch.nn.Module
                  ) -> torch.Tensor | QuantizedActivations | tuple:
     """RMSNorm.quant_norm_op for a norm feeding the FP8 projection `target` (a Linear):
-    the fused norm and quantization at the row counts where `target` takes quantized
-    activations (takes_quantized), else triton_ops' norm. Returns what RMSNorm.forward does."""
+    the fused norm and quantization at the row counts where it pays (fuses_quantization),
+    else triton_ops' norm. Returns what RMSNorm.forward does."""
     from sluice.model import triton_ops
 
     rows = x.reshape(-1, x.shape[-1])
@@ -531,7 +531,7 @@ def norm_for_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     # the kernel cuts its row into groups of a power of two (any block width 32 and up fits)
     fits = block <= MAX_FUSED_QUANT_WIDTH and (group is None or (
         group & (group - 1) == 0 and block % group == 0))
-    if fits and takes_quantized(rows.shape[0], target.weight, target.fp8_block, x):
+    if fits and fuses_quantization(rows.shape[0], target.weight, target.fp8_block, x):
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         res = None if residual is None else residual.reshape(rows.shape).contiguous()
@@ -548,7 +548,7 @@ def silu_for_fp8(x: torch.Tensor, *, target: torch.nn.Module
     from sluice.model import triton_ops
 
     width = x.shape[-1] // 2 if target.fp8_block is None else target.fp8_block[1]
-    if (takes_quantized(x.shape[0], target.weight, target.fp8_block, x)
+    if (fuses_quantization(x.shape[0], target.weight, target.fp8_block, x)
             and triton.next_power_of_2(width) <= MAX_FUSED_QUANT_WIDTH and x.stride(1) == 1):
         return silu_and_mul_quant(x, _group(target))
     return triton_ops.silu_and_mul(x)
@@ -715,6 +715,17 @@ def takes_quantized(m: int, weight: torch.Tensor, block: tuple[int, int] | None,
     block-scaled product, which quantizes into its own layout."""
     backend = _linear_backend(m, weight, block, like.is_cuda, like.dtype, like.device)
     return backend == "triton" or (backend == "scaled_mm" and block is None)
+
+
+def fuses_quantization(m: int, weight: torch.Tensor, block: tuple[int, int] | None,
+                       like: torch.Tensor) -> bool:
+    """Whether the op before an FP8 projection of `m` rows quantizes for it (norm_for_fp8,
+    silu_for_fp8): where the product is _w8a8_kernel (up to 64 rows per channel; block scales
+    where cuBLAS takes none), not before cuBLAS's row-wise _scaled_mm. Measured on an H200
+    (Qwen3-8B per channel, benchmarks/journal/2026-12-02-fp8-and-moe-beside-vllm.md): fused,
+    batch-64 ITL 4.24 against 4.30 ms, but TTFT 18.1 / 52.9 against 16.5 / 50.5 ms at 1,024 /
+    3,000 tokens, where the one-program-a-row kernels hold 12,288-wide rows in registers."""
+    return _linear_backend(m, weight, block, like.is_cuda, like.dtype, like.device) == "triton"
 
 
 def fp8_linear(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,

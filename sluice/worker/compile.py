@@ -70,9 +70,9 @@ def install_fused_ops(model: nn.Module) -> None:
             module.fused_decode = True
     # FP8 layers (not folded): the norm before q/k/v and gate/up, and SiLU-and-mul before
     # down, write FP8 activations and their scales where the projection quantizes its input
-    # (fp8_gemm.takes_quantized): one launch and two passes over memory fewer each.
-    # SLUICE_FP8_FUSED_QUANT=0 leaves the quantization to the projections (new, not yet run
-    # on a GPU when written).
+    # through the Triton W8A8 kernel (fp8_gemm.fuses_quantization: up to 64 rows per
+    # channel): one launch and two passes over memory fewer each (batch-64 ITL 1.3% lower on
+    # an H200). SLUICE_FP8_FUSED_QUANT=0 leaves the quantization to the projections.
     from sluice.model import fp8_gemm
 
     for module in model.modules():
