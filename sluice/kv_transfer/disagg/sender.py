@@ -508,6 +508,8 @@ class PrefillKVManager(KVManager):
         with self.lock:
             target.writing = False
             if error is None and entry.failed is None:
+                # Of the room's blocks, those its layer writes brought (sent_blocks: the rest).
+                self.add_stat("streamed_blocks", first - ask.first_block)
                 if not src:
                     self.add_stat("rooms_streamed", 1)
                 self._succeed_target(entry, target, now)
