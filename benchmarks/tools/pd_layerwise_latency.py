@@ -6,7 +6,8 @@ room first (its ask is at the prefill before the prompt computes, as when the ro
 halves arrive together), then the prefill computes a fresh long prompt.
 
     python benchmarks/tools/pd_layerwise_latency.py --prompt-tokens 1536 --rounds 5 \
-        --backends shm,mooncake,fake --output benchmarks/results/kv-transfer/DATE-pd-layerwise-cpu.json
+        --backends shm,mooncake,fake \
+        --output benchmarks/results/kv-transfer/DATE-pd-layerwise-cpu.json
 
 Per round: `prefill_s` (the prefill request's add to the end of its last step: the prompt's
 compute, and layer-wise its writes too), `handoff_s` (that end to the decode's first token: the
@@ -121,10 +122,11 @@ def main() -> None:
             row = run_backend(model, backend, layerwise, args, random.Random(args.seed))
             rows.append(row)
             off = rows[-2] if layerwise else row
+            handoff, ttft = row["median_handoff_s"], row["median_ttft_s"]
             print(f"{backend:9s} layerwise={'on ' if layerwise else 'off'} prefill "
                   f"{row['median_prefill_s'] * 1e3:8.1f} ms  step end -> first token "
-                  f"{row['median_handoff_s'] * 1e3:7.1f} ms (x{row['median_handoff_s'] / off['median_handoff_s']:.2f} of off)  "
-                  f"TTFT {row['median_ttft_s'] * 1e3:8.1f} ms (x{row['median_ttft_s'] / off['median_ttft_s']:.2f})  "
+                  f"{handoff * 1e3:7.1f} ms (x{handoff / off['median_handoff_s']:.2f} of off)  "
+                  f"TTFT {ttft * 1e3:8.1f} ms (x{ttft / off['median_ttft_s']:.2f})  "
                   f"blocks streamed {row['streamed_blocks']:.0f}, in the room write "
                   f"{row['room_write_blocks']:.0f}", flush=True)
     if args.output is not None:

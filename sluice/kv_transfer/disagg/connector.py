@@ -7,7 +7,10 @@ Prefill (producer), per request with {"do_remote_decode": true, "bootstrap_room"
   its engine caps it at one output token; the prompt computes as usual (chunked, prefix cache);
   `update_request_output` keeps the first token and its logprobs; `request_finished` returns
   delay_free and plans the send (blocks covering the prompt, the token); the worker's
-  PrefillKVManager writes the blocks once decode asks for room R, then sends the status; the
+  PrefillKVManager writes the blocks once decode asks for room R, then sends the status (with
+  `layerwise`, each step of the prompt plans a LayerSendPlan and the worker writes each layer's
+  blocks to a decode that has asked as `save_kv_layer` sees the layer stored, so the send at
+  the end has little or nothing left to write); the
   blocks are freed when the worker reports the room done (sent, failed, aborted, or its lease
   out). A request that ends before its first token (aborted) plans an abort instead: decode's
   ask gets Failed. The scheduler half runs the instance's bootstrap server.

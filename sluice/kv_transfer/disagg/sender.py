@@ -18,6 +18,13 @@ the decode ranks that will ask it (Bootstrapping for one that has not yet):
     Success | Failed  then the status goes to that decode rank: Success with the first token
                       and its logprobs, or Failed with why
 
+Layer-wise (PDConfig.layerwise): while the prompt computes, targets that have asked get each
+step's blocks layer by layer (`begin_layer_sends` before the forward, `send_layer` as each layer
+is stored, `wait_layer_sends` at the step's end: the transfer thread takes layer writes before
+any room's write); `streamed_blocks` is how far every layer has landed, and the room's write
+(Transferring above) sends only the rest before the status. A layer write that fails only
+marks the peer suspect: the room's write sends those blocks again, after a probe.
+
 Who frees what: the scheduler holds the request's blocks (delay_free) until the room is
 reported finished (`take_finished`), which happens once every decode rank that will ask has
 been served (written, or failed), when decode aborted the room (AbortRoom from any of its
