@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from sluice import LLM, SamplingParams
+from sluice.kv_transfer.disagg.poll import KVPoll
 from tests.connectors import count_computed_tokens
 from tests.kv_transfer.test_disagg_transfer import require_backend
 
@@ -341,8 +342,6 @@ def test_a_decode_request_that_never_receives_lets_the_prefill_free_its_blocks_a
 
 def _asked(pair: Pair, room: int, timeout_s: float = 10.0) -> None:
     """Step the decode until the prefill rank has its ask for `room`."""
-    from sluice.kv_transfer.disagg.poll import KVPoll
-
     worker = pair.prefill.llm_engine.engine_core.executor.worker
     manager = worker.model_runner.kv_connector.manager
     deadline = time.monotonic() + timeout_s

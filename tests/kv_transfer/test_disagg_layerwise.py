@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from sluice.config import KVTransferConfig
+from sluice.kv_transfer.disagg.config import PDConfig
 from sluice.kv_transfer.disagg.connector import LayerSendPlan
 from sluice.kv_transfer.disagg.poll import KVPoll
 from tests.kv_transfer.test_disagg_transfer import BACKENDS, Pair, blocks_equal, pd_pair
@@ -148,3 +150,14 @@ def test_a_decode_that_dies_mid_prompt_fails_the_room_within_the_write_bounds(
         pair.prefill.sender(10).send("p", [1, 2], 8, first_token=3, first_logprobs=None)
         [sent] = pair.wait(pair.prefill, timeout_s=15)
         assert not sent.ok and sent.error, sent
+
+
+def test_layerwise_is_a_boolean_setting_on_by_default() -> None:
+    def config(**extra: object) -> PDConfig:
+        return PDConfig.from_kv_transfer_config(KVTransferConfig(
+            kv_connector="PDConnector", kv_role="kv_producer", kv_connector_extra_config=extra))
+
+    assert config().layerwise is True
+    assert config(layerwise=False).layerwise is False
+    with pytest.raises(ValueError, match="layerwise must be true or false, got 'no'"):
+        config(layerwise="no")
