@@ -346,8 +346,9 @@ class PDConnectorWorker(KVConnectorWorker):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: Any) -> None:
         """Prefill, layer-wise: this layer's blocks of the step go out now (sender.py)."""
-        if not self.has_saves() or self.manager is None:
-            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self.has_saves() or self.manager is None:
+            return  # (not one of the registered caches)
         stored = None
         if self.cuda:
             import torch
@@ -356,7 +357,7 @@ class PDConnectorWorker(KVConnectorWorker):
             # after a graph replay): the write waits for this, not for the whole step.
             stored = torch.cuda.Event()
             stored.record()
-        self.manager.send_layer(self._layer_index[layer_name], stored)
+        self.manager.send_layer(layer, stored)
 
     def wait_for_save(self) -> None:
         """The step's layer writes read blocks a later step may overwrite (a preempted or
