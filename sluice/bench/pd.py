@@ -117,9 +117,12 @@ def _transfer(router: Instance, prefill: Instance, model: str, vocab: int,
                             ttft = time.perf_counter() - started
                 time.sleep(0.2)  # the prefill's counters arrive with its next step
                 after = _prefill_counters(prefill)
-                sent = after.get("worker_sent_bytes", 0) - before.get("worker_sent_bytes", 0)
-                seconds = (after.get("worker_transfer_seconds", 0)
-                           - before.get("worker_transfer_seconds", 0))
+                # The room's write and, layer-wise, the writes during the prompt (these
+                # overlap its compute: their share of TTFT is an upper bound).
+                sent = sum(after.get(k, 0) - before.get(k, 0)
+                           for k in ("worker_sent_bytes", "worker_layer_sent_bytes"))
+                seconds = sum(after.get(k, 0) - before.get(k, 0) for k in (
+                    "worker_transfer_seconds", "worker_layer_transfer_seconds"))
                 rows.append({"ttft_s": ttft, "kv_bytes": sent, "transfer_s": seconds,
                              "gb_per_s": sent / seconds / 1e9 if seconds else math.nan,
                              "share_of_ttft": seconds / ttft if ttft else math.nan})

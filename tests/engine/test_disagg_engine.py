@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from sluice import LLM, SamplingParams
+from sluice.kv_transfer.disagg.poll import KVPoll
 from tests.connectors import count_computed_tokens
 from tests.kv_transfer.test_disagg_transfer import require_backend
 
@@ -226,7 +227,8 @@ def test_decode_asks_only_for_the_blocks_its_prefix_cache_lacks(make_pair,
     # 70 tokens: 9 blocks, the first 5 found in the decode's own prefix cache.
     assert stats["local_hit_blocks"] == 5
     assert stats["requested_blocks"] == 5 + 9 - 5
-    assert pair.stats(pair.prefill)["worker_sent_blocks"] == 5 + 4
+    sent = pair.stats(pair.prefill)  # in the room's write, or layer by layer before it
+    assert sent.get("worker_sent_blocks", 0) + sent.get("worker_streamed_blocks", 0) == 5 + 4
     pair.assert_all_blocks_back()
 
 
@@ -335,4 +337,60 @@ def test_a_decode_request_that_never_receives_lets_the_prefill_free_its_blocks_a
     assert output.outputs[0].token_ids == expected(reference, [prompt], [params])[0].token_ids
     assert pair.computed["local"] == 40 + 3
     assert time.monotonic() - started < 5
+    pair.assert_all_blocks_back()
+
+
+def _asked(pair: Pair, room: int, timeout_s: float = 10.0) -> None:
+    """Step the decode until the prefill rank has its ask for `room`."""
+    worker = pair.prefill.llm_engine.engine_core.executor.worker
+    manager = worker.model_runner.kv_connector.manager
+    deadline = time.monotonic() + timeout_s
+    while manager.poll(room) != KVPoll.WaitingForInput:
+        assert time.monotonic() < deadline, f"room {room} was never asked for"
+        pair.decode.llm_engine.step()
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize(("backend", "layerwise"), [("fake", True), ("mooncake", True),
+                                                     ("shm", True), ("fake", False)])
+def test_layerwise_sends_every_block_during_the_prompts_steps_and_output_is_unchanged(
+        make_pair, reference: LLM, backend: str, layerwise: bool) -> None:
+    """Chunked prompts (16-token steps) and the prefill's prefix cache: with the decode's ask
+    in before the prompt computes, every block goes out layer by layer inside the prompt's
+    steps, the room's write after it sends none, and the output is colocated greedy's. Off,
+    every block goes in the room's write."""
+    require_backend(backend)
+    base, tail = prompts(12, [40, 27])
+    batch = [base, base + tail, prompts(13, [9])[0]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = expected(reference, batch, [params] * len(batch))
+    pair = make_pair(backend=backend, prefill_extra={"layerwise": layerwise},
+                     max_num_batched_tokens=16)
+    num_layers = pair.prefill.llm_engine.scheduler.connector.kv_cache_spec.num_layers
+    for i, prompt in enumerate(batch):
+        room = pair.add(f"r{i}", prompt, params, to_prefill=False)
+        _asked(pair, room)
+        pair.prefill.llm_engine.add_request(
+            f"p-r{i}", {"prompt_token_ids": prompt}, params,
+            kv_transfer_params={"do_remote_decode": True, "bootstrap_room": room})
+        output = pair.run()[f"r{i}"].outputs[0]
+        assert output.token_ids == want[i].token_ids, f"request {i}"
+        assert pair.computed[f"r{i}"] == params.max_tokens - 1  # no prompt recomputed
+    sent = pair.stats(pair.prefill)
+    decode = pair.stats(pair.decode)
+    # The decode's own cache had the first request's 5 blocks for the second.
+    assert decode["local_hit_blocks"] == 5
+    num_blocks = decode["requested_blocks"]
+    assert num_blocks == 5 + (9 - 5) + 2
+    assert sent["worker_rooms_sent"] == 3
+    if layerwise:
+        assert sent["worker_streamed_blocks"] == num_blocks
+        assert sent.get("worker_sent_blocks", 0) == 0
+        assert sent["worker_rooms_streamed"] == 3
+        # Every chunk's layers, each its own write: 40 tokens in 3 chunks, the 27 past the
+        # prefill's own prefix hit in 2, 9 in 1.
+        assert sent["worker_layer_writes"] == (3 + 2 + 1) * num_layers
+    else:
+        assert sent["worker_sent_blocks"] == num_blocks
+        assert "worker_layer_writes" not in sent and "worker_rooms_streamed" not in sent
     pair.assert_all_blocks_back()

@@ -18,6 +18,7 @@ import torch
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.kv_transfer.disagg import bootstrap
 from sluice.kv_transfer.disagg.config import PDConfig
+from sluice.kv_transfer.disagg.connector import LayerSendPlan
 from sluice.kv_transfer.disagg.faults import Faults
 from sluice.kv_transfer.disagg.heads import (
     HeadSlice,
@@ -28,6 +29,7 @@ from sluice.kv_transfer.disagg.heads import (
 )
 from sluice.kv_transfer.disagg.manager import Finished, KVManager
 from sluice.kv_transfer.disagg.messages import AbortRoom
+from sluice.kv_transfer.disagg.poll import KVPoll
 from sluice.kv_transfer.disagg.receiver import DecodeKVManager
 from sluice.kv_transfer.disagg.sender import PrefillKVManager
 from sluice.kv_transfer.disagg.shm import SharedKVArena
@@ -175,6 +177,37 @@ def test_each_prefill_rank_writes_its_heads_into_the_decode_rank_that_holds_them
         assert sum(sent_bytes) == decode_tp * per_decode_rank
         if model_heads < prefill_tp:  # a replica's holder other than the first sends nothing
             assert sent_bytes[1:] == [0] * (prefill_tp - 1)
+
+
+@pytest.mark.parametrize(("backend", "model_heads", "prefill_tp", "decode_tp"), [
+    ("fake", 2, 2, 1), ("fake", 1, 2, 1), ("fake", 2, 1, 2), ("mooncake", 2, 2, 1),
+    ("shm", 2, 1, 2)])
+def test_layer_wise_sends_write_each_ranks_heads_as_the_layers_are_stored(
+        backend: str, model_heads: int, prefill_tp: int, decode_tp: int) -> None:
+    with instances(backend, model_heads, prefill_tp, decode_tp) as pd:
+        src, dst = [3, 4, 5, 9], [7, 8, 1, 2]
+        num_prompt_tokens = len(src) * BLOCK - 1
+        pd.recv(6, dst, num_prompt_tokens)
+        deadline = time.monotonic() + 10
+        while any(p.poll(6) != KVPoll.WaitingForInput for p in pd.prefills):
+            assert time.monotonic() < deadline, "the decode ranks never asked"
+            time.sleep(0.01)
+        plan = LayerSendPlan(6, src, len(src), num_prompt_tokens)  # the prompt in one step
+        for prefill in pd.prefills:  # each rank's worker, in its own process in an engine
+            prefill.begin_layer_sends([plan])
+            for layer in range(LAYERS):
+                prefill.send_layer(layer, None)
+            prefill.wait_layer_sends()
+        pd.assert_received(src, dst)  # before any room's write
+        pd.send(6, src, num_prompt_tokens, first_token=9)
+        for decode in pd.decodes:
+            [received] = wait(decode)
+            assert (received.ok, received.first_token) == (True, 9), received.error
+        stats = [p.take_stats() for p in pd.prefills]
+        per_decode_rank = LAYERS * 2 * len(src) * BLOCK * HEAD_DIM * 4 * \
+            pd.decodes[0].spec.num_kv_heads
+        assert sum(s.get("layer_sent_bytes", 0) for s in stats) == decode_tp * per_decode_rank
+        assert sum(s.get("sent_bytes", 0) for s in stats) == 0  # nothing left at the end
 
 
 def test_a_failed_prefill_rank_fails_the_room_once_its_sibling_stopped_writing() -> None:

@@ -31,6 +31,7 @@ from tests.server.test_disagg_serving import (
     HEARTBEAT,
     Call,
     assert_blocks_back,
+    assert_layerwise,
     assert_same,
     calls,
     connector_stats,
@@ -104,6 +105,7 @@ def test_tp2_prefill_into_tp1_decode_through_the_router_equals_colocated(
     sent = connector_stats(prefill)
     assert sent["registered_ranks"] == 2
     assert sent["worker_rooms_sent"] == 2 * after["worker_rooms_received"]  # per rank
+    assert_layerwise(prefill)  # head slices too, each layer as it is stored
     print(f"17 requests, prefill TP 2 -> decode TP 1 over {pd_tp.backend}: "  # type: ignore
           f"{elapsed:.1f} s")
 

@@ -5,8 +5,9 @@ driven by the official `openai` client. Outputs equal the colocated `sluice serv
 page-size mismatch) hangs a request or leaks a block: after every test, every instance's
 /debug/engine shows its KV cache intact and every block free.
 
-One 1P1D trio per backend (fake, and Mooncake Transfer Engine over TCP) serves most checks; a
-2P1D trio with injected faults serves the failure and kill tests."""
+One 1P1D trio per backend (fake, and Mooncake Transfer Engine over TCP; the prefill's prompts
+in chunks of 16 tokens, each chunk's layers sent as they are stored: layer-wise, the default)
+serves most checks; a 2P1D trio with injected faults serves the failure and kill tests."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.serial
 
 MODEL = "tiny"
 FLAGS = [*ENGINE_FLAGS, "--served-model-name", MODEL]
+PREFILL_CHUNKS = ["--max-num-batched-tokens", "16"]  # most prompts in several steps
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,15 @@ def connector_stats(instance: Instance) -> dict[str, float]:
     return instance.engine_info()["scheduler"]["kv_connector"]
 
 
+def assert_layerwise(prefill: Instance) -> None:
+    """The prefill sent blocks layer by layer inside its prompts' steps (for the rooms whose
+    decode had asked by then: most, not all, since the router sends both halves at once)."""
+    stats = connector_stats(prefill)
+    assert stats.get("worker_layer_writes", 0) > 0, stats
+    assert stats.get("worker_streamed_blocks", 0) > 0, stats
+    assert stats.get("worker_layer_write_errors", 0) == 0, stats
+
+
 def router_metric(router: Instance, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -180,7 +191,8 @@ def pd(request: pytest.FixtureRequest, qwen3_dir: str,
     workdir = tmp_path_factory.mktemp(f"pd-{backend}")
     hold_file = workdir / "hold-transfers"
     env = [{"SLUICE_PD_FAULT_SEND_HOLD_FILE": str(hold_file)}] if backend == "fake" else None
-    cluster = start_cluster(qwen3_dir, FLAGS, backend, prefill_env=env, workdir=workdir)
+    cluster = start_cluster(qwen3_dir, FLAGS, backend, prefill_env=env, workdir=workdir,
+                            prefill_flags=PREFILL_CHUNKS)
     cluster.backend = backend  # type: ignore[attr-defined]
     cluster.hold_file = hold_file  # type: ignore[attr-defined]
     yield cluster
@@ -212,6 +224,7 @@ def test_32_concurrent_requests_through_the_router_equal_colocated(
     stats = connector_stats(pd.decodes[0])
     assert stats["worker_rooms_received"] >= 32
     assert router_metric(pd.router, "sluice_router_retries_total") == 0
+    assert_layerwise(pd.prefills[0])
     print(f"32 PD requests over {pd.backend}: {elapsed:.1f} s")  # type: ignore[attr-defined]
 
 

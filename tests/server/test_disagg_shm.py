@@ -23,6 +23,7 @@ from tests.server.test_disagg_serving import (
     FLAGS,
     Call,
     assert_blocks_back,
+    assert_layerwise,
     assert_same,
     calls,
     connector_stats,
@@ -117,6 +118,8 @@ def test_pd_over_shm_through_the_router_equals_colocated(pd: PDCluster,
     for prefill in pd.prefills:
         assert connector_stats(prefill)["worker_rooms_sent"] > 0
     assert router_metric(pd.router, "sluice_router_retries_total") == 0
+    for prefill in pd.prefills:
+        assert_layerwise(prefill)
     # The decode's own prefix cache served the shared prefix's blocks.
     assert after["local_hit_blocks"] - before.get("local_hit_blocks", 0) >= 8
 
@@ -139,6 +142,8 @@ def test_sigkill_of_a_prefill_mid_transfer_over_shm_loses_no_request(
 
     def mapped() -> None:
         assert segment_mappings(dying) == 1  # it has the decode's cache mapped
+        # Layer-wise, its rooms' KV went out during their prompts; their status is held.
+        assert connector_stats(dying).get("worker_layer_writes", 0) > 0
 
     got, before = kill_a_prefill_mid_transfer(pd, dying, batch, 16, 3 * 0.5 + 0.5 + 5,
                                               before_kill=mapped)

@@ -51,6 +51,11 @@ class PDConfig:
     max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""
+    # Prefill: write each layer's blocks of a step as soon as the layer's KV is stored (the
+    # transfer overlaps the rest of the forward; the step ends once its writes have landed),
+    # rather than the whole prompt after it is done. The status still goes out only when every
+    # block of every layer is there. On by default: benchmarks/journal/2026-12-02-pd-layerwise.md.
+    layerwise: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -70,6 +75,9 @@ class PDConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PDConnector {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.layerwise, bool):
+            raise ValueError(f"PDConnector layerwise must be true or false, got "
+                             f"{self.layerwise!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"PDConnector host must be a host name, got {self.host!r}")
 

@@ -7,7 +7,10 @@ Prefill (producer), per request with {"do_remote_decode": true, "bootstrap_room"
   its engine caps it at one output token; the prompt computes as usual (chunked, prefix cache);
   `update_request_output` keeps the first token and its logprobs; `request_finished` returns
   delay_free and plans the send (blocks covering the prompt, the token); the worker's
-  PrefillKVManager writes the blocks once decode asks for room R, then sends the status; the
+  PrefillKVManager writes the blocks once decode asks for room R, then sends the status (with
+  `layerwise`, each step of the prompt plans a LayerSendPlan and the worker writes each layer's
+  blocks to a decode that has asked as `save_kv_layer` sees the layer stored, so the send at
+  the end has little or nothing left to write); the
   blocks are freed when the worker reports the room done (sent, failed, aborted, or its lease
   out). A request that ends before its first token (aborted) plans an abort instead: decode's
   ask gets Failed. The scheduler half runs the instance's bootstrap server.
@@ -94,8 +97,21 @@ class AbortPlan(msgspec.Struct):
     prefill: str | None = None
 
 
+class LayerSendPlan(msgspec.Struct):
+    """Prefill, layer-wise: a request whose prompt computes this step. Each layer's blocks
+    [0, len(block_ids)) go to the room's decode ranks that have asked, as that layer is
+    stored (what an earlier step sent is skipped); afterwards the first `num_complete_blocks`
+    hold their final KV."""
+
+    room: int
+    block_ids: list[int]  # the prompt's blocks up to this step's last token, in token order
+    num_complete_blocks: int
+    num_prompt_tokens: int
+
+
 class PDMetadata(msgspec.Struct):
     sends: list[SendPlan] = msgspec.field(default_factory=list)
+    layer_sends: list[LayerSendPlan] = msgspec.field(default_factory=list)
     recvs: list[RecvPlan] = msgspec.field(default_factory=list)
     aborts: list[AbortPlan] = msgspec.field(default_factory=list)
 
@@ -207,7 +223,31 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput,
                              scheduler: SchedulerView) -> PDMetadata:
         plan, self._plan = self._plan, PDMetadata()
+        if self.is_prefill and self.pd.layerwise:
+            plan.layer_sends = self._layer_sends(scheduler_output, scheduler)
         return plan
+
+    def _layer_sends(self, scheduler_output: SchedulerOutput,
+                     scheduler: SchedulerView) -> list[LayerSendPlan]:
+        """The step's prompt chunks of requests a decode continues (before the step: the
+        requests' num_computed_tokens are those of earlier steps)."""
+        block_size = self.kv_cache_spec.block_size
+        sends = []
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            num_prompt = request.num_prompt_tokens
+            if request.num_computed_tokens >= num_prompt:
+                continue
+            remote = pd_params.parse_or_none(request.kv_transfer_params)
+            if not isinstance(remote, pd_params.RemoteDecode):
+                continue
+            end = min(request.num_computed_tokens + num_new, num_prompt)
+            num_blocks = -(-end // block_size)
+            sends.append(LayerSendPlan(
+                room=remote.room, block_ids=scheduler.get_block_ids(req_id)[:num_blocks],
+                num_complete_blocks=num_blocks if end == num_prompt else end // block_size,
+                num_prompt_tokens=num_prompt))
+        return sends
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving | output.finished_sending:
@@ -269,6 +309,7 @@ class PDConnectorWorker(KVConnectorWorker):
                                arena=self._arena)
         self.manager.start()
         self.cuda = next(iter(kv_caches.values())).is_cuda
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
 
     def start_load_kv(self) -> None:
         meta: PDMetadata | None = self._metadata
@@ -285,6 +326,8 @@ class PDConnectorWorker(KVConnectorWorker):
         for send in meta.sends:
             manager.sender(send.room).send(send.req_id, send.block_ids, send.num_prompt_tokens,
                                            send.first_token, send.first_logprobs, ready_event)
+        if meta.layer_sends:
+            manager.begin_layer_sends(meta.layer_sends)
         for recv in meta.recvs:
             manager.receiver(recv.room).init(
                 recv.req_id, f"{recv.bootstrap_host}:{recv.bootstrap_port}", recv.block_ids,
@@ -295,6 +338,32 @@ class PDConnectorWorker(KVConnectorWorker):
                 manager.notify_abort(abort.prefill, abort.room, abort.reason)
             else:
                 manager.abort_room(abort.room, abort.reason)
+
+    def has_saves(self) -> bool:
+        meta: PDMetadata | None = self._metadata
+        return meta is not None and bool(meta.layer_sends)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any) -> None:
+        """Prefill, layer-wise: this layer's blocks of the step go out now (sender.py)."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self.has_saves() or self.manager is None:
+            return  # (not one of the registered caches)
+        stored = None
+        if self.cuda:
+            import torch
+
+            # On the stream that stored the layer (the compute stream, or the bridge stream
+            # after a graph replay): the write waits for this, not for the whole step.
+            stored = torch.cuda.Event()
+            stored.record()
+        self.manager.send_layer(layer, stored)
+
+    def wait_for_save(self) -> None:
+        """The step's layer writes read blocks a later step may overwrite (a preempted or
+        aborted request's, reused): the step ends once they are done."""
+        if self.has_saves() and self.manager is not None:
+            self.manager.wait_layer_sends()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(sends that ended and abort plans taken over: their delayed frees may happen,

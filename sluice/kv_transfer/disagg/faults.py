@@ -1,12 +1,13 @@
 """Faults injected into prefill/decode transfers for tests, set by environment variables of the
 prefill instance (read once, when its connector starts):
 
-    SLUICE_PD_FAULT_TRANSFER_FAIL_PROB   a room's transfer fails (nothing written, Failed sent)
-                                         with this probability
+    SLUICE_PD_FAULT_TRANSFER_FAIL_PROB   a room's write fails (nothing more written, Failed
+                                         sent) with this probability
     SLUICE_PD_FAULT_SEND_DELAY_S         wait this long before writing a room's KV (the room
                                          shows Transferring meanwhile)
-    SLUICE_PD_FAULT_SEND_HOLD_FILE       while a file exists at this path, write no room's KV
-                                         (rooms show Transferring; a room that fails, e.g.
+    SLUICE_PD_FAULT_SEND_HOLD_FILE       while a file exists at this path, no room's write and
+                                         so no status (layer-wise writes during the prompt
+                                         still go; rooms show Transferring; one that fails, e.g.
                                          aborted, ends at once): a test creates it to act while
                                          transfers are under way, however slow the machine,
                                          and removes it to let them go

@@ -18,6 +18,13 @@ the decode ranks that will ask it (Bootstrapping for one that has not yet):
     Success | Failed  then the status goes to that decode rank: Success with the first token
                       and its logprobs, or Failed with why
 
+Layer-wise (PDConfig.layerwise): while the prompt computes, targets that have asked get each
+step's blocks layer by layer (`begin_layer_sends` before the forward, `send_layer` as each layer
+is stored, `wait_layer_sends` at the step's end: the transfer thread takes layer writes before
+any room's write); `streamed_blocks` is how far every layer has landed, and the room's write
+(Transferring above) sends only the rest before the status. A layer write that fails only
+marks the peer suspect: the room's write sends those blocks again, after a probe.
+
 Who frees what: the scheduler holds the request's blocks (delay_free) until the room is
 reported finished (`take_finished`), which happens once every decode rank that will ask has
 been served (written, or failed), when decode aborted the room (AbortRoom from any of its
@@ -32,12 +39,14 @@ again (a failed session is never blacklisted for good).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.channel import Message
 from sluice.kv_transfer.disagg import bootstrap
@@ -60,6 +69,9 @@ from sluice.kv_transfer.disagg.messages import (
 from sluice.kv_transfer.disagg.poll import KVPoll, advance, consensus
 from sluice.kv_transfer.disagg.shm import host_id
 
+if TYPE_CHECKING:
+    from sluice.kv_transfer.disagg.connector import LayerSendPlan
+
 logger = logging.getLogger("sluice")
 
 
@@ -75,6 +87,15 @@ class _Target:
     queued: bool = False
     writing: bool = False  # the transfer thread is writing it (the room's blocks are in use)
     error: str | None = None
+    # Layer-wise: prompt blocks [ask.first_block, streamed_blocks) are there in every layer;
+    # layer writes queued or running for it.
+    streamed_blocks: int = 0
+    layer_writes: int = 0
+
+    @property
+    def busy(self) -> bool:
+        """A write reads the room's blocks for it."""
+        return self.writing or self.layer_writes > 0
 
 
 @dataclass(slots=True)
@@ -113,6 +134,30 @@ class _Room:
                          for d in self.askers)
 
 
+@dataclass(slots=True)
+class _LayerStep:
+    """One target's share of a step's layer-wise writes: the same runs in every layer."""
+
+    entry: _Room
+    target: _Target
+    runs: list[tuple[int, int, int]]
+    peer: CacheLayout
+    num_complete_blocks: int  # the target's streamed_blocks once every layer landed
+    num_landed: int = 0
+    failed: bool = False
+
+
+@dataclass(slots=True)
+class _LayerWrite:
+    step: _LayerStep
+    layer: int
+    stored: Any  # CUDA event recorded once the layer's KV was stored (None on the CPU)
+
+
+def _one_layer(layout: CacheLayout, layer: int) -> CacheLayout:
+    return dataclasses.replace(layout, layer_addresses=(layout.layer_addresses[layer],))
+
+
 class KVSender:
     """One room being sent; a handle on the manager's state (same interface on every
     backend)."""
@@ -141,6 +186,11 @@ class PrefillKVManager(KVManager):
         self._work = threading.Condition(self.lock)
         self._suspect_peers: set[str] = set()
         self.registered = threading.Event()
+        # Layer-wise (the step being computed): its targets, the layer writes not yet taken
+        # by the transfer thread (before any room's whole write), those not yet landed.
+        self._layer_steps: list[_LayerStep] = []
+        self._layer_queue: deque[_LayerWrite] = deque()
+        self._layer_writes_in_flight = 0
 
     def start(self) -> None:
         super().start()
@@ -200,6 +250,106 @@ class PrefillKVManager(KVManager):
             if entry.req_id is not None:
                 return  # the send is the scheduler's to finish
             self._fail_room(entry, f"the prefill request was {reason}", time.monotonic())
+
+    # ---- layer-wise, from the worker during a step -------------------------------------------
+
+    def begin_layer_sends(self, plans: list[LayerSendPlan]) -> None:
+        """Before the forward: which decode ranks get this step's layers, and which blocks.
+        A rank whose ask arrives later in the step gets them with the next step (or with the
+        room's whole write)."""
+        with self.lock:
+            self._layer_steps = []
+            for plan in plans:
+                entry = self.rooms.get(plan.room)
+                if entry is None or entry.failed is not None or entry.ended:
+                    continue
+                for target in entry.targets.values():
+                    step = self._layer_step(entry, target, plan)
+                    if step is not None:
+                        self._layer_steps.append(step)
+
+    def _layer_step(self, entry: _Room, target: _Target, plan: LayerSendPlan
+                    ) -> _LayerStep | None:
+        ask = target.ask
+        if (target.heads is None or target.heads.num_heads == 0 or target.state.is_done
+                or target.busy or ask.session in self._suspect_peers
+                or time.monotonic() > target.deadline):
+            return None  # refused, nothing to write, or left to the whole write (it probes)
+        if (ask.num_prompt_tokens != plan.num_prompt_tokens or ask.first_block
+                + len(ask.block_ids) != -(-plan.num_prompt_tokens // self.spec.block_size)):
+            return None  # the whole write refuses it, naming both
+        first = max(ask.first_block, target.streamed_blocks)
+        end = len(plan.block_ids)
+        if first >= end:
+            return None
+        runs = block_runs(plan.block_ids[first:],
+                          ask.block_ids[first - ask.first_block:end - ask.first_block])
+        return _LayerStep(entry, target, runs, self._peer_layout(ask), plan.num_complete_blocks)
+
+    def send_layer(self, layer: int, stored: Any) -> None:
+        """Layer `layer` of the step is in the cache (on the device: once `stored` is):
+        queue its writes."""
+        with self.lock:
+            for step in self._layer_steps:
+                step.target.layer_writes += 1
+                self._layer_writes_in_flight += 1
+                self._layer_queue.append(_LayerWrite(step, layer, stored))
+            if self._layer_steps:
+                self._work.notify_all()
+
+    def wait_layer_sends(self) -> None:
+        """Return once every layer write of the step has landed or failed. Each is bounded as
+        a room's write is (the backend's own timeouts; the lease stops it between batches)."""
+        with self._work:
+            while self._layer_writes_in_flight and not self._stop.is_set():
+                self._work.wait(timeout=0.1)
+            self._layer_steps = []
+
+    def _write_layer(self, job: _LayerWrite) -> None:
+        """The transfer thread: one layer's runs to one decode rank."""
+        step = job.step
+        entry, target = step.entry, step.target
+        ask = target.ask
+
+        def should_stop() -> bool:
+            return entry.failed is not None or time.monotonic() > target.deadline
+
+        error = "stopped" if step.failed or should_stop() else None
+        if error is None:
+            backend = self.backends[ask.backend]
+            error = backend.attach(ask.session, ask.export)
+        if error is None:
+            if job.stored is not None:
+                job.stored.synchronize()
+            src, dst, lengths = build_descriptors(_one_layer(self.layout, job.layer),
+                                                  _one_layer(step.peer, job.layer), step.runs,
+                                                  target.heads)
+            start = time.perf_counter()
+            error = backend.write(ask.session, src, dst, lengths, should_stop)
+            elapsed = time.perf_counter() - start
+        with self.lock:
+            target.layer_writes -= 1
+            self._layer_writes_in_flight -= 1
+            if error is None:
+                self.add_stat("layer_writes", 1)
+                self.add_stat("layer_sent_bytes", sum(lengths))
+                self.add_stat("layer_transfer_seconds", elapsed)
+                step.num_landed += 1
+                if step.num_landed == len(self.layout.layer_addresses):
+                    target.streamed_blocks = max(target.streamed_blocks,
+                                                 step.num_complete_blocks)
+            elif not step.failed:
+                # Left to the room's whole write, which probes the peer first.
+                step.failed = True
+                if error != "stopped":
+                    self._suspect_peers.add(ask.session)
+                    self.add_stat("layer_write_errors", 1)
+                    logger.warning("PD room %d: a layer write to decode rank %d failed (the "
+                                   "room's write will retry it): %s", entry.room,
+                                   ask.decode_rank, error)
+            if not target.busy and entry.failed is not None:
+                self._fail_target(entry, target, entry.failed, time.monotonic())
+            self._work.notify_all()
 
     # ---- from decode -----------------------------------------------------------------------
 
@@ -308,12 +458,15 @@ class PrefillKVManager(KVManager):
             room=entry.room, prefill_rank=self.rank, state=KVPoll.Transferring))
         self._work.notify()
 
-    def _next_job(self) -> tuple[_Room, _Target] | None:
-        """The next write that may start, waiting for one (lock held)."""
+    def _next_job(self) -> _LayerWrite | tuple[_Room, _Target] | None:
+        """The next write that may start, waiting for one (lock held). Layer writes first:
+        the step that queued them waits for them."""
         while not self._stop.is_set():
             now = time.monotonic()
+            if self._layer_queue:
+                return self._layer_queue.popleft()
             ready = [(e, t) for e in self.rooms.values() for t in e.targets.values()
-                     if t.queued and t.state == KVPoll.Transferring]
+                     if t.queued and t.state == KVPoll.Transferring and not t.layer_writes]
             holding = bool(ready) and self.faults.holding()
             due = [(e, t) for e, t in ready
                    if e.failed or (t.not_before <= now and not holding)]
@@ -331,35 +484,48 @@ class PrefillKVManager(KVManager):
                 job = self._next_job()
                 if job is None:
                     return
-                entry, target = job
-                target.queued = False
-                ask = target.ask
-                if entry.failed or time.monotonic() > target.deadline:
-                    self._fail_target(entry, target, entry.failed or "decode's lease ran out "
-                                      "before the write could start", time.monotonic())
-                    continue
-                target.writing = True
-                src = entry.block_ids[ask.first_block:]
-                ready_event = entry.ready_event
-                suspect = ask.session in self._suspect_peers
-                fail = self.faults.fail_transfer()
+            if isinstance(job, _LayerWrite):
+                self._write_layer(job)
+            else:
+                self._write_room(*job)
 
-            def should_stop(entry: _Room = entry, target: _Target = target) -> bool:
-                return entry.failed is not None or time.monotonic() > target.deadline
+    def _write_room(self, entry: _Room, target: _Target) -> None:
+        """A decode rank's write of the room once the request is done: what the layer writes
+        of the prompt's steps left (layer-wise, usually nothing), then the status."""
+        with self.lock:
+            target.queued = False
+            ask = target.ask
+            if entry.failed or time.monotonic() > target.deadline:
+                self._fail_target(entry, target, entry.failed or "decode's lease ran out "
+                                  "before the write could start", time.monotonic())
+                return
+            target.writing = True
+            first = max(ask.first_block, target.streamed_blocks)
+            src, dst = entry.block_ids[first:], ask.block_ids[first - ask.first_block:]
+            ready_event = entry.ready_event
+            suspect = ask.session in self._suspect_peers
+            fail = self.faults.fail_transfer()
 
-            error = self._write(ask, target.heads, src, ready_event, suspect, fail,
-                                should_stop)
-            now = time.monotonic()
-            with self.lock:
-                target.writing = False
-                if error is None and entry.failed is None:
-                    self._succeed_target(entry, target, now)
-                else:
-                    self._fail_target(entry, target, entry.failed or error, now)
+        def should_stop() -> bool:
+            return entry.failed is not None or time.monotonic() > target.deadline
+
+        error = self._write(ask, target.heads, src, dst, ready_event, suspect, fail,
+                            should_stop)
+        now = time.monotonic()
+        with self.lock:
+            target.writing = False
+            if error is None and entry.failed is None:
+                # Of the room's blocks, those its layer writes brought (sent_blocks: the rest).
+                self.add_stat("streamed_blocks", first - ask.first_block)
+                if not src:
+                    self.add_stat("rooms_streamed", 1)
+                self._succeed_target(entry, target, now)
+            else:
+                self._fail_target(entry, target, entry.failed or error, now)
 
     def _write(self, ask: TransferRequest, heads: HeadSlice, src_blocks: list[int],
-               ready_event: Any, suspect: bool, inject_failure: bool, should_stop: Any
-               ) -> str | None:
+               dst_blocks: list[int], ready_event: Any, suspect: bool, inject_failure: bool,
+               should_stop: Any) -> str | None:
         if inject_failure:
             return "transfer failed (injected: SLUICE_PD_FAULT_TRANSFER_FAIL_PROB)"
         if heads.num_heads == 0:
@@ -375,7 +541,7 @@ class PrefillKVManager(KVManager):
                 self._suspect_peers.discard(ask.session)
         if ready_event is not None:
             ready_event.synchronize()  # the request's last step has written its KV
-        runs = block_runs(src_blocks, ask.block_ids)
+        runs = block_runs(src_blocks, dst_blocks)
         src, dst, lengths = build_descriptors(self.layout, self._peer_layout(ask), runs, heads)
         start = time.perf_counter()
         error = backend.write(ask.session, src, dst, lengths, should_stop)
@@ -416,7 +582,7 @@ class PrefillKVManager(KVManager):
             return
         entry.failed = error
         for target in entry.targets.values():
-            if not target.writing:
+            if not target.busy:
                 self._fail_target(entry, target, error, now)
         self._maybe_end(entry, now)
 
@@ -439,8 +605,9 @@ class PrefillKVManager(KVManager):
             self.add_stat("rooms_failed", 1)
             logger.warning("PD room %d failed on prefill rank %d: %s", entry.room, self.rank,
                            entry.failed)
-        if entry.missing_askers:
-            # A tombstone: a late ask is answered Failed, until decode has given up anyway.
+        if entry.missing_askers or entry.req_id is None:
+            # A tombstone: a late ask is answered Failed, a late send plan (the prefill
+            # request still computing when decode aborted) frees its blocks at once.
             entry.deadline = now + self.config.send_lease_s
         else:
             del self.rooms[entry.room]
@@ -465,7 +632,7 @@ class PrefillKVManager(KVManager):
                         del self.rooms[entry.room]  # a tombstone that served its time
                     continue
                 for target in list(entry.targets.values()):
-                    if (not target.state.is_done and not target.queued and not target.writing
+                    if (not target.state.is_done and not target.queued and not target.busy
                             and now > target.deadline):
                         self._fail_target(entry, target, "decode's lease ran out", now)
                 if entry.ended or now <= entry.deadline:
