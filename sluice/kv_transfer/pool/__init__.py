@@ -4,7 +4,8 @@ content-addressed key, shared by engine instances.
     backend = create_backend("mooncake://127.0.0.1:50051", global_segment_size=1 << 30)
 
 URLs: `local` / `local://` (in-process), `redis://HOST[:PORT][/DB]` (default port 6379),
-`mooncake://MASTER_HOST[:PORT]` (default port 50051). Options are the backend class's keyword
+`mooncake://MASTER_HOST[:PORT]` (default port 50051), `shm://HOST[:PORT]` (the shared host tier,
+`sluice pool-server` on this host; default port 7070). Options are the backend class's keyword
 arguments (`timeout_s` for all). The interface is `PoolBackend` (`backend.py`); the value format
 with its integrity trailer is `framing.py`.
 """
@@ -29,8 +30,8 @@ __all__ = [
     "PoolUnavailable", "TRAILER_SIZE", "backend_class", "create_backend", "value_size",
 ]
 
-BACKENDS = ("local", "redis", "mooncake")
-DEFAULT_PORTS = {"redis": 6379, "mooncake": 50051}
+BACKENDS = ("local", "redis", "mooncake", "shm")
+DEFAULT_PORTS = {"redis": 6379, "mooncake": 50051, "shm": 7070}
 
 
 def backend_class(name: str) -> type[PoolBackend]:
@@ -43,6 +44,9 @@ def backend_class(name: str) -> type[PoolBackend]:
     if name == "mooncake":
         from sluice.kv_transfer.pool.mooncake_store import MooncakeBackend
         return MooncakeBackend
+    if name == "shm":
+        from sluice.kv_transfer.pool.shm_store import ShmPoolBackend
+        return ShmPoolBackend
     raise ValueError(f"unknown pool backend {name!r}; known: {', '.join(BACKENDS)}")
 
 
@@ -55,8 +59,8 @@ def parse_url(url: str) -> tuple[str, dict[str, Any]]:
     parsed = urllib.parse.urlsplit(url)
     scheme = parsed.scheme
     if scheme not in DEFAULT_PORTS or parsed.query or parsed.fragment or parsed.username:
-        raise ValueError(f"bad pool URL {url!r}: expected local, redis://HOST:PORT[/DB] or "
-                         f"mooncake://MASTER_HOST:PORT")
+        raise ValueError(f"bad pool URL {url!r}: expected local, redis://HOST:PORT[/DB], "
+                         f"mooncake://MASTER_HOST:PORT or shm://HOST:PORT")
     try:
         port = parsed.port
     except ValueError:
@@ -71,7 +75,7 @@ def parse_url(url: str) -> tuple[str, dict[str, Any]]:
             raise ValueError(f"bad pool URL {url!r}: the database must be a number")
         address["db"] = int(path)
     elif path:
-        raise ValueError(f"bad pool URL {url!r}: mooncake takes no path")
+        raise ValueError(f"bad pool URL {url!r}: {scheme} takes no path")
     return scheme, address
 
 

@@ -132,7 +132,7 @@ class PoolSettings:
 
 
 _URL_FORMS = {"local": "local", "redis": "redis://HOST:PORT[/DB]",
-              "mooncake": "mooncake://MASTER_HOST:PORT"}
+              "mooncake": "mooncake://MASTER_HOST:PORT", "shm": "shm://127.0.0.1:PORT"}
 
 
 def slot_stride(spec: KVCacheSpec) -> int:

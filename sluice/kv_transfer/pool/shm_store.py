@@ -1,0 +1,246 @@
+"""The shared host tier's pool backend (`shm://HOST:PORT`): a client of `sluice pool-server`
+(shm_server.py) on this host. It maps the server's arena once per server life and copies each
+value with one memcpy (GIL released) between its staging buffer and the arena; the socket
+carries only the index operations (two round trips a get or put chunk, one an exists).
+
+- Bounds: every call holds one lock and one connection; the lock, the connect and each reply
+  wait for at most what is left of `timeout_s`. A silent server is `PoolTimeout` (the connection
+  is dropped: the server then drops its pins and reservations), a refused or lost connection
+  `PoolUnavailable`; the next call connects again. Copies are local, so nothing runs on after a
+  call returns: `busy` is always False.
+- A server killed while a get copies: the client's mapping keeps the memory, the copy ends with
+  the value's bytes (and its checksum says so). A restarted server has a new, empty arena: the
+  client maps it on its next handshake and drops the old mapping.
+- The server must be on this host and in this pid namespace (`disagg.shm.host_id`); another is
+  `PoolUnavailable` naming both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from sluice.channel import Encoder, MessageDecoder, WireError
+from sluice.kv_transfer.disagg.shm import host_id, map_peer_memfd
+from sluice.kv_transfer.pool.backend import PoolBackend
+from sluice.kv_transfer.pool.shm_server import (
+    LENGTH,
+    MAX_FRAME_BYTES,
+    Committed,
+    Count,
+    Counted,
+    Exists,
+    GetBegin,
+    GetEnd,
+    GetGrant,
+    Hello,
+    Present,
+    PutBegin,
+    PutCommit,
+    PutGrant,
+    Refused,
+    Reply,
+    Stats,
+    StatsRequest,
+    Welcome,
+    send_frame,
+)
+
+
+@dataclass(slots=True)
+class _Arena:
+    welcome: Welcome
+    mapping: mmap.mmap
+    view: ctypes.Array  # over the mapping: its address; dropped before the mapping closes
+    address: int
+
+    def close(self) -> None:
+        del self.view
+        self.mapping.close()
+
+
+class ShmPoolBackend(PoolBackend):
+    backend_name = "shm"
+    max_keys_per_call = 1024
+    max_keys_per_lookup = 1 << 14
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 7070, *,
+                 timeout_s: float = 5.0) -> None:
+        super().__init__(f"{host}:{port}", timeout_s)
+        self.host, self.port = host, port
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._arena: _Arena | None = None
+        self._encoder = Encoder()
+        self._decoder = MessageDecoder(Reply, "shm pool reply", "this client and the server")
+        with self._connected(time.monotonic() + self.timeout_s):
+            pass
+
+    @property
+    def slot_bytes(self) -> int | None:
+        """The largest value the server takes (None before a handshake)."""
+        arena = self._arena
+        return arena.welcome.slot_bytes if arena is not None else None
+
+    # ---- the operations ----
+
+    def _exists(self, keys: list[str], deadline: float) -> list[bool]:
+        with self._connected(deadline):
+            return self._ask(Exists(keys=keys), Present, deadline).found
+
+    def _get(self, keys: list[str], offsets: list[int], sizes: list[int],
+             deadline: float) -> list[int]:
+        with self._connected(deadline):
+            grant = self._ask(GetBegin(keys=keys, max_sizes=sizes), GetGrant, deadline)
+            arena = self._arena
+            slot_bytes = arena.welcome.slot_bytes
+            received = []
+            for offset, slot, size in zip(offsets, grant.slots, grant.sizes):
+                if slot < 0:
+                    received.append(-1)
+                    continue
+                ctypes.memmove(self._buffer_address + offset, arena.address + slot * slot_bytes,
+                               size)
+                received.append(size)
+            pinned = [slot for slot in grant.slots if slot >= 0]
+            if pinned:
+                try:
+                    send_frame(self._sock, self._encoder, GetEnd(slots=pinned))
+                except OSError:
+                    self._drop()  # the copies are done: the values stand; the next call sees it
+        return received
+
+    def _put(self, keys: list[str], offsets: list[int], sizes: list[int],
+             deadline: float) -> list[bool]:
+        with self._connected(deadline):
+            grant = self._ask(PutBegin(keys=keys, sizes=sizes), PutGrant, deadline)
+            arena = self._arena
+            slot_bytes = arena.welcome.slot_bytes
+            reserved = []
+            for offset, slot, size in zip(offsets, grant.slots, sizes):
+                if slot >= 0:
+                    ctypes.memmove(arena.address + slot * slot_bytes,
+                                   self._buffer_address + offset, size)
+                    reserved.append(slot)
+            stored = iter(self._ask(PutCommit(slots=reserved), Committed, deadline).stored
+                          if reserved else [])
+            # PRESENT (-1): the key holds its value already, a success; NO_ROOM (-2): refused.
+            return [next(stored) if slot >= 0 else slot == -1 for slot in grant.slots]
+
+    def count_keys(self, prefix: str = "") -> int:
+        self._check_open()
+        deadline = time.monotonic() + self.timeout_s
+        with self._connected(deadline):
+            return self._ask(Count(prefix=prefix), Counted, deadline).num_keys
+
+    def stats(self) -> Stats:
+        """The server's counts (tests, metrics)."""
+        self._check_open()
+        deadline = time.monotonic() + self.timeout_s
+        with self._connected(deadline):
+            return self._ask(StatsRequest(), Stats, deadline)
+
+    def _close(self) -> None:
+        with self._lock:
+            self._drop()
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+
+    # ---- the connection ----
+
+    @contextlib.contextmanager
+    def _connected(self, deadline: float) -> Iterator[None]:
+        """Hold the lock and a connection (made now if there is none) for one call."""
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise self.timed_out(f"another call held the client for timeout_s="
+                                 f"{self.timeout_s:g}")
+        try:
+            if self._sock is None:
+                self._handshake(deadline)
+            yield
+        finally:
+            self._lock.release()
+
+    def _handshake(self, deadline: float) -> None:
+        self._check_deadline(deadline)
+        try:
+            sock = socket.create_connection((self.host, self.port),
+                                            timeout=max(0.01, deadline - time.monotonic()))
+        except TimeoutError:
+            raise self.timed_out(f"no connection within {self.timeout_s:g} s") from None
+        except OSError as exc:
+            if self._arena is not None:  # the server is gone: let its memory go
+                self._arena.close()
+                self._arena = None
+            raise self.unavailable(f"cannot reach the server ({exc})") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        welcome = self._ask(Hello(), Welcome, deadline)
+        here = host_id()
+        if welcome.host_id != here:
+            self._drop()
+            raise self.unavailable(f"the server is on host {welcome.host_id!r}, this client on "
+                                   f"{here!r}: the shm pool serves one host's instances")
+        arena = self._arena
+        if arena is not None and arena.welcome == welcome:
+            return
+        if arena is not None:  # the server was restarted: a new arena
+            self._arena = None
+            arena.close()
+        try:
+            mapping = map_peer_memfd(welcome.pid, welcome.fd, welcome.inode, welcome.nbytes)
+        except (OSError, ValueError) as exc:
+            self._drop()
+            raise self.unavailable(f"cannot map the server's arena "
+                                   f"(/proc/{welcome.pid}/fd/{welcome.fd}): {exc}") from None
+        view = (ctypes.c_ubyte * welcome.nbytes).from_buffer(mapping)
+        self._arena = _Arena(welcome, mapping, view, ctypes.addressof(view))
+
+    def _ask(self, request, reply_type: type, deadline: float):  # noqa: ANN001, ANN202
+        """Send `request`, return its reply (of `reply_type`); drops the connection on error."""
+        sock = self._sock
+        assert sock is not None
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            send_frame(sock, self._encoder, request)
+            (length,) = LENGTH.unpack(self._receive(sock, LENGTH.size))
+            if length > MAX_FRAME_BYTES:
+                raise WireError(f"a {length}-byte reply frame")
+            reply = self._decoder.decode(self._receive(sock, length))
+        except TimeoutError:
+            self._drop()
+            raise self.timed_out(f"no answer within timeout_s={self.timeout_s:g}") from None
+        except (OSError, WireError) as exc:
+            self._drop()
+            raise self.unavailable(f"connection lost ({exc})") from None
+        if isinstance(reply, Refused):
+            raise self.unavailable(f"the server refused the call: {reply.reason}")
+        if not isinstance(reply, reply_type):
+            self._drop()
+            raise self.unavailable(f"expected {reply_type.__name__}, got "
+                                   f"{type(reply).__name__}")
+        return reply
+
+    @staticmethod
+    def _receive(sock: socket.socket, size: int) -> bytes:
+        data = bytearray()
+        while len(data) < size:
+            chunk = sock.recv(size - len(data))
+            if not chunk:
+                raise ConnectionResetError("the server closed the connection")
+            data += chunk
+        return bytes(data)
+
+    def _drop(self) -> None:
+        """Close the connection (the server drops its pins and reservations); keep the arena
+        mapped until a handshake says it changed (or `close`)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
