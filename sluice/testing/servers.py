@@ -1,5 +1,6 @@
 """Real pool servers for tests and benchmarks: `redis-server`, `mooncake_master`, a process
-that owns a Mooncake Store segment, and `sluice pool-server` (the shared host tier), each on loopback ports picked free (or given).
+that owns a Mooncake Store segment, and `sluice pool-server` (the shared host tier), each on
+loopback ports picked free (or given).
 
     with start_redis() as server:            # waits until it answers PING
         backend = create_backend(server.url)

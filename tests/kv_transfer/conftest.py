@@ -1,7 +1,7 @@
 """Real pool servers for the pool tests: one `redis-server`, one `mooncake_master` and one
-`sluice pool-server` (the shared host tier) per test session on free loopback ports (tests that kill or fill a server start their own), stopped and
-reaped at the end. A server whose binaries are missing skips its tests with the reason, except
-under CI=true, where it fails them."""
+`sluice pool-server` (the shared host tier) per test session on free loopback ports (tests that
+kill or fill a server start their own), stopped and reaped at the end. A server whose binaries
+are missing skips its tests with the reason, except under CI=true, where it fails them."""
 
 from __future__ import annotations
 
