@@ -1,5 +1,6 @@
 """Two `sluice serve` processes on one pool, for each real backend (a real `redis-server`; a real
-`mooncake_master` whose memory is a separate segment-owner process): instance B serves what
+`mooncake_master` whose memory is a separate segment-owner process; a real `sluice pool-server`,
+the shared host tier): instance B serves what
 instance A computed from the pool, reports it cached, computes that many fewer tokens and keeps
 the greedy output of an engine without the pool; a prompt sent to both is stored once; the
 backend killed mid-run (the server, the master, the segment owner) costs no request its output
@@ -54,7 +55,7 @@ def reference_llm(qwen3_dir: str) -> LLM:
     return LLM(model=qwen3_dir, **ENGINE_KWARGS)
 
 
-@pytest.fixture(scope="module", params=["redis", "mooncake"])
+@pytest.fixture(scope="module", params=["redis", "mooncake", "shm"])
 def pool(request: pytest.FixtureRequest, qwen3_dir: str,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     kind = request.param
@@ -64,6 +65,11 @@ def pool(request: pytest.FixtureRequest, qwen3_dir: str,
              "retry_interval_s": 0.5, "staging_bytes": 2 << 20}
     if kind == "redis":
         server = request.getfixturevalue("redis_server")
+        victims = {"server": server}
+        extra["url"] = server.url
+        counter = create_backend(server.url, timeout_s=5.0)
+    elif kind == "shm":
+        server = request.getfixturevalue("shm_pool")
         victims = {"server": server}
         extra["url"] = server.url
         counter = create_backend(server.url, timeout_s=5.0)

@@ -1,0 +1,178 @@
+"""The shared host tier's own rules, against a real `sluice pool-server` and real client
+processes: a value being read is never evicted under its reader, a client killed mid-put leaves
+nothing visible, a client killed mid-get gives its pins back, eviction is least recently used,
+and a value larger than a slot is refused. (The backend contract every backend meets is
+test_pool_backends.py, run on this one too.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from sluice.kv_transfer.pool import create_backend, value_size
+from sluice.kv_transfer.pool.shm_store import ShmPoolBackend
+from sluice.testing import servers
+from tests.kv_transfer.conftest import Staged, require, staging_buffer
+from tests.kv_transfer.conftest import payloads as make_payloads
+
+pytestmark = pytest.mark.serial
+
+SLOT_BYTES = 64 << 10
+SIZE = SLOT_BYTES - 8  # a payload whose value fills a slot
+SLOT = value_size(SIZE)
+
+# A client speaking the raw protocol that stops half way through a call and waits to be killed:
+# "put" reserves a slot and writes half a value into it; "get" takes a pin on a value.
+HALF_DONE_CLIENT = """
+import socket, sys, time
+from sluice.channel import Encoder, MessageDecoder
+from sluice.kv_transfer.disagg.shm import map_peer_memfd
+from sluice.kv_transfer.pool.shm_server import (LENGTH, GetBegin, Hello, PutBegin, Reply,
+                                                 send_frame)
+port, op, key, size = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+sock = socket.create_connection(("127.0.0.1", port))
+encoder, decoder = Encoder(), MessageDecoder(Reply, "reply", "test")
+def ask(message):
+    send_frame(sock, encoder, message)
+    (length,) = LENGTH.unpack(sock.recv(4, socket.MSG_WAITALL))
+    return decoder.decode(sock.recv(length, socket.MSG_WAITALL))
+welcome = ask(Hello())
+if op == "put":
+    (slot,) = ask(PutBegin(keys=[key], sizes=[size])).slots
+    assert slot >= 0, slot
+    arena = map_peer_memfd(welcome.pid, welcome.fd, welcome.inode, welcome.nbytes)
+    start = slot * welcome.slot_bytes
+    arena[start:start + size // 2] = b"\\x5a" * (size // 2)
+else:
+    (slot,) = ask(GetBegin(keys=[key], max_sizes=[size])).slots
+    assert slot >= 0, slot
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def small_pool() -> servers.ShmPoolServer:
+    """A pool server of 4 slots."""
+    require("shm")
+    with servers.start_shm_pool(capacity_bytes=4 * SLOT_BYTES, slot_bytes=SLOT_BYTES) as server:
+        yield server
+
+
+def half_done_client(server: servers.ShmPoolServer, op: str, key: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HALF_DONE_CLIENT, str(server.port), op, key,
+                             str(SLOT)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "holding", proc.communicate(timeout=30)
+    return proc
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def put(staged: Staged, keys: list[str], data: np.ndarray) -> list[bool]:
+    for i in range(len(keys)):
+        staged.write(i * SLOT, data[i])
+    return staged.backend.batch_put(keys, [i * SLOT for i in range(len(keys))],
+                                    [data.shape[1]] * len(keys))
+
+
+def get(staged: Staged, keys: list[str]) -> tuple[list[bool], list[np.ndarray]]:
+    base = 8 * SLOT
+    staged.bytes[base:base + len(keys) * SLOT] = 0
+    ok = staged.backend.batch_get(keys, [base + i * SLOT for i in range(len(keys))],
+                                  [SIZE] * len(keys))
+    return ok, [staged.read(base + i * SLOT, SIZE) for i in range(len(keys))]
+
+
+def wait_for(condition, what: str, timeout_s: float = 5.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_eviction_is_least_recently_used(small_pool: servers.ShmPoolServer) -> None:
+    with create_backend(small_pool.url) as backend:
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        data = make_payloads(5, SIZE, seed=1)
+        keys = [f"k{i}" for i in range(5)]
+        assert put(staged, keys[:4], data[:4]) == [True] * 4
+        assert get(staged, ["k0"])[0] == [True]  # k0 is now the most recently used
+        assert put(staged, keys[4:], data[4:]) == [True]
+        assert backend.batch_exists(keys) == [True, False, True, True, True]
+        ok, got = get(staged, ["k0", "k4"])
+        assert ok == [True, True]
+        assert np.array_equal(got[0], data[0]) and np.array_equal(got[1], data[4])
+        assert backend.stats().num_evicted == 1
+
+
+def test_a_value_being_read_is_never_evicted_and_a_killed_reader_gives_its_pin_back(
+        small_pool: servers.ShmPoolServer) -> None:
+    with create_backend(small_pool.url) as backend:
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        data = make_payloads(12, SIZE, seed=2)
+        assert put(staged, ["read"], data[:1]) == [True]
+        reader = half_done_client(small_pool, "get", "read")
+        try:
+            # Three times the store's room while "read" is pinned: everything else goes.
+            for i in range(1, 12):
+                assert put(staged, [f"other{i}"], data[i:i + 1]) == [True]
+            assert backend.batch_exists(["read"]) == [True]
+            assert backend.stats().num_pinned == 1
+            ok, got = get(staged, ["read"])
+            assert ok == [True] and np.array_equal(got[0], data[0])
+        finally:
+            kill(reader)
+        wait_for(lambda: backend.stats().num_pinned == 0, "the killed reader's pin stayed")
+        for i in range(4):  # unpinned, it is evicted like any other value
+            put(staged, [f"later{i}"], data[i:i + 1])
+        assert backend.batch_exists(["read"]) == [False]
+
+
+def test_a_client_killed_mid_put_leaves_nothing_visible(
+        small_pool: servers.ShmPoolServer) -> None:
+    with create_backend(small_pool.url) as backend:
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        writer = half_done_client(small_pool, "put", "torn")
+        try:
+            assert backend.batch_exists(["torn"]) == [False]
+            assert backend.stats().num_reserved == 1
+        finally:
+            kill(writer)
+        wait_for(lambda: backend.stats().num_reserved == 0, "the killed writer's slot stayed")
+        assert backend.batch_exists(["torn"]) == [False]
+        assert get(staged, ["torn"])[0] == [False]
+        # Its slot is free again (4 values fit) and the key can be stored whole.
+        data = make_payloads(4, SIZE, seed=3)
+        assert put(staged, ["torn", "a", "b", "c"], data) == [True] * 4
+        ok, got = get(staged, ["torn"])
+        assert ok == [True] and np.array_equal(got[0], data[0])
+        assert backend.stats().num_evicted == 0
+
+
+def test_a_value_larger_than_a_slot_is_refused(small_pool: servers.ShmPoolServer) -> None:
+    with create_backend(small_pool.url) as backend:
+        assert isinstance(backend, ShmPoolBackend) and backend.slot_bytes == SLOT_BYTES
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        data = make_payloads(1, SIZE + 1, seed=4)
+        assert put(staged, ["big"], data) == [False]
+        assert backend.batch_exists(["big"]) == [False]
+        assert backend.stats().num_refused == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--capacity-bytes", "100", "--slot-bytes", "4096"], "holds no slot"),
+    (["--capacity-bytes", "0"], "capacity_bytes must be a positive"),
+    (["--capacity-bytes", "1048576", "--port", "70000"], "port must be in"),
+])
+def test_server_arguments_are_validated(args: list[str], message: str) -> None:
+    argv = [sys.executable, "-m", "sluice", "pool-server", "--port", "0", *args]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
