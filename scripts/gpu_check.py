@@ -93,7 +93,9 @@ def pool_configs(stack: contextlib.ExitStack) -> dict[str, dict]:
 
     configs = {}
     for backend in POOL_BACKENDS:
-        extra: dict[str, object] = {"backend": backend, "staging_bytes": 64 << 20}
+        # Every hit loaded (not left to the load-or-recompute choice): the load path is checked.
+        extra: dict[str, object] = {"backend": backend, "staging_bytes": 64 << 20,
+                                    "load_policy": "always"}
         if backend == "redis":
             if servers.redis_missing():
                 continue

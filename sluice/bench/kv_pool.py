@@ -147,7 +147,9 @@ def run_kv_pool(ns: argparse.Namespace) -> dict[str, Any]:
             # A key namespace of this run's own: no hit from an earlier run.
             # timeout_s: one step's saves of a 32k-token prompt are ~4 GB (Qwen3-0.6B), longer
             # than the default 5 s over a slow TCP loopback; a timed-out put is a lost entry.
+            # load_policy always: the pool hit is what is timed, even where it is slower.
             extra = {**configs[backend], "staging_bytes": ns.staging_bytes,
+                     "load_policy": "always",
                      "timeout_s": ns.pool_timeout, "model_id": f"bench-{uuid.uuid4().hex}"}
             llm, device, dtype = _build(ns, build_llm, extra)
             try:

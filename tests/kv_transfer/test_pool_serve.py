@@ -62,7 +62,7 @@ def pool(request: pytest.FixtureRequest, qwen3_dir: str,
     require(kind)
     model_id = f"serve-{uuid.uuid4().hex[:8]}"
     extra = {"backend": kind, "model_id": model_id, "timeout_s": 2.0, "lookup_timeout_s": 0.5,
-             "retry_interval_s": 0.5, "staging_bytes": 2 << 20}
+             "retry_interval_s": 0.5, "staging_bytes": 2 << 20, "load_policy": "always"}
     if kind == "redis":
         server = request.getfixturevalue("redis_server")
         victims = {"server": server}
