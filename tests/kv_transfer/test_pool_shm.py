@@ -158,7 +158,7 @@ def test_a_client_killed_mid_put_leaves_nothing_visible(
 
 def test_a_value_larger_than_a_slot_is_refused(small_pool: servers.ShmPoolServer) -> None:
     with create_backend(small_pool.url) as backend:
-        assert isinstance(backend, ShmPoolBackend) and backend.slot_bytes == SLOT_BYTES
+        assert isinstance(backend, ShmPoolBackend) and backend.max_value_size == SLOT_BYTES
         staged = Staged(backend, staging_buffer(16 * SLOT))
         data = make_payloads(1, SIZE + 1, seed=4)
         assert put(staged, ["big"], data) == [False]
@@ -176,3 +176,18 @@ def test_server_arguments_are_validated(args: list[str], message: str) -> None:
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_an_engine_whose_blocks_do_not_fit_a_slot_is_a_clear_error(qwen3_dir: str) -> None:
+    from sluice import LLM
+
+    require("shm")
+    with servers.start_shm_pool(capacity_bytes=1 << 20, slot_bytes=4096) as server:
+        config = {"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"backend": "shm", "url": server.url,
+                                                "staging_bytes": 1 << 20}}
+        # A block of the test model: 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes.
+        with pytest.raises(ValueError, match=r"at most 4096 bytes; a KV block of this model is "
+                                             r"8200 .*--slot-bytes >= 8200"):
+            LLM(model=qwen3_dir, dtype="float32", block_size=16, max_model_len=64,
+                kv_transfer_config=config)

@@ -83,8 +83,8 @@ class ShmPoolBackend(PoolBackend):
             pass
 
     @property
-    def slot_bytes(self) -> int | None:
-        """The largest value the server takes (None before a handshake)."""
+    def max_value_size(self) -> int | None:
+        """The server's slot size: the largest value it takes (None before a handshake)."""
         arena = self._arena
         return arena.welcome.slot_bytes if arena is not None else None
 
