@@ -100,17 +100,20 @@ def create_memfd(name: str, nbytes: int) -> int:
     return fd
 
 
-def map_peer_memfd(pid: int, fd: int, inode: int, nbytes: int) -> mmap.mmap:
+def map_peer_memfd(pid: int, fd: int, inode: int, nbytes: int, *,
+                    populate: bool = False) -> mmap.mmap:
     """Map the memfd segment that process `pid` holds open as `fd` (read-write, shared),
     checked by inode and size: OSError if it cannot be opened, ValueError if it is another
-    file. The mapping holds the segment alive after the peer exits (until it is closed)."""
+    file. The mapping holds the segment alive after the peer exits (until it is closed).
+    `populate`: fill the page table now (MAP_POPULATE), not at each page's first touch."""
     path = f"/proc/{pid}/fd/{fd}"
     handle = os.open(path, os.O_RDWR)
     try:
         stat = os.fstat(handle)
         if stat.st_ino != inode or stat.st_size != nbytes:
             raise ValueError(f"{path} is not the exported segment (another inode or size)")
-        return mmap.mmap(handle, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        return mmap.mmap(handle, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(handle)  # the mapping holds the file
 

@@ -105,7 +105,7 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
         self._worker_stats: dict[str, float] = {}
         self.rates = LoadOrRecompute(settings.load_policy, kv_cache_spec.block_size)
         # Per step planned and not reported yet: (when, tokens, whether it loads).
-        self._planned: collections.deque[tuple[float, int, bool]] = collections.deque()
+        self._planned: collections.deque[tuple[float, int, bool]] = collections.deque(maxlen=64)
 
     # ---- lookups ----
 

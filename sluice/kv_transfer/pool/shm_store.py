@@ -195,7 +195,9 @@ class ShmPoolBackend(PoolBackend):
             self._arena = None
             arena.close()
         try:
-            mapping = map_peer_memfd(welcome.pid, welcome.fd, welcome.inode, welcome.nbytes)
+            # Populated: a slot's first copy would otherwise pay a page fault per 4 KiB.
+            mapping = map_peer_memfd(welcome.pid, welcome.fd, welcome.inode, welcome.nbytes,
+                                     populate=True)
         except (OSError, ValueError) as exc:
             self._drop()
             raise self.unavailable(f"cannot map the server's arena "
