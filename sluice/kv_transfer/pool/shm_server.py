@@ -256,7 +256,9 @@ class ArenaIndex:
 
 # ---- the server ----
 
-class ShmPoolServer:
+class ArenaServer:
+    """The pool server: the arena (a memfd it never maps), the index, the connections."""
+
     def __init__(self, port: int, capacity_bytes: int, slot_bytes: int = DEFAULT_SLOT_BYTES,
                  host: str = "127.0.0.1") -> None:
         problem = shm_unavailable()
@@ -370,7 +372,8 @@ class ShmPoolServer:
             return Counted(num_keys=index.count(request.prefix))
         if isinstance(request, StatsRequest):
             return index.stats(list(self._connections.values()))
-        return self.welcome  # Hello
+        assert isinstance(request, Hello), request
+        return self.welcome
 
     def _close(self, conn: _Connection) -> None:
         self.index.drop(conn)
@@ -402,7 +405,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_pool_server(ns: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    server = ShmPoolServer(ns.port, ns.capacity_bytes, ns.slot_bytes, host=ns.host)
+    server = ArenaServer(ns.port, ns.capacity_bytes, ns.slot_bytes, host=ns.host)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     logger.info("shm pool server on %s:%d: %d slots of %d bytes (%d bytes of shared memory)",
