@@ -1,13 +1,15 @@
 """The shared host tier's own rules, against a real `sluice pool-server` and real client
 processes: a value being read is never evicted under its reader, a client killed mid-put leaves
-nothing visible, a client killed mid-get gives its pins back, eviction is least recently used,
-and a value larger than a slot is refused. (The backend contract every backend meets is
-test_pool_backends.py, run on this one too.)"""
+nothing visible, a client killed mid-get gives its pins back, eviction is least recently used, a
+value larger than a slot is refused, and the threads of one client move values at once, each on
+a connection of its own. (The backend contract every backend meets is test_pool_backends.py,
+run on this one too.)"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -191,3 +193,35 @@ def test_an_engine_whose_blocks_do_not_fit_a_slot_is_a_clear_error(qwen3_dir: st
                                              r"8200 .*--slot-bytes >= 8200"):
             LLM(model=qwen3_dir, dtype="float32", block_size=16, max_model_len=64,
                 kv_transfer_config=config)
+
+
+def test_threads_of_one_client_move_values_at_once_each_on_its_own_connection(
+        small_pool: servers.ShmPoolServer) -> None:
+    """A worker's load and save threads share one backend: each gets its connection, and
+    values moved at the same time all arrive whole."""
+    with create_backend(small_pool.url) as backend:
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        data = make_payloads(4, SIZE, seed=5)
+        errors: list[BaseException] = []
+
+        def mover(index: int) -> None:
+            try:
+                base = 2 * index * SLOT  # this thread's two slots of the staging buffer
+                key = f"thread{index}"
+                staged.write(base, data[index])
+                for _ in range(50):
+                    assert backend.batch_put([key], [base], [SIZE]) == [True]
+                    staged.bytes[base + SLOT:base + 2 * SLOT] = 0
+                    assert backend.batch_get([key], [base + SLOT], [SIZE]) == [True]
+                    assert np.array_equal(staged.read(base + SLOT, SIZE), data[index])
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=mover, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert backend.stats().num_connections == 4 + 1  # the four threads', this thread's
+        assert backend.stats().num_pinned == 0 and backend.stats().num_reserved == 0

@@ -115,6 +115,7 @@ class StatsRequest(Message, tag="pool.shm.stats"):
 
 
 class Stats(Message, tag="pool.shm.stats_reply"):
+    num_connections: int
     num_slots: int
     num_values: int
     num_pinned: int
@@ -237,7 +238,8 @@ class ArenaIndex:
         return sum(1 for key in self.values if key.startswith(prefix))
 
     def stats(self, connections: list[_Connection]) -> Stats:
-        return Stats(num_slots=self.num_slots, num_values=len(self.values),
+        return Stats(num_connections=len(connections), num_slots=self.num_slots,
+                     num_values=len(self.values),
                      num_pinned=sum(1 for v in self.values.values() if v.pins),
                      num_reserved=sum(len(c.reserved) for c in connections),
                      num_evicted=self.num_evicted, num_refused=self.num_refused)

@@ -3,11 +3,13 @@
 value with one memcpy (GIL released) between its staging buffer and the arena; the socket
 carries only the index operations (two round trips a get or put chunk, one an exists).
 
-- Bounds: every call holds one lock and one connection; the lock, the connect and each reply
-  wait for at most what is left of `timeout_s`. A silent server is `PoolTimeout` (the connection
-  is dropped: the server then drops its pins and reservations), a refused or lost connection
-  `PoolUnavailable`; the next call connects again. Copies are local, so nothing runs on after a
-  call returns: `busy` is always False.
+- Threads: each calling thread has its own connection, so a worker's load never waits behind
+  its save thread's copies; the arena mapping is shared, and a mapping replaced (the server was
+  restarted) is closed only once no call is in flight.
+- Bounds: the connect and each reply wait for at most what is left of `timeout_s`. A silent
+  server is `PoolTimeout` (the connection is dropped: the server then drops its pins and
+  reservations), a refused or lost connection `PoolUnavailable`; the next call connects again.
+  Copies are local, so nothing runs on after a call returns: `busy` is always False.
 - A server killed while a get copies: the client's mapping keeps the memory, the copy ends with
   the value's bytes (and its checksum says so). A restarted server has a new, empty arena: the
   client maps it on its next handshake and drops the old mapping.
@@ -65,6 +67,16 @@ class _Arena:
         self.mapping.close()
 
 
+@dataclass(slots=True, eq=False)
+class _Connection:
+    """One thread's connection, and the arena its server announced."""
+
+    sock: socket.socket
+    encoder: Encoder
+    decoder: MessageDecoder
+    welcome: Welcome | None = None
+
+
 class ShmPoolBackend(PoolBackend):
     backend_name = "shm"
     max_keys_per_call = 1024
@@ -74,11 +86,12 @@ class ShmPoolBackend(PoolBackend):
                  timeout_s: float = 5.0) -> None:
         super().__init__(f"{host}:{port}", timeout_s)
         self.host, self.port = host, port
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()  # the arena, the calls in flight, the connections
         self._arena: _Arena | None = None
-        self._encoder = Encoder()
-        self._decoder = MessageDecoder(Reply, "shm pool reply", "this client and the server")
+        self._retired: list[_Arena] = []  # replaced while calls were in flight
+        self._num_active = 0
+        self._connections: set[_Connection] = set()
+        self._local = threading.local()
         with self._connected(time.monotonic() + self.timeout_s):
             pass
 
@@ -91,14 +104,13 @@ class ShmPoolBackend(PoolBackend):
     # ---- the operations ----
 
     def _exists(self, keys: list[str], deadline: float) -> list[bool]:
-        with self._connected(deadline):
-            return self._ask(Exists(keys=keys), Present, deadline).found
+        with self._connected(deadline) as (conn, _):
+            return self._ask(conn, Exists(keys=keys), Present, deadline).found
 
     def _get(self, keys: list[str], offsets: list[int], sizes: list[int],
              deadline: float) -> list[int]:
-        with self._connected(deadline):
-            grant = self._ask(GetBegin(keys=keys, max_sizes=sizes), GetGrant, deadline)
-            arena = self._arena
+        with self._connected(deadline) as (conn, arena):
+            grant = self._ask(conn, GetBegin(keys=keys, max_sizes=sizes), GetGrant, deadline)
             slot_bytes = arena.welcome.slot_bytes
             received = []
             for offset, slot, size in zip(offsets, grant.slots, grant.sizes):
@@ -111,16 +123,15 @@ class ShmPoolBackend(PoolBackend):
             pinned = [slot for slot in grant.slots if slot >= 0]
             if pinned:
                 try:
-                    send_frame(self._sock, self._encoder, GetEnd(slots=pinned))
+                    send_frame(conn.sock, conn.encoder, GetEnd(slots=pinned))
                 except OSError:
-                    self._drop()  # the copies are done: the values stand; the next call sees it
+                    self._drop(conn)  # the copies are done: the values stand
         return received
 
     def _put(self, keys: list[str], offsets: list[int], sizes: list[int],
              deadline: float) -> list[bool]:
-        with self._connected(deadline):
-            grant = self._ask(PutBegin(keys=keys, sizes=sizes), PutGrant, deadline)
-            arena = self._arena
+        with self._connected(deadline) as (conn, arena):
+            grant = self._ask(conn, PutBegin(keys=keys, sizes=sizes), PutGrant, deadline)
             slot_bytes = arena.welcome.slot_bytes
             reserved = []
             for offset, slot, size in zip(offsets, grant.slots, sizes):
@@ -128,47 +139,62 @@ class ShmPoolBackend(PoolBackend):
                     ctypes.memmove(arena.address + slot * slot_bytes,
                                    self._buffer_address + offset, size)
                     reserved.append(slot)
-            stored = iter(self._ask(PutCommit(slots=reserved), Committed, deadline).stored
-                          if reserved else [])
+            stored = iter(self._ask(conn, PutCommit(slots=reserved), Committed,
+                                    deadline).stored if reserved else [])
             # PRESENT (-1): the key holds its value already, a success; NO_ROOM (-2): refused.
             return [next(stored) if slot >= 0 else slot == -1 for slot in grant.slots]
 
     def count_keys(self, prefix: str = "") -> int:
         self._check_open()
         deadline = time.monotonic() + self.timeout_s
-        with self._connected(deadline):
-            return self._ask(Count(prefix=prefix), Counted, deadline).num_keys
+        with self._connected(deadline) as (conn, _):
+            return self._ask(conn, Count(prefix=prefix), Counted, deadline).num_keys
 
     def stats(self) -> Stats:
         """The server's counts (tests, metrics)."""
         self._check_open()
         deadline = time.monotonic() + self.timeout_s
-        with self._connected(deadline):
-            return self._ask(StatsRequest(), Stats, deadline)
+        with self._connected(deadline) as (conn, _):
+            return self._ask(conn, StatsRequest(), Stats, deadline)
 
     def _close(self) -> None:
         with self._lock:
-            self._drop()
-            if self._arena is not None:
-                self._arena.close()
-                self._arena = None
+            for conn in list(self._connections):
+                conn.sock.close()
+            self._connections.clear()
+            self._retire(self._arena)
+            self._arena = None
 
-    # ---- the connection ----
+    # ---- connections and the arena ----
 
     @contextlib.contextmanager
-    def _connected(self, deadline: float) -> Iterator[None]:
-        """Hold the lock and a connection (made now if there is none) for one call."""
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise self.timed_out(f"another call held the client for timeout_s="
-                                 f"{self.timeout_s:g}")
+    def _connected(self, deadline: float) -> Iterator[tuple[_Connection, _Arena]]:
+        """This thread's connection (made now if there is none) and the arena it addresses,
+        which stays mapped until the call ends."""
+        conn: _Connection | None = getattr(self._local, "conn", None)
+        with self._lock:
+            if conn is not None and (self._arena is None or conn.welcome != self._arena.welcome):
+                self._drop_locked(conn)  # another thread saw the server restart
+                conn = None
+        if conn is None:
+            conn = self._handshake(deadline)
+        with self._lock:
+            arena = self._arena
+            if arena is None or conn.welcome != arena.welcome:
+                self._drop_locked(conn)
+                raise self.unavailable("the server's arena changed during the call")
+            self._num_active += 1
         try:
-            if self._sock is None:
-                self._handshake(deadline)
-            yield
+            yield conn, arena
         finally:
-            self._lock.release()
+            with self._lock:
+                self._num_active -= 1
+                if self._num_active == 0:
+                    for old in self._retired:
+                        old.close()
+                    self._retired.clear()
 
-    def _handshake(self, deadline: float) -> None:
+    def _handshake(self, deadline: float) -> _Connection:
         self._check_deadline(deadline)
         try:
             sock = socket.create_connection((self.host, self.port),
@@ -176,56 +202,74 @@ class ShmPoolBackend(PoolBackend):
         except TimeoutError:
             raise self.timed_out(f"no connection within {self.timeout_s:g} s") from None
         except OSError as exc:
-            if self._arena is not None:  # the server is gone: let its memory go
-                self._arena.close()
+            with self._lock:  # the server is gone: let its memory go
+                self._retire(self._arena)
                 self._arena = None
             raise self.unavailable(f"cannot reach the server ({exc})") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock = sock
-        welcome = self._ask(Hello(), Welcome, deadline)
+        conn = _Connection(sock, Encoder(), MessageDecoder(Reply, "shm pool reply",
+                                                          "this client and the server"))
+        with self._lock:
+            self._connections.add(conn)
+        self._local.conn = conn
+        welcome = self._ask(conn, Hello(), Welcome, deadline)
         here = host_id()
         if welcome.host_id != here:
-            self._drop()
+            self._drop(conn)
             raise self.unavailable(f"the server is on host {welcome.host_id!r}, this client on "
                                    f"{here!r}: the shm pool serves one host's instances")
-        arena = self._arena
-        if arena is not None and arena.welcome == welcome:
-            return
-        if arena is not None:  # the server was restarted: a new arena
-            self._arena = None
-            arena.close()
+        conn.welcome = welcome
+        with self._lock:
+            if self._arena is not None and self._arena.welcome == welcome:
+                return conn
         try:
             # Populated: a slot's first copy would otherwise pay a page fault per 4 KiB.
             mapping = map_peer_memfd(welcome.pid, welcome.fd, welcome.inode, welcome.nbytes,
                                      populate=True)
         except (OSError, ValueError) as exc:
-            self._drop()
+            self._drop(conn)
             raise self.unavailable(f"cannot map the server's arena "
                                    f"(/proc/{welcome.pid}/fd/{welcome.fd}): {exc}") from None
         view = (ctypes.c_ubyte * welcome.nbytes).from_buffer(mapping)
-        self._arena = _Arena(welcome, mapping, view, ctypes.addressof(view))
+        arena = _Arena(welcome, mapping, view, ctypes.addressof(view))
+        with self._lock:
+            if self._arena is not None and self._arena.welcome == welcome:
+                arena.close()  # another thread mapped it meanwhile
+            else:
+                self._retire(self._arena)  # the server was restarted: a new arena
+                self._arena = arena
+        return conn
 
-    def _ask(self, request, reply_type: type, deadline: float):  # noqa: ANN001, ANN202
+    def _retire(self, arena: _Arena | None) -> None:
+        """(Lock held.) Close `arena` now, or once the calls in flight are done."""
+        if arena is None:
+            return
+        if self._num_active == 0:
+            arena.close()
+        else:
+            self._retired.append(arena)
+
+    def _ask(self, conn: _Connection, request, reply_type: type,  # noqa: ANN001
+             deadline: float):  # noqa: ANN202
         """Send `request`, return its reply (of `reply_type`); drops the connection on error."""
-        sock = self._sock
-        assert sock is not None
+        sock = conn.sock
         try:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            send_frame(sock, self._encoder, request)
+            send_frame(sock, conn.encoder, request)
             (length,) = LENGTH.unpack(self._receive(sock, LENGTH.size))
             if length > MAX_FRAME_BYTES:
                 raise WireError(f"a {length}-byte reply frame")
-            reply = self._decoder.decode(self._receive(sock, length))
+            reply = conn.decoder.decode(self._receive(sock, length))
         except TimeoutError:
-            self._drop()
+            self._drop(conn)
             raise self.timed_out(f"no answer within timeout_s={self.timeout_s:g}") from None
         except (OSError, WireError) as exc:
-            self._drop()
+            self._drop(conn)
             raise self.unavailable(f"connection lost ({exc})") from None
         if isinstance(reply, Refused):
             raise self.unavailable(f"the server refused the call: {reply.reason}")
         if not isinstance(reply, reply_type):
-            self._drop()
+            self._drop(conn)
             raise self.unavailable(f"expected {reply_type.__name__}, got "
                                    f"{type(reply).__name__}")
         return reply
@@ -240,9 +284,14 @@ class ShmPoolBackend(PoolBackend):
             data += chunk
         return bytes(data)
 
-    def _drop(self) -> None:
-        """Close the connection (the server drops its pins and reservations); keep the arena
-        mapped until a handshake says it changed (or `close`)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+    def _drop(self, conn: _Connection) -> None:
+        """Close this thread's connection (the server drops its pins and reservations); the
+        arena stays mapped until a handshake says it changed (or `close`)."""
+        with self._lock:
+            self._drop_locked(conn)
+
+    def _drop_locked(self, conn: _Connection) -> None:
+        conn.sock.close()
+        self._connections.discard(conn)
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
