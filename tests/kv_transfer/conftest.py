@@ -16,7 +16,8 @@ import torch
 from sluice.kv_transfer.pool import PoolBackend, create_backend
 from sluice.testing import servers
 
-BACKENDS = ("local", "redis", "mooncake", "shm")
+# tiered: the session's shm pool in front of its redis-server.
+BACKENDS = ("local", "redis", "mooncake", "shm", "tiered")
 # A test client's own share of the Mooncake pool: room for every test's values.
 MOONCAKE_SEGMENT = 256 << 20
 # The session's shared host tier: 64 KiB slots (the largest test value), room for every test's.
@@ -27,7 +28,8 @@ SHM_SLOT_BYTES = 64 << 10
 def require(kind: str) -> None:
     """Skip (fail under CI) when the servers of backend `kind` cannot run here."""
     reason = {"local": None, "redis": servers.redis_missing,
-              "mooncake": servers.mooncake_missing, "shm": shm_pool_missing}[kind]
+              "mooncake": servers.mooncake_missing, "shm": shm_pool_missing,
+              "tiered": lambda: shm_pool_missing() or servers.redis_missing()}[kind]
     reason = reason() if reason else None
     if reason is None:
         return
@@ -82,6 +84,9 @@ def url_and_options(kind: str, request: pytest.FixtureRequest) -> tuple[str, dic
         return request.getfixturevalue("redis_server").url, {}
     if kind == "shm":
         return request.getfixturevalue("shm_pool").url, {}
+    if kind == "tiered":
+        return (request.getfixturevalue("shm_pool").url,
+                {"remote_url": request.getfixturevalue("redis_server").url})
     master = request.getfixturevalue("mooncake_master")
     return master.url, {"global_segment_size": MOONCAKE_SEGMENT,
                         "admin_port": master.admin_port}

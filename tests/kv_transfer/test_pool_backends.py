@@ -56,7 +56,9 @@ def get_all(staged: Staged, keys: list[str], size: int = SIZE, base: int = 0
 
 def native_put(backend: PoolBackend, key: str, value: bytes) -> None:
     """Store raw bytes under `key` with the backend's own client, bypassing the framing."""
-    if backend.backend_name == "local":
+    if backend.backend_name == "tiered":  # far only: the near tier misses, the far is read
+        native_put(backend.far, key, value)
+    elif backend.backend_name == "local":
         backend.store.set(key, value)
     elif backend.backend_name == "redis":
         backend._client.set(key, value)
@@ -298,6 +300,10 @@ def _small_store(kind: str) -> Iterator[PoolBackend]:
         elif kind == "shm":
             server = stack.enter_context(servers.start_shm_pool(capacity_bytes=16 << 20))
             backend = create_backend(server.url)
+        elif kind == "tiered":
+            near = stack.enter_context(servers.start_shm_pool(capacity_bytes=8 << 20))
+            far = stack.enter_context(servers.start_redis(maxmemory="10mb"))
+            backend = create_backend(near.url, remote_url=far.url)
         else:
             server = stack.enter_context(servers.start_mooncake_master())
             backend = create_backend(server.url, global_segment_size=16 << 20)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from sluice.kv_transfer.pool import create_backend, value_size
+from sluice.kv_transfer.pool import PoolUnavailable, create_backend, value_size
 from sluice.kv_transfer.pool.shm_store import ShmPoolBackend
 from sluice.testing import servers
 from tests.kv_transfer.conftest import Staged, require, staging_buffer
@@ -225,3 +225,65 @@ def test_threads_of_one_client_move_values_at_once_each_on_its_own_connection(
         assert not errors, errors
         assert backend.stats().num_connections == 4 + 1  # the four threads', this thread's
         assert backend.stats().num_pinned == 0 and backend.stats().num_reserved == 0
+
+
+# ---- the shared host tier in front of Redis (tiered.py) ----
+
+TIER_TIMEOUT_S = 1.0
+
+
+def test_a_tier_down_leaves_the_other_serving_and_far_hits_are_promoted_near() -> None:
+    require("tiered")
+    with servers.start_shm_pool(capacity_bytes=8 * SLOT_BYTES, slot_bytes=SLOT_BYTES) as near, \
+            servers.start_redis() as far:
+        backend = create_backend(near.url, remote_url=far.url, timeout_s=TIER_TIMEOUT_S)
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        keys = ["k0", "k1", "k2"]
+        data = make_payloads(3, SIZE, seed=6)
+
+        def all_read() -> None:
+            ok, got = get(staged, keys)
+            assert ok == [True] * 3
+            assert all(np.array_equal(got[i], data[i]) for i in range(3))
+
+        assert put(staged, keys, data) == [True] * 3
+        assert backend.near.count_keys() == backend.far.count_keys() == 3
+        near.kill()  # the far tier answers alone, within the bound
+        start = time.monotonic()
+        all_read()
+        assert backend.batch_exists(keys + ["other"]) == [True, True, True, False]
+        assert time.monotonic() - start < 2 * TIER_TIMEOUT_S
+        near.restart()  # back empty: the far tier's values are read and put near again
+        all_read()
+        assert backend.near.count_keys() == 3
+        far.kill()  # the near tier answers alone
+        all_read()
+        assert put(staged, ["k3"], data[:1]) == [True]
+        assert backend.near.count_keys() == 4
+        near.kill()  # both down: the calls fail fast, naming the far tier
+        for call in (lambda: backend.batch_exists(keys), lambda: get(staged, keys),
+                     lambda: put(staged, keys, data)):
+            start = time.monotonic()
+            with pytest.raises(PoolUnavailable, match=f"redis pool at {far.address}"):
+                call()
+            assert time.monotonic() - start < TIER_TIMEOUT_S + 0.5
+        backend.close()
+
+
+def test_tiered_settings_are_validated() -> None:
+    from tests.kv_transfer.test_pool_connector import settings
+
+    pool = settings(backend="shm", url="shm://127.0.0.1:7070",
+                    remote_url="redis://10.0.0.5:6379", remote_options={"password": "x"})
+    assert pool.backend_options == {"remote_url": "redis://10.0.0.5:6379",
+                                    "remote_options": {"password": "x"}}
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys "
+                                         r"\['remote_url'\]"):
+        settings(backend="redis", url="redis://127.0.0.1:6379", remote_url="redis://h:1")
+    with pytest.raises(ValueError, match="remote_url must be a redis or mooncake address, got "
+                                         "'shm://h:1'"):
+        settings(backend="shm", url="shm://127.0.0.1:7070", remote_url="shm://h:1")
+    with pytest.raises(ValueError, match="the far tier is a redis or mooncake pool"):
+        create_backend("shm://127.0.0.1:1", remote_url="shm://127.0.0.1:2")
+    with pytest.raises(ValueError, match="remote_options without remote_url"):
+        create_backend("shm://127.0.0.1:1", remote_options={})

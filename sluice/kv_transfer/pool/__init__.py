@@ -81,7 +81,15 @@ def parse_url(url: str) -> tuple[str, dict[str, Any]]:
 
 def create_backend(url: str, **options: Any) -> PoolBackend:
     """Connect to the pool at `url`; raises `PoolUnavailable` / `PoolTimeout` naming the
-    address when it cannot be reached, `ValueError` for a bad URL or option."""
+    address when it cannot be reached, `ValueError` for a bad URL or option. With
+    `remote_url` (and `remote_options`, that backend's options), the pool at `url` is a near
+    tier in front of the one at `remote_url` (tiered.py); both must answer now."""
+    remote_url = options.pop("remote_url", None)
+    remote_options = options.pop("remote_options", None)
+    if remote_url is not None:
+        return _create_tiered(url, remote_url, remote_options, options)
+    if remote_options is not None:
+        raise ValueError("remote_options without remote_url")
     name, address = parse_url(url)
     cls = backend_class(name)
     accepted = [param.name for param in inspect.signature(cls.__init__).parameters.values()
@@ -91,3 +99,22 @@ def create_backend(url: str, **options: Any) -> PoolBackend:
         raise ValueError(f"unknown option(s) {', '.join(unknown)} for the {name} pool backend; "
                          f"accepted: {', '.join(accepted)}")
     return cls(**address, **options)
+
+
+def _create_tiered(url: str, remote_url: str, remote_options: Any,
+                   options: dict[str, Any]) -> PoolBackend:
+    from sluice.kv_transfer.pool.tiered import TieredBackend
+
+    if parse_url(remote_url)[0] in ("local", "shm"):
+        raise ValueError(f"remote_url {remote_url!r}: the far tier is a redis or mooncake pool")
+    if remote_options is not None and not isinstance(remote_options, dict):
+        raise ValueError(f"remote_options must be a dict of the remote backend's options, got "
+                         f"{remote_options!r}")
+    timeout_s = options.get("timeout_s", 5.0)
+    near = create_backend(url, **options)
+    try:
+        far = create_backend(remote_url, **{"timeout_s": timeout_s, **(remote_options or {})})
+    except BaseException:
+        near.close()
+        raise
+    return TieredBackend(near, far, timeout_s=timeout_s)

@@ -96,6 +96,9 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
             options = dict(settings.backend_options)
             if settings.backend == "mooncake":
                 options["global_segment_size"] = 0  # lookups only: no pool memory of its own
+            if str(options.get("remote_url", "")).startswith("mooncake://"):
+                options["remote_options"] = {**options.get("remote_options", {}),
+                                             "global_segment_size": 0}
             self.client = PoolClient(settings, "scheduler", "lookups are misses",
                                      options=options, call_timeout_s=settings.lookup_timeout_s)
         self._pending_loads: list[tuple[int, bytes]] = []  # (cache block, hash) for the plan

@@ -73,6 +73,8 @@ class PoolSettings:
                         .parameters.values()
                         if p.kind is inspect.Parameter.KEYWORD_ONLY
                         and p.name not in ("timeout_s", "store")]
+        if backend == "shm":  # in front of a remote pool (tiered.py)
+            option_names += ["remote_url", "remote_options"]
         unknown = sorted(set(extra) - set(_CONNECTOR_KEYS) - set(option_names))
         if unknown:
             raise ValueError(f"KVPoolConnector: unknown kv_connector_extra_config keys {unknown}; "
@@ -94,6 +96,10 @@ class PoolSettings:
         if load_policy not in LOAD_POLICIES:
             raise ValueError(f"KVPoolConnector: kv_connector_extra_config.load_policy must be "
                              f"one of {list(LOAD_POLICIES)}, got {load_policy!r}")
+        remote_url = extra.get("remote_url")
+        if remote_url is not None and parse_url(remote_url)[0] not in ("redis", "mooncake"):
+            raise ValueError(f"KVPoolConnector: kv_connector_extra_config.remote_url must be a "
+                             f"redis or mooncake address, got {remote_url!r}")
         settings = cls(backend=backend, url=url, on_backend_error=on_error,
                        model_id=extra.get("model_id"), load_policy=load_policy,
                        backend_options={k: v for k, v in extra.items() if k in option_names})
