@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from sluice.kv_transfer.pool import PoolUnavailable, create_backend, value_size
+from sluice.kv_transfer.pool import PoolTimeout, PoolUnavailable, create_backend, value_size
 from sluice.kv_transfer.pool.shm_store import ShmPoolBackend
 from sluice.testing import servers
 from tests.kv_transfer.conftest import Staged, require, staging_buffer
@@ -287,3 +287,34 @@ def test_tiered_settings_are_validated() -> None:
         create_backend("shm://127.0.0.1:1", remote_url="shm://127.0.0.1:2")
     with pytest.raises(ValueError, match="remote_options without remote_url"):
         create_backend("shm://127.0.0.1:1", remote_options={})
+
+
+def test_a_stalled_mooncake_far_tier_keeps_the_slots_of_its_late_call_out_of_use() -> None:
+    """Mooncake's native call goes on after its timeout (`busy`): the tiered backend raises
+    that timeout even though the near tier answered, and refuses calls until it ends."""
+    require("shm")
+    require("mooncake")
+    with servers.start_shm_pool(capacity_bytes=8 * SLOT_BYTES, slot_bytes=SLOT_BYTES) as near, \
+            servers.start_mooncake_master() as master:
+        backend = create_backend(near.url, remote_url=master.url, timeout_s=2 * TIER_TIMEOUT_S,
+                                 remote_options={"global_segment_size": 32 << 20})
+        try:
+            staged = Staged(backend, staging_buffer(16 * SLOT))
+            data = make_payloads(2, SIZE, seed=7)
+            assert put(staged, ["a", "b"], data) == [True, True]
+            master.pause()
+            try:
+                start = time.monotonic()
+                with pytest.raises(PoolTimeout):
+                    put(staged, ["c", "d"], data)  # the near tier takes them; the far times out
+                assert time.monotonic() - start < 2 * TIER_TIMEOUT_S + 0.5
+                assert backend.busy
+                with pytest.raises(PoolUnavailable, match="far tier .* still runs"):
+                    get(staged, ["a"])
+            finally:
+                master.resume()
+            assert backend.wait_idle(15.0)
+            ok, got = get(staged, ["a", "b", "c", "d"])
+            assert ok == [True] * 4 and np.array_equal(got[2], data[0])
+        finally:
+            backend.close()

@@ -8,9 +8,11 @@
   where either took the value.
 - A tier that fails (PoolUnavailable, PoolTimeout) counts as holding nothing for that call; a
   call raises only when both fail (the far tier's error). Each tier is given half of `timeout_s`,
-  so a call stays within it.
-- `busy` is the far tier's (Mooncake's late native calls); slots are the caller's as for any
-  backend. `count_keys` is the larger of the tiers' counts (a key is in either or both).
+  so a call stays within it (a far hit's promotion near may add up to another half).
+- `busy` is the far tier's (Mooncake's native call that timed out and goes on): while it is,
+  every call is refused before touching a slot, and a far timeout that leaves it busy is raised
+  whatever the near tier did, so that the caller holds those slots (backend.py's rule).
+- `count_keys` is the larger of the tiers' counts (a key is in either or both).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sluice.kv_transfer.pool import framing
-from sluice.kv_transfer.pool.backend import PoolBackend, PoolError, _check_ints
+from sluice.kv_transfer.pool.backend import PoolBackend, PoolError, PoolTimeout, _check_ints
 
 
 class TieredBackend(PoolBackend):
@@ -54,6 +56,18 @@ class TieredBackend(PoolBackend):
         self.near.close()
         self.far.close()
 
+    def _check_ready(self) -> None:
+        if self.far.busy:
+            raise self.unavailable("a call of the far tier that timed out still runs")
+
+    def _far_error(self, result: object) -> PoolError | None:
+        """`result` if the far call failed; raised if it timed out and still runs."""
+        if not isinstance(result, PoolError):
+            return None
+        if isinstance(result, PoolTimeout) and self.far.busy:
+            raise result
+        return result
+
     def count_keys(self, prefix: str = "") -> int:
         self._check_open()
         counts = [count for count in (_attempt(self.near.count_keys, prefix),
@@ -67,6 +81,7 @@ class TieredBackend(PoolBackend):
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
+        self._check_ready()
         keys = list(keys)
         near = _attempt(self.near.batch_exists, keys)
         found = [False] * len(keys) if isinstance(near, PoolError) else near
@@ -74,7 +89,7 @@ class TieredBackend(PoolBackend):
         if not missing:
             return found
         far = _attempt(self.far.batch_exists, [keys[i] for i in missing])
-        if isinstance(far, PoolError):
+        if self._far_error(far):
             if isinstance(near, PoolError):
                 raise far
             return found
@@ -85,6 +100,7 @@ class TieredBackend(PoolBackend):
     def batch_get(self, keys: Sequence[str], offsets: Sequence[int],
                   sizes: Sequence[int]) -> list[bool]:
         self._check_open()
+        self._check_ready()
         keys = list(keys)
         offsets, sizes = _check_ints("offsets", offsets), _check_ints("sizes", sizes)
         near = _attempt(self.near.batch_get, keys, offsets, sizes)
@@ -94,7 +110,7 @@ class TieredBackend(PoolBackend):
             return ok
         pick = lambda values: [values[i] for i in missing]  # noqa: E731
         far = _attempt(self.far.batch_get, pick(keys), pick(offsets), pick(sizes))
-        if isinstance(far, PoolError):
+        if self._far_error(far):
             if isinstance(near, PoolError):
                 raise far
             return ok
@@ -111,13 +127,14 @@ class TieredBackend(PoolBackend):
     def batch_put(self, keys: Sequence[str], offsets: Sequence[int],
                   sizes: Sequence[int]) -> list[bool]:
         self._check_open()
+        self._check_ready()
         keys = list(keys)
         offsets, sizes = _check_ints("offsets", offsets), _check_ints("sizes", sizes)
         near = _attempt(self.near.batch_put, keys, offsets, sizes)  # seals every slot
         if isinstance(near, PoolError):
             return self.far.batch_put(keys, offsets, sizes)
         far = _attempt(self._far_put_sealed, keys, offsets, sizes)
-        if isinstance(far, PoolError):
+        if self._far_error(far):
             return near
         return [a or b for a, b in zip(near, far)]
 
