@@ -283,6 +283,9 @@ def test_tiered_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="remote_url must be a redis or mooncake address, got "
                                          "'shm://h:1'"):
         settings(backend="shm", url="shm://127.0.0.1:7070", remote_url="shm://h:1")
+    with pytest.raises(ValueError, match="remote_options must be a dict .* got 5"):
+        settings(backend="shm", url="shm://127.0.0.1:7070", remote_url="redis://h:1",
+                 remote_options=5)
     with pytest.raises(ValueError, match="the far tier is a redis or mooncake pool"):
         create_backend("shm://127.0.0.1:1", remote_url="shm://127.0.0.1:2")
     with pytest.raises(ValueError, match="remote_options without remote_url"):

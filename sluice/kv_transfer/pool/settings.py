@@ -100,6 +100,12 @@ class PoolSettings:
         if remote_url is not None and parse_url(remote_url)[0] not in ("redis", "mooncake"):
             raise ValueError(f"KVPoolConnector: kv_connector_extra_config.remote_url must be a "
                              f"redis or mooncake address, got {remote_url!r}")
+        remote_options = extra.get("remote_options")
+        if remote_options is not None and (remote_url is None
+                                           or not isinstance(remote_options, dict)):
+            raise ValueError(f"KVPoolConnector: kv_connector_extra_config.remote_options must be "
+                             f"a dict of the remote_url backend's options (with remote_url), "
+                             f"got {remote_options!r}")
         settings = cls(backend=backend, url=url, on_backend_error=on_error,
                        model_id=extra.get("model_id"), load_policy=load_policy,
                        backend_options={k: v for k, v in extra.items() if k in option_names})
