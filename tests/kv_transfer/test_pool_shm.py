@@ -172,8 +172,11 @@ def test_a_value_larger_than_a_slot_is_refused(small_pool: servers.ShmPoolServer
     (["--capacity-bytes", "100", "--slot-bytes", "4096"], "holds no slot"),
     (["--capacity-bytes", "0"], "capacity_bytes must be a positive"),
     (["--capacity-bytes", "1048576", "--port", "70000"], "port must be in"),
+    (["--capacity-bytes", "8388608", "--port", "TAKEN"], "cannot listen on 127.0.0.1:"),
 ])
-def test_server_arguments_are_validated(args: list[str], message: str) -> None:
+def test_server_arguments_are_validated(args: list[str], message: str,
+                                       small_pool: servers.ShmPoolServer) -> None:
+    args = [arg.replace("TAKEN", str(small_pool.port)) for arg in args]
     argv = [sys.executable, "-m", "sluice", "pool-server", "--port", "0", *args]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2

@@ -283,7 +283,11 @@ class ArenaServer:
             raise ValueError(f"sluice pool-server: cannot allocate {self.nbytes} bytes of "
                              f"shared memory: {exc}") from None
         self.index = ArenaIndex(num_slots, slot_bytes)
-        self.listener = socket.create_server((host, port))
+        try:
+            self.listener = socket.create_server((host, port))
+        except OSError as exc:
+            os.close(self.fd)
+            raise ValueError(f"sluice pool-server: cannot listen on {host}:{port}: {exc}") from None
         self.port = self.listener.getsockname()[1]
         self._selector = selectors.DefaultSelector()
         self._connections: dict[socket.socket, _Connection] = {}
