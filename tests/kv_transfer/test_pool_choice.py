@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from sluice import LLM
-from sluice.kv_transfer.pool.rates import MIN_STEP_TOKENS, PROBE_EVERY, LoadOrRecompute
+from sluice.kv_transfer.pool.rates import PROBE_EVERY, LoadOrRecompute
 from tests.kv_transfer.conftest import require
 from tests.kv_transfer.test_pool_connector import (
     ENGINE,
@@ -67,15 +67,39 @@ def test_before_both_rates_exist_a_hit_is_loaded() -> None:
     assert rates.should_load(4)
 
 
-def test_short_steps_and_steps_that_load_do_not_set_the_prefill_rate() -> None:
+def test_steps_that_load_and_loads_of_nothing_are_not_samples() -> None:
     rates = LoadOrRecompute("auto", block_size=BLOCK)
-    rates.step_done(1.0, MIN_STEP_TOKENS - 1, had_loads=False)  # mostly fixed overhead
     rates.step_done(1.0, 1000, had_loads=True)  # its time is partly the load's
     rates.load_done(1.0, 0)  # nothing loaded
     assert rates.seconds_per_token is None and rates.seconds_per_block is None
-    rates.step_done(0.5, 1000, had_loads=False)
-    rates.step_done(1.5, 1000, had_loads=False)
-    assert rates.seconds_per_token == pytest.approx(0.75 * 0.0005 + 0.25 * 0.0015)
+    assert rates.should_load(1)
+
+
+def test_a_steps_fixed_cost_is_not_counted_into_the_cost_of_a_token() -> None:
+    rates = LoadOrRecompute("auto", block_size=BLOCK)
+    for tokens in (100, 1000, 500, 1):  # 20 ms a step, 1 ms a token
+        rates.step_done(0.020 + 0.001 * tokens, tokens, had_loads=False)
+    assert rates.seconds_per_token == pytest.approx(0.001)
+    one = LoadOrRecompute("auto", block_size=BLOCK)
+    one.step_done(1.02, 1000, had_loads=False)  # one size only: through the origin
+    assert one.seconds_per_token == pytest.approx(0.00102)
+    falling = LoadOrRecompute("auto", block_size=BLOCK)
+    for tokens, seconds in ((100, 0.5), (1000, 0.1)):  # no sense as a line: the ratio
+        falling.step_done(seconds, tokens, had_loads=False)
+    # (the older sample weighs 0.9)
+    assert falling.seconds_per_token == pytest.approx((0.9 * 0.5 + 0.1) / (0.9 * 100 + 1000))
+
+
+def test_a_loads_fixed_cost_skips_short_hits_and_loads_long_ones() -> None:
+    rates = LoadOrRecompute("auto", block_size=BLOCK)
+    for tokens in (100, 1000):
+        rates.step_done(0.001 * tokens, tokens, had_loads=False)  # 16 ms a block
+    for blocks in (2, 20, 8):  # 50 ms a load, 10 ms a block
+        rates.load_done(0.050 + 0.010 * blocks, blocks)
+    assert rates.expected_seconds(2) == pytest.approx((0.070, 0.032))
+    assert not rates.should_load(2)
+    assert rates.expected_seconds(20) == pytest.approx((0.250, 0.320))
+    assert rates.should_load(20)
 
 
 def test_a_step_overlapping_the_one_before_counts_from_that_ones_result() -> None:
