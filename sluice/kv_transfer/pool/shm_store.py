@@ -3,9 +3,10 @@
 value with one memcpy (GIL released) between its staging buffer and the arena; the socket
 carries only the index operations (two round trips a get or put chunk, one an exists).
 
-- Threads: each calling thread has its own connection, so a worker's load never waits behind
-  its save thread's copies; the arena mapping is shared, and a mapping replaced (the server was
-  restarted) is closed only once no call is in flight.
+- Threads: each calling thread has its own connection (kept until `close`: the engine's
+  threads are few and long-lived), so a worker's load never waits behind its save thread's
+  copies; the arena mapping is shared, and a mapping replaced (the server was restarted) is
+  closed only once no call is in flight.
 - Bounds: the connect and each reply wait for at most what is left of `timeout_s`. A silent
   server is `PoolTimeout` (the connection is dropped: the server then drops its pins and
   reservations), a refused or lost connection `PoolUnavailable`; the next call connects again.
