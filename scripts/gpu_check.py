@@ -85,7 +85,7 @@ CONFIGS = {
 }
 # The global KV pool: saves after graph replays and eager steps, then (the GPU prefix cache
 # emptied) every full block loaded from the pool; one setting per backend whose server is here.
-POOL_BACKENDS = ("local", "redis", "mooncake")
+POOL_BACKENDS = ("local", "redis", "mooncake", "shm")
 
 
 def pool_configs(stack: contextlib.ExitStack) -> dict[str, dict]:
@@ -93,11 +93,17 @@ def pool_configs(stack: contextlib.ExitStack) -> dict[str, dict]:
 
     configs = {}
     for backend in POOL_BACKENDS:
-        extra: dict[str, object] = {"backend": backend, "staging_bytes": 64 << 20}
+        # Every hit loaded (not left to the load-or-recompute choice): the load path is checked.
+        extra: dict[str, object] = {"backend": backend, "staging_bytes": 64 << 20,
+                                    "load_policy": "always"}
         if backend == "redis":
             if servers.redis_missing():
                 continue
             extra["url"] = stack.enter_context(servers.start_redis()).url
+        elif backend == "shm":
+            # Slots of 4 MiB: a block of every layer of the models checked (Qwen3-8B: 2.25 MiB).
+            extra["url"] = stack.enter_context(servers.start_shm_pool(
+                capacity_bytes=1 << 30, slot_bytes=4 << 20)).url
         elif backend == "mooncake":
             if servers.mooncake_missing():
                 continue

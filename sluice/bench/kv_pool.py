@@ -11,9 +11,13 @@ are reported, with each hit's ratio against the recompute measured in the same r
 `num_cached_tokens` is checked, so the numbers are of the path they name. The load bandwidth is
 the loaded bytes over the worker's load time (fetch, check, copy into the cache).
 
-Servers: `--redis-url` / `--mooncake-url` use running ones; without them the benchmark starts
-`redis-server` and `mooncake_master` (plus a process owning the Mooncake pool's memory, so values
-cross a process boundary as between instances) on free loopback ports, and stops them after.
+Servers: `--redis-url` / `--mooncake-url` / `--shm-url` use running ones; without them the
+benchmark starts `redis-server`, `mooncake_master` (plus a process owning the Mooncake pool's
+memory, so values cross a process boundary as between instances) and `sluice pool-server` (the
+shared host tier, slots of one block's value) on free loopback ports, and stops them after.
+
+Save bandwidth: the saved bytes over the save thread's time (the exists check and the puts) of
+every step of one prompt length.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import uuid
 from contextlib import ExitStack
 from typing import Any
 
-_BACKENDS = ("local", "redis", "mooncake")
+_BACKENDS = ("local", "redis", "mooncake", "shm")
 
 
 def add_parser(bench_sub: Any) -> None:
@@ -47,6 +51,9 @@ def add_parser(bench_sub: Any) -> None:
     parser.add_argument("--mooncake-url", default=None,
                         help="a running mooncake_master whose pool has memory (default: start "
                              "one and a segment owner on loopback)")
+    parser.add_argument("--shm-url", default=None,
+                        help="a running `sluice pool-server` whose slots hold a block's value "
+                             "(default: start one on loopback)")
     parser.add_argument("--staging-bytes", type=int, default=8 << 30,
                         help="the connector's host staging buffer (default: 8 GiB; its save "
                              "half must hold two steps of saves of 8,192 tokens)")
@@ -63,7 +70,7 @@ def _pool_memory_bytes(prompt_lens: list[int], bytes_per_token: int) -> int:
 
 
 def _start_servers(stack: ExitStack, backends: list[str], ns: argparse.Namespace,
-                   pool_bytes: int) -> dict[str, dict[str, Any]]:
+                   pool_bytes: int, value_bytes: int) -> dict[str, dict[str, Any]]:
     """{backend: extra config} with the URLs of running or started servers."""
     from sluice.testing import servers
 
@@ -91,6 +98,13 @@ def _start_servers(stack: ExitStack, backends: list[str], ns: argparse.Namespace
                     master.address, pool_bytes))
                 url = master.url
             configs[backend] = {"backend": "mooncake", "url": url, "global_segment_size": 0}
+        elif backend == "shm":
+            url = ns.shm_url
+            if url is None:
+                slot = -(-value_bytes // 4096) * 4096
+                url = stack.enter_context(servers.start_shm_pool(
+                    capacity_bytes=max(pool_bytes, 8 * slot), slot_bytes=slot)).url
+            configs[backend] = {"backend": "shm", "url": url}
         else:
             raise ValueError(f"--backends: unknown backend {backend!r}; known: "
                              f"{', '.join(_BACKENDS)}")
@@ -103,6 +117,7 @@ def run_kv_pool(ns: argparse.Namespace) -> dict[str, Any]:
     from sluice.bench.record import make_record
     from sluice.bench.throughput import build_llm, release_device_memory
     from sluice.bench.workloads import benchmark_model_dir, cache_root, random_prompts
+    from sluice.kv_transfer.pool import value_size
 
     if ns.kv_transfer_config is not None or ns.kv_offloading_size is not None:
         raise ValueError("kv-pool configures the pool connector itself: drop "
@@ -125,13 +140,16 @@ def run_kv_pool(ns: argparse.Namespace) -> dict[str, Any]:
     record: dict[str, Any] = {}
     device = None
     with ExitStack() as stack:
-        configs = _start_servers(stack, backends, ns,
-                                 _pool_memory_bytes(prompt_lens, _kv_bytes_per_token(ns)))
+        per_token, block_size = _kv_layout(ns)
+        configs = _start_servers(stack, backends, ns, _pool_memory_bytes(prompt_lens, per_token),
+                                 value_size(per_token * block_size))
         for backend in backends:
             # A key namespace of this run's own: no hit from an earlier run.
             # timeout_s: one step's saves of a 32k-token prompt are ~4 GB (Qwen3-0.6B), longer
             # than the default 5 s over a slow TCP loopback; a timed-out put is a lost entry.
+            # load_policy always: the pool hit is what is timed, even where it is slower.
             extra = {**configs[backend], "staging_bytes": ns.staging_bytes,
+                     "load_policy": "always",
                      "timeout_s": ns.pool_timeout, "model_id": f"bench-{uuid.uuid4().hex}"}
             llm, device, dtype = _build(ns, build_llm, extra)
             try:
@@ -150,15 +168,17 @@ def run_kv_pool(ns: argparse.Namespace) -> dict[str, Any]:
                        device=device, command=getattr(ns, "sluice_argv", None))
 
 
-def _kv_bytes_per_token(ns: argparse.Namespace) -> int:
-    """KV bytes of one token over every layer, from the model's config (no engine yet)."""
+def _kv_layout(ns: argparse.Namespace) -> tuple[int, int]:
+    """(KV bytes of one token over every layer, block size), from the model's config (no
+    engine yet)."""
     from sluice.engine.flags import engine_args_from
     from sluice.model.loader import resolve_dtype
 
     config = engine_args_from(ns).create_engine_config()
     hf = config.hf_config
     dtype = resolve_dtype(config.model_config.dtype, hf)
-    return 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * dtype.itemsize
+    return (2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * dtype.itemsize,
+            config.cache_config.block_size)
 
 
 def _build(ns: argparse.Namespace, build_llm: Any, extra: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -212,6 +232,7 @@ def _measure(llm: Any, backend: str, prompt_lens: list[int], num_iters: int, par
         cases: dict[str, list[float]] = {"recompute": [], "local_hit": [], "pool_hit": []}
         loads: list[tuple[float, float]] = []  # (bytes, seconds) of each pool hit's load
         partial: list[int] = []  # tokens of pool hits short of the whole prompt
+        saves_before = scheduler.get_stats()
         for prompt in random_prompts(num_iters, length, vocab, rng):
             elapsed, cached = ttft(prompt)
             assert cached == 0, f"a fresh prompt hit {cached} tokens"
@@ -234,6 +255,8 @@ def _measure(llm: Any, backend: str, prompt_lens: list[int], num_iters: int, par
         if not cases["pool_hit"]:
             raise RuntimeError(f"{backend} {length}: no pool hit of the whole prompt in "
                                f"{num_iters} tries (hits of {partial} tokens)")
+        saves = {name: scheduler.get_stats().get(name, 0.0) - saves_before.get(name, 0.0)
+                 for name in ("pool_save_bytes", "pool_save_seconds")}
         medians = {name: statistics.median(times) for name, times in cases.items()}
         load_bytes = full // block_size * bytes_per_block
         assert all(b == load_bytes for b, _ in loads), (loads, load_bytes)
@@ -249,11 +272,14 @@ def _measure(llm: Any, backend: str, prompt_lens: list[int], num_iters: int, par
             "load_gb_s": load_bytes / statistics.median(s for _, s in loads) / 1e9,
             # An upper bound of the load's time: the whole TTFT of the pool hit.
             "effective_load_gb_s": load_bytes / medians["pool_hit"] / 1e9,
+            "save_gb_s": (saves["pool_save_bytes"] / saves["pool_save_seconds"] / 1e9
+                          if saves["pool_save_seconds"] else 0.0),
         })
         t = rows[-1]["ttft_ms"]
         print(f"{backend} {length}: TTFT recompute {t['recompute']:.2f} ms, local hit "
               f"{t['local_hit']:.2f} ms, pool hit {t['pool_hit']:.2f} ms, load "
-              f"{rows[-1]['load_gb_s']:.2f} GB/s", file=sys.stderr, flush=True)
+              f"{rows[-1]['load_gb_s']:.2f} GB/s, save {rows[-1]['save_gb_s']:.2f} GB/s",
+              file=sys.stderr, flush=True)
     return rows
 
 
@@ -269,17 +295,17 @@ def format_kv_pool(record: dict[str, Any]) -> str:
              f"machine: {describe_machine(record['machine'])}",
              f"model: {results['model']} ({results['dtype']}, {results['device']}), "
              f"{results['bytes_per_block']} bytes per block of {results['block_size']} tokens, "
-             f"median of {results['num_iters']}; pools over TCP loopback",
+             f"median of {results['num_iters']}; pools over TCP loopback (shm: index only)",
              f"{'backend':>9} {'prompt':>7} {'recompute':>10} {'local hit':>10} {'pool hit':>9} "
              f"{'pool/recomp':>11} {'local/recomp':>12} {'load GB/s':>9} {'TTFT GB/s':>9}"
-             "  (TTFT ms)"]
+             f" {'save GB/s':>9}  (TTFT ms)"]
     for row in results["rows"]:
         t = row["ttft_ms"]
         lines.append(f"{row['backend']:>9} {row['prompt_len']:>7} {t['recompute']:>10.2f} "
                      f"{t['local_hit']:>10.2f} {t['pool_hit']:>9.2f} "
                      f"{row['pool_hit_vs_recompute']:>11.2f} "
                      f"{row['local_hit_vs_recompute']:>12.2f} {row['load_gb_s']:>9.2f} "
-                     f"{row['effective_load_gb_s']:>9.2f}")
+                     f"{row['effective_load_gb_s']:>9.2f} {row.get('save_gb_s', 0.0):>9.2f}")
     return "\n".join(lines)
 
 

@@ -51,8 +51,12 @@ def _pool_config(ns: argparse.Namespace, stack: ExitStack) -> dict[str, Any]:
     """The KVPoolConnector config of a fresh server of `ns.backend` (started here)."""
     from sluice.testing import servers
 
-    extra: dict[str, Any] = {"backend": ns.backend, "staging_bytes": ns.staging_bytes}
-    if ns.backend == "redis":
+    extra: dict[str, Any] = {"backend": ns.backend, "staging_bytes": ns.staging_bytes,
+                             "load_policy": ns.load_policy}
+    if ns.backend == "shm":
+        extra["url"] = stack.enter_context(servers.start_shm_pool(
+            capacity_bytes=ns.pool_bytes, slot_bytes=ns.shm_slot_bytes)).url
+    elif ns.backend == "redis":
         if missing := servers.redis_missing():
             raise ValueError(f"cannot start the redis backend: {missing}")
         extra["url"] = stack.enter_context(servers.start_redis(
@@ -121,8 +125,8 @@ def main(ns: argparse.Namespace) -> int:
     print(command)
     print(machine_line())
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-kv-pool-serve-"))
-    result: dict[str, Any] = {"model": ns.model,
-                              "backend": ns.backend, "gpus": num_gpus(ns.device),
+    result: dict[str, Any] = {"model": ns.model, "backend": ns.backend,
+                              "load_policy": ns.load_policy, "gpus": num_gpus(ns.device),
                               "workload": workload(ns)}
     result["no_pool"] = _run_setting(ns, "no_pool", False, workdir)
     result["pool"] = _run_setting(ns, "pool", True, workdir)
@@ -153,7 +157,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                           gpu_memory_help="each instance's share of its GPU (default: 0.4, so "
                                           "two fit one)")
     parser.add_argument("--engine-args", default="", help="more `sluice serve` flags, quoted")
-    parser.add_argument("--backend", default="mooncake", choices=("mooncake", "redis"))
+    parser.add_argument("--backend", default="mooncake", choices=("mooncake", "redis", "shm"))
+    parser.add_argument("--load-policy", default="auto", choices=("auto", "always", "never"),
+                        help="the connector's load_policy (default: auto, load a hit only when "
+                             "expected faster than recomputing it)")
+    parser.add_argument("--shm-slot-bytes", type=int, default=4 << 20,
+                        help="shm: the pool server's slot, at least one block's KV over every "
+                             "layer plus 8 bytes (default: 4 MiB)")
     parser.add_argument("--pool-bytes", type=int, default=16 << 30,
                         help="the started store's memory (default: 16 GiB)")
     parser.add_argument("--staging-bytes", type=int, default=4 << 30,

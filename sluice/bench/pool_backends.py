@@ -5,11 +5,12 @@ in-process `local` backend measured in the same run.
 Servers are started here on free loopback ports (`sluice.testing.servers`) unless URLs are
 given. `mooncake` keeps every value in another process's segment, so each transfer crosses TCP
 (one instance reading another's memory); `mooncake-self` lets the client own the segment
-(transfers are local copies). Times are medians over `--repeats` rounds of fresh keys; each
-round's values are checked byte for byte after the get.
+(transfers are local copies); `shm` is the shared host tier (`sluice pool-server` in another
+process, the values copied in and out of its shared arena). Times are medians over `--repeats`
+rounds of fresh keys; each round's values are checked byte for byte after the get.
 
     python -m sluice.bench.pool_backends [--num-values 1000] [--value-size 262144] \
-        [--backends local,redis,mooncake,mooncake-self] [--output pool.json]
+        [--backends local,redis,mooncake,mooncake-self,shm] [--output pool.json]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from sluice.kv_transfer.pool import PoolBackend, create_backend, framing, value_size
 from sluice.testing import servers
 
-KINDS = ("local", "redis", "mooncake", "mooncake-self")
+KINDS = ("local", "redis", "mooncake", "mooncake-self", "shm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,11 @@ def backend_for(kind: str, args: argparse.Namespace, total_bytes: int
             url, options = "local", {"capacity_bytes": 2 * total_bytes}
         elif kind == "redis":
             url = args.redis_url or stack.enter_context(servers.start_redis()).url
+            options = {"timeout_s": 60.0}
+        elif kind == "shm":
+            slot = -(-value_size(args.value_size) // 4096) * 4096
+            url = stack.enter_context(servers.start_shm_pool(
+                capacity_bytes=2 * total_bytes // args.value_size * slot, slot_bytes=slot)).url
             options = {"timeout_s": 60.0}
         else:
             if args.mooncake_url:

@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sluice.router import cli as router_cli
 
     router_cli.add_parser(sub)
+    from sluice.kv_transfer.pool import shm_server
+
+    shm_server.add_parser(sub)
 
     make = sub.add_parser("make-model", help="write a random-weight model folder")
     make.add_argument("dir")
@@ -231,9 +234,23 @@ def build_router_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_pool_server_parser() -> argparse.ArgumentParser:
+    """`sluice pool-server` alone (no PyTorch either: it only keeps an index)."""
+    from sluice.kv_transfer.pool import shm_server
+
+    parser = argparse.ArgumentParser(prog="sluice", description="LLM inference engine")
+    shm_server.add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    parser = build_router_parser() if args[:1] == ["router"] else build_parser()
+    if args[:1] == ["router"]:
+        parser = build_router_parser()
+    elif args[:1] == ["pool-server"]:
+        parser = build_pool_server_parser()
+    else:
+        parser = build_parser()
     ns = parser.parse_args(args)
     ns.sluice_argv = ["sluice", *args]  # the command as typed, for benchmark records
     try:

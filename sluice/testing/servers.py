@@ -1,5 +1,6 @@
-"""Real pool servers for tests and benchmarks: `redis-server`, `mooncake_master`, and a process
-that owns a Mooncake Store segment, each on loopback ports picked free (or given).
+"""Real pool servers for tests and benchmarks: `redis-server`, `mooncake_master`, a process
+that owns a Mooncake Store segment, and `sluice pool-server` (the shared host tier), each on
+loopback ports picked free (or given).
 
     with start_redis() as server:            # waits until it answers PING
         backend = create_backend(server.url)
@@ -386,4 +387,31 @@ def start_mooncake_segment_owner(master: str, segment_size: int, *,
     except ServerError:
         server.close()
         raise
+    return server
+
+
+class ShmPoolServer(ServerProcess):
+    @property
+    def url(self) -> str:
+        return f"shm://{self.address}"
+
+
+def start_shm_pool(port: int = 0, *, capacity_bytes: int = 256 << 20,
+                   slot_bytes: int = 64 << 10, startup_timeout_s: float = 20.0) -> ShmPoolServer:
+    """`sluice pool-server` on 127.0.0.1: an arena of `capacity_bytes` in slots of
+    `slot_bytes` (ready once it accepts connections: it allocates the arena before listening)."""
+
+    def make(chosen: int) -> ShmPoolServer:
+        workdir = Path(tempfile.mkdtemp(prefix="sluice-shm-pool-"))
+
+        def argv() -> list[str]:
+            return [sys.executable, "-m", "sluice", "pool-server", "--port", str(chosen),
+                    "--capacity-bytes", str(capacity_bytes), "--slot-bytes", str(slot_bytes)]
+
+        # In the caller's folder (as engine instances): a checkout's sluice, not an installed one.
+        return ShmPoolServer("sluice-pool-server", argv, chosen, lambda: _port_open(chosen),
+                             workdir, startup_timeout_s, run_in_workdir=False)
+
+    server = _start(make, port)
+    assert isinstance(server, ShmPoolServer)
     return server

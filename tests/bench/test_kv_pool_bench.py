@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from sluice.entrypoints.cli import main
+from sluice.kv_transfer.disagg.shm import shm_unavailable
 from sluice.testing import servers
 
 pytestmark = pytest.mark.serial
@@ -21,7 +22,8 @@ ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "16", "--max-mo
 def test_kv_pool_bench_reports_each_backend_against_recompute(
         qwen3_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     backends = ["local"] + [name for name, missing in (("redis", servers.redis_missing()),
-                                                        ("mooncake", servers.mooncake_missing()))
+                                                        ("mooncake", servers.mooncake_missing()),
+                                                        ("shm", shm_unavailable()))
                             if missing is None]
     out = tmp_path / "kv-pool.json"
     assert main(["bench", "kv-pool", "--model", qwen3_dir, *ARGS, "--backends",
@@ -37,7 +39,7 @@ def test_kv_pool_bench_reports_each_backend_against_recompute(
     for row in record["rows"]:
         full_blocks = (row["prompt_len"] - 1) // 16
         assert row["load_bytes"] == full_blocks * record["bytes_per_block"]
-        assert row["load_gb_s"] > 0 and row["effective_load_gb_s"] > 0
+        assert row["load_gb_s"] > 0 and row["effective_load_gb_s"] > 0 and row["save_gb_s"] > 0
         ttft = row["ttft_ms"]
         assert row["pool_hit_vs_recompute"] == pytest.approx(ttft["pool_hit"] / ttft["recompute"])
 

@@ -24,6 +24,7 @@ def test_bench_kv_pool_serve_compares_two_instances_with_and_without_a_pool(
     run = subprocess.run(
         [sys.executable, "-m", "sluice", "bench", "kv-pool-serve", "--model", qwen3_dir,
          "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--backend", "redis",
+         "--load-policy", "always",  # the tiny model recomputes faster than Redis loads
          "--num-prompts", "10", "--shared-prefix-len", "96", "--shared-prefix-groups", "2",
          "--suffix-len", "16", "--output-len", "4", "--request-rate", "8",
          "--pool-bytes", str(64 << 20), "--staging-bytes", str(4 << 20),

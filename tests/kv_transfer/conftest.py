@@ -1,7 +1,7 @@
-"""Real pool servers for the pool tests: one `redis-server` and one `mooncake_master` per test
-session on free loopback ports (tests that kill or fill a server start their own), stopped and
-reaped at the end. A server whose binaries are missing skips its tests with the reason, except
-under CI=true, where it fails them."""
+"""Real pool servers for the pool tests: one `redis-server`, one `mooncake_master` and one
+`sluice pool-server` (the shared host tier) per test session on free loopback ports (tests that
+kill or fill a server start their own), stopped and reaped at the end. A server whose binaries
+are missing skips its tests with the reason, except under CI=true, where it fails them."""
 
 from __future__ import annotations
 
@@ -16,15 +16,20 @@ import torch
 from sluice.kv_transfer.pool import PoolBackend, create_backend
 from sluice.testing import servers
 
-BACKENDS = ("local", "redis", "mooncake")
+# tiered: the session's shm pool in front of its redis-server.
+BACKENDS = ("local", "redis", "mooncake", "shm", "tiered")
 # A test client's own share of the Mooncake pool: room for every test's values.
 MOONCAKE_SEGMENT = 256 << 20
+# The session's shared host tier: 64 KiB slots (the largest test value), room for every test's.
+SHM_POOL_CAPACITY = 512 << 20
+SHM_SLOT_BYTES = 64 << 10
 
 
 def require(kind: str) -> None:
     """Skip (fail under CI) when the servers of backend `kind` cannot run here."""
     reason = {"local": None, "redis": servers.redis_missing,
-              "mooncake": servers.mooncake_missing}[kind]
+              "mooncake": servers.mooncake_missing, "shm": shm_pool_missing,
+              "tiered": lambda: shm_pool_missing() or servers.redis_missing()}[kind]
     reason = reason() if reason else None
     if reason is None:
         return
@@ -37,6 +42,20 @@ def require(kind: str) -> None:
 def redis_server() -> Iterator[servers.RedisServer]:
     require("redis")
     with servers.start_redis() as server:
+        yield server
+
+
+def shm_pool_missing() -> str | None:
+    from sluice.kv_transfer.disagg.shm import shm_unavailable
+
+    return shm_unavailable()
+
+
+@pytest.fixture(scope="session")
+def shm_pool() -> Iterator[servers.ShmPoolServer]:
+    require("shm")
+    with servers.start_shm_pool(capacity_bytes=SHM_POOL_CAPACITY,
+                                slot_bytes=SHM_SLOT_BYTES) as server:
         yield server
 
 
@@ -63,6 +82,11 @@ def url_and_options(kind: str, request: pytest.FixtureRequest) -> tuple[str, dic
         return "local", {}
     if kind == "redis":
         return request.getfixturevalue("redis_server").url, {}
+    if kind == "shm":
+        return request.getfixturevalue("shm_pool").url, {}
+    if kind == "tiered":
+        return (request.getfixturevalue("shm_pool").url,
+                {"remote_url": request.getfixturevalue("redis_server").url})
     master = request.getfixturevalue("mooncake_master")
     return master.url, {"global_segment_size": MOONCAKE_SEGMENT,
                         "admin_port": master.admin_port}

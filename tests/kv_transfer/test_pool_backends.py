@@ -56,10 +56,16 @@ def get_all(staged: Staged, keys: list[str], size: int = SIZE, base: int = 0
 
 def native_put(backend: PoolBackend, key: str, value: bytes) -> None:
     """Store raw bytes under `key` with the backend's own client, bypassing the framing."""
-    if backend.backend_name == "local":
+    if backend.backend_name == "tiered":  # far only: the near tier misses, the far is read
+        native_put(backend.far, key, value)
+    elif backend.backend_name == "local":
         backend.store.set(key, value)
     elif backend.backend_name == "redis":
         backend._client.set(key, value)
+    elif backend.backend_name == "shm":  # through the end of the staging buffer, unframed
+        offset = len(backend.buffer) - len(value)
+        backend.buffer[offset:] = value
+        assert backend._put([key], [offset], [len(value)], time.monotonic() + 5) == [True]
     else:
         assert backend._store.put(key, value) == 0
 
@@ -218,7 +224,7 @@ print("written")
 """
 
 
-@pytest.mark.parametrize("remote", ["redis", "mooncake"])
+@pytest.mark.parametrize("remote", ["redis", "mooncake", "shm"])
 def test_values_written_by_another_process_are_read_here_and_stored_once(
         remote: str, request: pytest.FixtureRequest, prefix: str) -> None:
     require(remote)
@@ -291,6 +297,13 @@ def _small_store(kind: str) -> Iterator[PoolBackend]:
         elif kind == "redis":
             server = stack.enter_context(servers.start_redis(maxmemory="18mb"))
             backend = create_backend(server.url)
+        elif kind == "shm":
+            server = stack.enter_context(servers.start_shm_pool(capacity_bytes=16 << 20))
+            backend = create_backend(server.url)
+        elif kind == "tiered":
+            near = stack.enter_context(servers.start_shm_pool(capacity_bytes=8 << 20))
+            far = stack.enter_context(servers.start_redis(maxmemory="10mb"))
+            backend = create_backend(near.url, remote_url=far.url)
         else:
             server = stack.enter_context(servers.start_mooncake_master())
             backend = create_backend(server.url, global_segment_size=16 << 20)
@@ -346,7 +359,8 @@ def _misses_or_exact(staged: Staged, keys: list[str], data: np.ndarray) -> None:
 
 def _server_and_backend(kind: str) -> tuple[servers.ServerProcess, PoolBackend]:
     require(kind)
-    server = servers.start_redis() if kind == "redis" else servers.start_mooncake_master()
+    server = {"redis": servers.start_redis, "mooncake": servers.start_mooncake_master,
+              "shm": servers.start_shm_pool}[kind]()
     try:
         options = {"global_segment_size": 32 << 20} if kind == "mooncake" else {}
         return server, create_backend(server.url, timeout_s=TIMEOUT_S, **options)
@@ -355,7 +369,7 @@ def _server_and_backend(kind: str) -> tuple[servers.ServerProcess, PoolBackend]:
         raise
 
 
-@pytest.mark.parametrize("remote", ["redis", "mooncake"])
+@pytest.mark.parametrize("remote", ["redis", "mooncake", "shm"])
 def test_killed_server_fails_calls_fast_and_a_restart_restores_them(
         remote: str, prefix: str) -> None:
     server, backend = _server_and_backend(remote)
@@ -377,7 +391,7 @@ def test_killed_server_fails_calls_fast_and_a_restart_restores_them(
         server.close()
 
 
-@pytest.mark.parametrize("remote", ["redis", "mooncake"])
+@pytest.mark.parametrize("remote", ["redis", "mooncake", "shm"])
 def test_stalled_server_times_calls_out_and_recovers(remote: str, prefix: str) -> None:
     server, backend = _server_and_backend(remote)
     try:
@@ -389,7 +403,7 @@ def test_stalled_server_times_calls_out_and_recovers(remote: str, prefix: str) -
         try:
             _fails_fast(backend, staged, keys)
             # Mooncake's native call goes on after the timeout: the backend says so and refuses
-            # calls; Redis dropped the connection, nothing goes on.
+            # calls; Redis and shm dropped the connection, nothing goes on.
             assert backend.busy == (remote == "mooncake")
         finally:
             server.resume()
@@ -402,7 +416,7 @@ def test_stalled_server_times_calls_out_and_recovers(remote: str, prefix: str) -
         server.close()
 
 
-@pytest.mark.parametrize("remote", ["redis", "mooncake"])
+@pytest.mark.parametrize("remote", ["redis", "mooncake", "shm"])
 def test_no_server_at_start_is_a_clear_error(remote: str) -> None:
     require(remote)
     port = servers.free_port()

@@ -71,8 +71,10 @@ def pool_config(kind: str, request: pytest.FixtureRequest | None = None, role: s
                 **extra: Any) -> dict:
     """A KVPoolConnector config on the session's server of `kind`, in a key namespace of the
     test's own (model_id), so tests never see each other's blocks."""
+    # load_policy always: these tests are of the load path (the choice: test_pool_choice.py).
     options: dict[str, Any] = {"backend": kind, "staging_bytes": STAGING, "timeout_s": 2.0,
-                               "lookup_timeout_s": 1.0, "model_id": f"m-{uuid.uuid4().hex[:8]}"}
+                               "lookup_timeout_s": 1.0, "model_id": f"m-{uuid.uuid4().hex[:8]}",
+                               "load_policy": "always"}
     if kind == "redis":
         options["url"] = request.getfixturevalue("redis_server").url
     elif kind == "mooncake":
@@ -449,7 +451,8 @@ def test_recompute_without_a_pool_at_start_then_use_it_once_it_is_up(
     port = servers.free_port()
     config = {"kv_connector": "KVPoolConnector", "kv_connector_extra_config": {
         "backend": "redis", "url": f"redis://127.0.0.1:{port}", "timeout_s": 1.0,
-        "on_backend_error": "recompute", "retry_interval_s": 0.2, "staging_bytes": STAGING}}
+        "on_backend_error": "recompute", "retry_interval_s": 0.2, "staging_bytes": STAGING,
+        "load_policy": "always"}}
     batch = prompts(seed=5, count=1)
     expected = token_ids(reference.generate(batch, greedy(), use_tqdm=False))
     with caplog.at_level(logging.WARNING, logger="sluice"):
@@ -488,7 +491,7 @@ def test_stalled_pool_costs_each_lookup_its_bound_and_one_warning(
     with servers.start_redis() as server:
         config = {"kv_connector": "KVPoolConnector", "kv_connector_extra_config": {
             "backend": "redis", "url": server.url, "timeout_s": 0.5, "lookup_timeout_s": 0.2,
-            "retry_interval_s": 0.3, "staging_bytes": STAGING}}
+            "retry_interval_s": 0.3, "staging_bytes": STAGING, "load_policy": "always"}}
         llm = LLM(model=qwen3_dir, kv_transfer_config=config, **ENGINE)
         assert token_ids(llm.generate(batch[:1], greedy(), use_tqdm=False)) == expected[:1]
         wait_for_saves(llm)

@@ -1,5 +1,6 @@
 """Two `sluice serve` processes on one pool, for each real backend (a real `redis-server`; a real
-`mooncake_master` whose memory is a separate segment-owner process): instance B serves what
+`mooncake_master` whose memory is a separate segment-owner process; a real `sluice pool-server`,
+the shared host tier, alone and in front of the `redis-server`): instance B serves what
 instance A computed from the pool, reports it cached, computes that many fewer tokens and keeps
 the greedy output of an engine without the pool; a prompt sent to both is stored once; the
 backend killed mid-run (the server, the master, the segment owner) costs no request its output
@@ -54,19 +55,29 @@ def reference_llm(qwen3_dir: str) -> LLM:
     return LLM(model=qwen3_dir, **ENGINE_KWARGS)
 
 
-@pytest.fixture(scope="module", params=["redis", "mooncake"])
+@pytest.fixture(scope="module", params=["redis", "mooncake", "shm", "tiered"])
 def pool(request: pytest.FixtureRequest, qwen3_dir: str,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     kind = request.param
     require(kind)
     model_id = f"serve-{uuid.uuid4().hex[:8]}"
     extra = {"backend": kind, "model_id": model_id, "timeout_s": 2.0, "lookup_timeout_s": 0.5,
-             "retry_interval_s": 0.5, "staging_bytes": 2 << 20}
+             "retry_interval_s": 0.5, "staging_bytes": 2 << 20, "load_policy": "always"}
     if kind == "redis":
         server = request.getfixturevalue("redis_server")
         victims = {"server": server}
         extra["url"] = server.url
         counter = create_backend(server.url, timeout_s=5.0)
+    elif kind == "shm":
+        server = request.getfixturevalue("shm_pool")
+        victims = {"server": server}
+        extra["url"] = server.url
+        counter = create_backend(server.url, timeout_s=5.0)
+    elif kind == "tiered":  # a tier's faults: test_pool_shm.py (the other tier answers)
+        near, far = request.getfixturevalue("shm_pool"), request.getfixturevalue("redis_server")
+        victims = {}
+        extra.update(backend="shm", url=near.url, remote_url=far.url)
+        counter = create_backend(near.url, remote_url=far.url, timeout_s=5.0)
     else:
         master = request.getfixturevalue("mooncake_master")
         owner = request.getfixturevalue("mooncake_segment_owner")

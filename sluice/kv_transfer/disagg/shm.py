@@ -86,6 +86,38 @@ def process_start(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def create_memfd(name: str, nbytes: int) -> int:
+    """A new anonymous shared-memory file of `nbytes` bytes, every page allocated now (a file
+    short of memory would otherwise fail a write later with SIGBUS, and the first write of each
+    page would pay its fault); OSError if the memory is not there."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_peer_memfd(pid: int, fd: int, inode: int, nbytes: int, *,
+                    populate: bool = False) -> mmap.mmap:
+    """Map the memfd segment that process `pid` holds open as `fd` (read-write, shared),
+    checked by inode and size: OSError if it cannot be opened, ValueError if it is another
+    file. The mapping holds the segment alive after the peer exits (until it is closed).
+    `populate`: fill the page table now (MAP_POPULATE), not at each page's first touch."""
+    path = f"/proc/{pid}/fd/{fd}"
+    handle = os.open(path, os.O_RDWR)
+    try:
+        stat = os.fstat(handle)
+        if stat.st_ino != inode or stat.st_size != nbytes:
+            raise ValueError(f"{path} is not the exported segment (another inode or size)")
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        return mmap.mmap(handle, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(handle)  # the mapping holds the file
+
+
 @dataclass(slots=True)
 class _Segment:
     fd: int
@@ -116,15 +148,14 @@ class SharedKVArena:
             layer_bytes *= size
         stride = -(-layer_bytes // _ALIGN) * _ALIGN
         total = max(stride * len(layer_names), _ALIGN)
-        fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, total)
-            # Every page now: a shared-memory file short of memory would otherwise fail a
-            # write later with SIGBUS, and the first write of each page would pay its fault.
-            os.posix_fallocate(fd, 0, total)
-            mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            fd = create_memfd(self.name, total)
+            try:
+                mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError:
+                os.close(fd)
+                raise
         except OSError as exc:
-            os.close(fd)
             raise ValueError(f"PD transfer_backend shm: cannot place a KV cache of {total} "
                              f"bytes in shared memory: {exc}") from None
         flat = torch.frombuffer(mapping, dtype=torch.uint8)  # zeros: a fresh file
@@ -254,16 +285,7 @@ class ShmBackend(TransferBackend):
     def _map_shm(self, export: ShmExport) -> _Peer:
         import torch
 
-        fd = os.open(f"/proc/{export.pid}/fd/{export.fd}", os.O_RDWR)
-        try:
-            stat = os.fstat(fd)
-            if stat.st_ino != export.inode or stat.st_size != export.nbytes:
-                raise ValueError(f"/proc/{export.pid}/fd/{export.fd} is not the exported "
-                                 "segment (another inode or size)")
-            mapping = mmap.mmap(fd, export.nbytes, mmap.MAP_SHARED,
-                                mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)  # the mapping holds the file
+        mapping = map_peer_memfd(export.pid, export.fd, export.inode, export.nbytes)
         regions = _Regions()
         regions.add(torch.frombuffer(mapping, dtype=torch.uint8), start=export.base_address)
         return _Peer(export, regions, mapping=mapping)

@@ -4,7 +4,8 @@ content-addressed key, shared by engine instances.
     backend = create_backend("mooncake://127.0.0.1:50051", global_segment_size=1 << 30)
 
 URLs: `local` / `local://` (in-process), `redis://HOST[:PORT][/DB]` (default port 6379),
-`mooncake://MASTER_HOST[:PORT]` (default port 50051). Options are the backend class's keyword
+`mooncake://MASTER_HOST[:PORT]` (default port 50051), `shm://HOST[:PORT]` (the shared host tier,
+`sluice pool-server` on this host; default port 7070). Options are the backend class's keyword
 arguments (`timeout_s` for all). The interface is `PoolBackend` (`backend.py`); the value format
 with its integrity trailer is `framing.py`.
 """
@@ -29,8 +30,8 @@ __all__ = [
     "PoolUnavailable", "TRAILER_SIZE", "backend_class", "create_backend", "value_size",
 ]
 
-BACKENDS = ("local", "redis", "mooncake")
-DEFAULT_PORTS = {"redis": 6379, "mooncake": 50051}
+BACKENDS = ("local", "redis", "mooncake", "shm")
+DEFAULT_PORTS = {"redis": 6379, "mooncake": 50051, "shm": 7070}
 
 
 def backend_class(name: str) -> type[PoolBackend]:
@@ -43,6 +44,9 @@ def backend_class(name: str) -> type[PoolBackend]:
     if name == "mooncake":
         from sluice.kv_transfer.pool.mooncake_store import MooncakeBackend
         return MooncakeBackend
+    if name == "shm":
+        from sluice.kv_transfer.pool.shm_store import ShmPoolBackend
+        return ShmPoolBackend
     raise ValueError(f"unknown pool backend {name!r}; known: {', '.join(BACKENDS)}")
 
 
@@ -55,8 +59,8 @@ def parse_url(url: str) -> tuple[str, dict[str, Any]]:
     parsed = urllib.parse.urlsplit(url)
     scheme = parsed.scheme
     if scheme not in DEFAULT_PORTS or parsed.query or parsed.fragment or parsed.username:
-        raise ValueError(f"bad pool URL {url!r}: expected local, redis://HOST:PORT[/DB] or "
-                         f"mooncake://MASTER_HOST:PORT")
+        raise ValueError(f"bad pool URL {url!r}: expected local, redis://HOST:PORT[/DB], "
+                         f"mooncake://MASTER_HOST:PORT or shm://HOST:PORT")
     try:
         port = parsed.port
     except ValueError:
@@ -71,13 +75,21 @@ def parse_url(url: str) -> tuple[str, dict[str, Any]]:
             raise ValueError(f"bad pool URL {url!r}: the database must be a number")
         address["db"] = int(path)
     elif path:
-        raise ValueError(f"bad pool URL {url!r}: mooncake takes no path")
+        raise ValueError(f"bad pool URL {url!r}: {scheme} takes no path")
     return scheme, address
 
 
 def create_backend(url: str, **options: Any) -> PoolBackend:
     """Connect to the pool at `url`; raises `PoolUnavailable` / `PoolTimeout` naming the
-    address when it cannot be reached, `ValueError` for a bad URL or option."""
+    address when it cannot be reached, `ValueError` for a bad URL or option. With
+    `remote_url` (and `remote_options`, that backend's options), the pool at `url` is a near
+    tier in front of the one at `remote_url` (tiered.py); both must answer now."""
+    remote_url = options.pop("remote_url", None)
+    remote_options = options.pop("remote_options", None)
+    if remote_url is not None:
+        return _create_tiered(url, remote_url, remote_options, options)
+    if remote_options is not None:
+        raise ValueError("remote_options without remote_url")
     name, address = parse_url(url)
     cls = backend_class(name)
     accepted = [param.name for param in inspect.signature(cls.__init__).parameters.values()
@@ -87,3 +99,22 @@ def create_backend(url: str, **options: Any) -> PoolBackend:
         raise ValueError(f"unknown option(s) {', '.join(unknown)} for the {name} pool backend; "
                          f"accepted: {', '.join(accepted)}")
     return cls(**address, **options)
+
+
+def _create_tiered(url: str, remote_url: str, remote_options: Any,
+                   options: dict[str, Any]) -> PoolBackend:
+    from sluice.kv_transfer.pool.tiered import TieredBackend
+
+    if parse_url(remote_url)[0] in ("local", "shm"):
+        raise ValueError(f"remote_url {remote_url!r}: the far tier is a redis or mooncake pool")
+    if remote_options is not None and not isinstance(remote_options, dict):
+        raise ValueError(f"remote_options must be a dict of the remote backend's options, got "
+                         f"{remote_options!r}")
+    timeout_s = options.get("timeout_s", 5.0)
+    near = create_backend(url, **options)
+    try:
+        far = create_backend(remote_url, **{"timeout_s": timeout_s, **(remote_options or {})})
+    except BaseException:
+        near.close()
+        raise
+    return TieredBackend(near, far, timeout_s=timeout_s)

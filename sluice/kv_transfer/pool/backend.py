@@ -141,6 +141,11 @@ class PoolBackend(ABC):
         self.timeout_s = float(timeout_s)
 
     @property
+    def max_value_size(self) -> int | None:
+        """The largest value (payload and trailer) the store takes; None: no fixed limit."""
+        return None
+
+    @property
     def buffer(self) -> memoryview | None:
         """The registered staging buffer as bytes, or None before `register_buffer`."""
         return self._buffer

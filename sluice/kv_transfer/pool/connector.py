@@ -7,7 +7,8 @@ in-process `local` store) load the KV of each other's prompts instead of recompu
 
 `kv_role`: `kv_both` saves and loads, `kv_producer` only saves, `kv_consumer` only loads. Other
 keys of `kv_connector_extra_config` (settings.py): `on_backend_error` ("fail" | "recompute"),
-`timeout_s`, `lookup_timeout_s`, `staging_bytes`, `retry_interval_s`, `model_id`, and the
+`timeout_s`, `lookup_timeout_s`, `staging_bytes`, `retry_interval_s`, `model_id`,
+`load_policy` ("auto" | "always" | "never"), and the
 backend's own options (e.g. Mooncake's `global_segment_size`).
 
 Values and keys. A value is one full block of this rank's KV over every layer,
@@ -28,15 +29,18 @@ overlaps the previous step's device work under async scheduling) and waited on p
 Scheduler half (here): `get_num_new_matched_tokens` asks the pool, in ONE batched existence
 query through the scheduler's own client (a short `lookup_timeout_s`; for Mooncake a client that
 owns no pool memory), about the request's full blocks, and counts the leading run present after
-the local prefix-cache hit. Local hits the pool lacks (it evicted them, or restarted empty) are
-saved again. A timeout or an unreachable pool is a miss, never a stall; after a failure the pool is
-asked again only every `retry_interval_s` (misses meanwhile), with one warning per outage. A
-block present at lookup but gone at load (evicted, its owner gone) fails to load: the scheduler
-truncates the request there and recomputes. The plan of each step (`PoolMetadata`) carries the
-loads (cache block <- block hash) and the saves: every full block not saved yet (blocks
-computed in the step, and local hits the pool lacked) that was not loaded, at most the worker's
-save slots per step (the rest in a later step; the worker's put skips keys present). Ranks
-make their own keys from the hashes (the tensor-parallel rank is in the key).
+the local prefix-cache hit; it loads that run only if loading is expected to be faster than
+recomputing it, from the rates this instance measured (rates.py: its steps' prefill time per
+token, its loads' time per block; `load_policy` "always" / "never" overrides; skipped hits are
+counted, `pool_skipped_hit_blocks`). Local hits the pool lacks (it evicted them, or restarted
+empty) are saved again. A timeout or an unreachable pool is a miss, never a stall; after a
+failure the pool is asked again only every `retry_interval_s` (misses meanwhile), with one
+warning per outage. A block present at lookup but gone at load (evicted, its owner gone) fails
+to load: the scheduler truncates the request there and recomputes. The plan of each step
+(`PoolMetadata`) carries the loads (cache block <- block hash) and the saves: every full block
+not saved yet (blocks computed in the step, and local hits the pool lacked) that was not loaded,
+at most the worker's save slots per step (the rest in a later step; the worker's put skips keys
+present). Ranks make their own keys from the hashes (the tensor-parallel rank is in the key).
 
 Worker half: worker.py. The halves' counters come together in `get_stats` (the workers report
 theirs with every step), which the engine core sends to /metrics as `sluice:kv_pool_*`.
@@ -44,6 +48,7 @@ theirs with every step), which the engine core sends to /metrics as `sluice:kv_p
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import TYPE_CHECKING
 
@@ -54,6 +59,7 @@ from sluice.core.kv_connector import KVCacheSpec, KVConnectorScheduler, Schedule
 from sluice.core.outputs import KVConnectorOutput, SchedulerOutput
 from sluice.kv_transfer.pool import PoolError
 from sluice.kv_transfer.pool.client import PoolClient, has_local_worker
+from sluice.kv_transfer.pool.rates import LoadOrRecompute
 from sluice.kv_transfer.pool.settings import PoolSettings, key_prefix
 from sluice.kv_transfer.pool.worker import KVPoolConnectorWorker, num_load_slots
 
@@ -90,6 +96,9 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
             options = dict(settings.backend_options)
             if settings.backend == "mooncake":
                 options["global_segment_size"] = 0  # lookups only: no pool memory of its own
+            if str(options.get("remote_url", "")).startswith("mooncake://"):
+                options["remote_options"] = {**options.get("remote_options", {}),
+                                             "global_segment_size": 0}
             self.client = PoolClient(settings, "scheduler", "lookups are misses",
                                      options=options, call_timeout_s=settings.lookup_timeout_s)
         self._pending_loads: list[tuple[int, bytes]] = []  # (cache block, hash) for the plan
@@ -97,6 +106,9 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
         self._num_considered: dict[str, int] = {}
         self._stats: dict[str, float] = {}
         self._worker_stats: dict[str, float] = {}
+        self.rates = LoadOrRecompute(settings.load_policy, kv_cache_spec.block_size)
+        # Per step planned and not reported yet: (when, tokens, whether it loads).
+        self._planned: collections.deque[tuple[float, int, bool]] = collections.deque(maxlen=64)
 
     # ---- lookups ----
 
@@ -136,6 +148,10 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
         after = present[first:]
         num_hits = next((i for i, found in enumerate(after) if not found), len(after))
         self._add("pool_hit_blocks", num_hits)
+        if num_hits and not self.rates.should_load(num_hits):
+            self._add("pool_skipped_hits", 1)
+            self._add("pool_skipped_hit_blocks", num_hits)
+            return 0, False
         return num_hits * block_size, False
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
@@ -159,6 +175,8 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
         meta = PoolMetadata(load_block_ids=[b for b, _ in self._pending_loads],
                             load_hashes=[h for _, h in self._pending_loads])
         self._pending_loads = []
+        self._planned.append((time.perf_counter(), scheduler_output.total_num_scheduled_tokens,
+                              bool(meta.load_block_ids)))
         if not self.config.is_producer:
             return meta
         block_size = self.kv_cache_spec.block_size
@@ -184,6 +202,11 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for name, value in output.stats.items():
             self._worker_stats[name] = self._worker_stats.get(name, 0.0) + value
+        if self._planned:  # (reports come in step order, one per planned step)
+            planned_at, num_tokens, had_loads = self._planned.popleft()
+            self.rates.step_done(self.rates.step_seconds(planned_at), num_tokens, had_loads)
+        self.rates.load_done(output.stats.get("pool_load_seconds", 0.0),
+                             output.stats.get("pool_load_blocks", 0.0))
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -195,6 +218,10 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
 
     def get_stats(self) -> dict[str, float]:
         stats = {**self._worker_stats, **self._stats}
+        for name, rate in (("pool_load_seconds_per_block", self.rates.seconds_per_block),
+                           ("pool_recompute_seconds_per_token", self.rates.seconds_per_token)):
+            if rate is not None:
+                stats[name] = rate
         client = self.client
         if client is not None:  # (a producer only saves: its workers report errors)
             stats["pool_available"] = float(client.backend is not None and client.health.up)

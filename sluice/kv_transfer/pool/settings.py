@@ -27,6 +27,7 @@ from sluice.config import KVTransferConfig
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.kv_transfer.pool import BACKENDS, PoolTimeout, backend_class, parse_url
 from sluice.kv_transfer.pool.framing import value_size
+from sluice.kv_transfer.pool.rates import LOAD_POLICIES
 
 logger = logging.getLogger("sluice")
 
@@ -36,7 +37,7 @@ ON_BACKEND_ERROR = ("fail", "recompute")
 # The connector's own keys; the backend's keyword options (global_segment_size, password, ...)
 # are accepted beside them and handed to the backend.
 _CONNECTOR_KEYS = ("backend", "url", "on_backend_error", "timeout_s", "lookup_timeout_s",
-                   "staging_bytes", "retry_interval_s", "model_id")
+                   "staging_bytes", "retry_interval_s", "model_id", "load_policy")
 # Staging slots start on this boundary (DMA-friendly, and a multiple of every dtype's size).
 SLOT_ALIGN = 256
 MIN_SLOTS = 4  # two to load into, two to save from
@@ -56,6 +57,9 @@ class PoolSettings:
     staging_bytes: int | None = None
     retry_interval_s: float = 1.0  # a client that failed is tried again after this
     model_id: str | None = None  # names the model in keys (default: the model as given)
+    # Load a hit when loading is expected faster than recomputing it (rates.py), or always, or
+    # never.
+    load_policy: str = "auto"
     backend_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -69,6 +73,8 @@ class PoolSettings:
                         .parameters.values()
                         if p.kind is inspect.Parameter.KEYWORD_ONLY
                         and p.name not in ("timeout_s", "store")]
+        if backend == "shm":  # in front of a remote pool (tiered.py)
+            option_names += ["remote_url", "remote_options"]
         unknown = sorted(set(extra) - set(_CONNECTOR_KEYS) - set(option_names))
         if unknown:
             raise ValueError(f"KVPoolConnector: unknown kv_connector_extra_config keys {unknown}; "
@@ -86,8 +92,22 @@ class PoolSettings:
         if on_error not in ON_BACKEND_ERROR:
             raise ValueError(f"KVPoolConnector: kv_connector_extra_config.on_backend_error must "
                              f"be one of {list(ON_BACKEND_ERROR)}, got {on_error!r}")
+        load_policy = extra.get("load_policy", "auto")
+        if load_policy not in LOAD_POLICIES:
+            raise ValueError(f"KVPoolConnector: kv_connector_extra_config.load_policy must be "
+                             f"one of {list(LOAD_POLICIES)}, got {load_policy!r}")
+        remote_url = extra.get("remote_url")
+        if remote_url is not None and parse_url(remote_url)[0] not in ("redis", "mooncake"):
+            raise ValueError(f"KVPoolConnector: kv_connector_extra_config.remote_url must be a "
+                             f"redis or mooncake address, got {remote_url!r}")
+        remote_options = extra.get("remote_options")
+        if remote_options is not None and (remote_url is None
+                                           or not isinstance(remote_options, dict)):
+            raise ValueError(f"KVPoolConnector: kv_connector_extra_config.remote_options must be "
+                             f"a dict of the remote_url backend's options (with remote_url), "
+                             f"got {remote_options!r}")
         settings = cls(backend=backend, url=url, on_backend_error=on_error,
-                       model_id=extra.get("model_id"),
+                       model_id=extra.get("model_id"), load_policy=load_policy,
                        backend_options={k: v for k, v in extra.items() if k in option_names})
         for name in ("timeout_s", "lookup_timeout_s", "retry_interval_s"):
             value = extra.get(name, getattr(settings, name))
@@ -132,7 +152,7 @@ class PoolSettings:
 
 
 _URL_FORMS = {"local": "local", "redis": "redis://HOST:PORT[/DB]",
-              "mooncake": "mooncake://MASTER_HOST:PORT"}
+              "mooncake": "mooncake://MASTER_HOST:PORT", "shm": "shm://127.0.0.1:PORT"}
 
 
 def slot_stride(spec: KVCacheSpec) -> int:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from sluice.config import KVTransferConfig
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.kv_transfer.offloading import slot_runs
-from sluice.kv_transfer.pool import PoolBackend, PoolError, PoolTimeout
+from sluice.kv_transfer.pool import PoolBackend, PoolError, PoolTimeout, value_size
 from sluice.kv_transfer.pool.client import PoolClient, register_local_worker
 from sluice.kv_transfer.pool.mover import StagingMover
 from sluice.kv_transfer.pool.settings import PoolSettings, key_prefix, slot_stride
@@ -134,11 +134,20 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         mover = self.mover
         if self.settings.backend == "local":
             register_local_worker(self.config)
+
+        def on_connect(backend: PoolBackend) -> None:
+            limit, needed = backend.max_value_size, value_size(self.payload_size)
+            if limit is not None and limit < needed:
+                raise ValueError(
+                    f"KVPoolConnector: the {self.settings.backend} pool at {self.settings.url} "
+                    f"takes values of at most {limit} bytes; a KV block of this model is "
+                    f"{needed} (start `sluice pool-server` with --slot-bytes >= {needed})")
+            backend.register_buffer(mover.host.data_ptr(), mover.nbytes)
+
         self.client = PoolClient(
             self.settings, f"worker (rank {self.kv_cache_spec.tp_rank})",
             "loads are recomputed, saves dropped", options=self.settings.backend_options,
-            on_connect=lambda backend: backend.register_buffer(mover.host.data_ptr(),
-                                                               mover.nbytes))
+            on_connect=on_connect)
 
     # ---- loads ----
 

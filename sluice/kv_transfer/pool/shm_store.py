@@ -1,0 +1,298 @@
+"""The shared host tier's pool backend (`shm://HOST:PORT`): a client of `sluice pool-server`
+(shm_server.py) on this host. It maps the server's arena once per server life and copies each
+value with one memcpy (GIL released) between its staging buffer and the arena; the socket
+carries only the index operations (two round trips a get or put chunk, one an exists).
+
+- Threads: each calling thread has its own connection (kept until `close`: the engine's
+  threads are few and long-lived), so a worker's load never waits behind its save thread's
+  copies; the arena mapping is shared, and a mapping replaced (the server was restarted) is
+  closed only once no call is in flight.
+- Bounds: the connect and each reply wait for at most what is left of `timeout_s`. A silent
+  server is `PoolTimeout` (the connection is dropped: the server then drops its pins and
+  reservations), a refused or lost connection `PoolUnavailable`; the next call connects again.
+  Copies are local, so nothing runs on after a call returns: `busy` is always False.
+- A server killed while a get copies: the client's mapping keeps the memory, the copy ends with
+  the value's bytes (and its checksum says so). A restarted server has a new, empty arena: the
+  client maps it on its next handshake and drops the old mapping.
+- The server must be on this host and in this pid namespace (`disagg.shm.host_id`); another is
+  `PoolUnavailable` naming both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from sluice.channel import Encoder, MessageDecoder, WireError
+from sluice.kv_transfer.disagg.shm import host_id, map_peer_memfd
+from sluice.kv_transfer.pool.backend import PoolBackend
+from sluice.kv_transfer.pool.shm_server import (
+    LENGTH,
+    MAX_FRAME_BYTES,
+    Committed,
+    Count,
+    Counted,
+    Exists,
+    GetBegin,
+    GetEnd,
+    GetGrant,
+    Hello,
+    Present,
+    PutBegin,
+    PutCommit,
+    PutGrant,
+    Refused,
+    Reply,
+    Stats,
+    StatsRequest,
+    Welcome,
+    send_frame,
+)
+
+
+@dataclass(slots=True)
+class _Arena:
+    welcome: Welcome
+    mapping: mmap.mmap
+    view: ctypes.Array  # over the mapping: its address; dropped before the mapping closes
+    address: int
+
+    def close(self) -> None:
+        del self.view
+        self.mapping.close()
+
+
+@dataclass(slots=True, eq=False)
+class _Connection:
+    """One thread's connection, and the arena its server announced."""
+
+    sock: socket.socket
+    encoder: Encoder
+    decoder: MessageDecoder
+    welcome: Welcome | None = None
+
+
+class ShmPoolBackend(PoolBackend):
+    backend_name = "shm"
+    max_keys_per_call = 1024
+    max_keys_per_lookup = 1 << 14
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 7070, *,
+                 timeout_s: float = 5.0) -> None:
+        super().__init__(f"{host}:{port}", timeout_s)
+        self.host, self.port = host, port
+        self._lock = threading.Lock()  # the arena, the calls in flight, the connections
+        self._arena: _Arena | None = None
+        self._retired: list[_Arena] = []  # replaced while calls were in flight
+        self._num_active = 0
+        self._connections: set[_Connection] = set()
+        self._local = threading.local()
+        with self._connected(time.monotonic() + self.timeout_s):
+            pass
+
+    @property
+    def max_value_size(self) -> int | None:
+        """The server's slot size: the largest value it takes (None before a handshake)."""
+        arena = self._arena
+        return arena.welcome.slot_bytes if arena is not None else None
+
+    # ---- the operations ----
+
+    def _exists(self, keys: list[str], deadline: float) -> list[bool]:
+        with self._connected(deadline) as (conn, _):
+            return self._ask(conn, Exists(keys=keys), Present, deadline).found
+
+    def _get(self, keys: list[str], offsets: list[int], sizes: list[int],
+             deadline: float) -> list[int]:
+        with self._connected(deadline) as (conn, arena):
+            grant = self._ask(conn, GetBegin(keys=keys, max_sizes=sizes), GetGrant, deadline)
+            slot_bytes = arena.welcome.slot_bytes
+            received = []
+            for offset, slot, size in zip(offsets, grant.slots, grant.sizes):
+                if slot < 0:
+                    received.append(-1)
+                    continue
+                ctypes.memmove(self._buffer_address + offset, arena.address + slot * slot_bytes,
+                               size)
+                received.append(size)
+            pinned = [slot for slot in grant.slots if slot >= 0]
+            if pinned:
+                try:
+                    send_frame(conn.sock, conn.encoder, GetEnd(slots=pinned))
+                except OSError:
+                    self._drop(conn)  # the copies are done: the values stand
+        return received
+
+    def _put(self, keys: list[str], offsets: list[int], sizes: list[int],
+             deadline: float) -> list[bool]:
+        with self._connected(deadline) as (conn, arena):
+            grant = self._ask(conn, PutBegin(keys=keys, sizes=sizes), PutGrant, deadline)
+            slot_bytes = arena.welcome.slot_bytes
+            reserved = []
+            for offset, slot, size in zip(offsets, grant.slots, sizes):
+                if slot >= 0:
+                    ctypes.memmove(arena.address + slot * slot_bytes,
+                                   self._buffer_address + offset, size)
+                    reserved.append(slot)
+            stored = iter(self._ask(conn, PutCommit(slots=reserved), Committed,
+                                    deadline).stored if reserved else [])
+            # PRESENT (-1): the key holds its value already, a success; NO_ROOM (-2): refused.
+            return [next(stored) if slot >= 0 else slot == -1 for slot in grant.slots]
+
+    def count_keys(self, prefix: str = "") -> int:
+        self._check_open()
+        deadline = time.monotonic() + self.timeout_s
+        with self._connected(deadline) as (conn, _):
+            return self._ask(conn, Count(prefix=prefix), Counted, deadline).num_keys
+
+    def stats(self) -> Stats:
+        """The server's counts (tests, metrics)."""
+        self._check_open()
+        deadline = time.monotonic() + self.timeout_s
+        with self._connected(deadline) as (conn, _):
+            return self._ask(conn, StatsRequest(), Stats, deadline)
+
+    def _close(self) -> None:
+        with self._lock:
+            for conn in list(self._connections):
+                conn.sock.close()
+            self._connections.clear()
+            self._retire(self._arena)
+            self._arena = None
+
+    # ---- connections and the arena ----
+
+    @contextlib.contextmanager
+    def _connected(self, deadline: float) -> Iterator[tuple[_Connection, _Arena]]:
+        """This thread's connection (made now if there is none) and the arena it addresses,
+        which stays mapped until the call ends."""
+        conn: _Connection | None = getattr(self._local, "conn", None)
+        with self._lock:
+            if conn is not None and (self._arena is None or conn.welcome != self._arena.welcome):
+                self._drop_locked(conn)  # another thread saw the server restart
+                conn = None
+        if conn is None:
+            conn = self._handshake(deadline)
+        with self._lock:
+            arena = self._arena
+            if arena is None or conn.welcome != arena.welcome:
+                self._drop_locked(conn)
+                raise self.unavailable("the server's arena changed during the call")
+            self._num_active += 1
+        try:
+            yield conn, arena
+        finally:
+            with self._lock:
+                self._num_active -= 1
+                if self._num_active == 0:
+                    for old in self._retired:
+                        old.close()
+                    self._retired.clear()
+
+    def _handshake(self, deadline: float) -> _Connection:
+        self._check_deadline(deadline)
+        try:
+            sock = socket.create_connection((self.host, self.port),
+                                            timeout=max(0.01, deadline - time.monotonic()))
+        except TimeoutError:
+            raise self.timed_out(f"no connection within {self.timeout_s:g} s") from None
+        except OSError as exc:
+            with self._lock:  # the server is gone: let its memory go
+                self._retire(self._arena)
+                self._arena = None
+            raise self.unavailable(f"cannot reach the server ({exc})") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Connection(sock, Encoder(), MessageDecoder(Reply, "shm pool reply",
+                                                          "this client and the server"))
+        with self._lock:
+            self._connections.add(conn)
+        self._local.conn = conn
+        welcome = self._ask(conn, Hello(), Welcome, deadline)
+        here = host_id()
+        if welcome.host_id != here:
+            self._drop(conn)
+            raise self.unavailable(f"the server is on host {welcome.host_id!r}, this client on "
+                                   f"{here!r}: the shm pool serves one host's instances")
+        conn.welcome = welcome
+        with self._lock:
+            if self._arena is not None and self._arena.welcome == welcome:
+                return conn
+        try:
+            # Populated: a slot's first copy would otherwise pay a page fault per 4 KiB.
+            mapping = map_peer_memfd(welcome.pid, welcome.fd, welcome.inode, welcome.nbytes,
+                                     populate=True)
+        except (OSError, ValueError) as exc:
+            self._drop(conn)
+            raise self.unavailable(f"cannot map the server's arena "
+                                   f"(/proc/{welcome.pid}/fd/{welcome.fd}): {exc}") from None
+        view = (ctypes.c_ubyte * welcome.nbytes).from_buffer(mapping)
+        arena = _Arena(welcome, mapping, view, ctypes.addressof(view))
+        with self._lock:
+            if self._arena is not None and self._arena.welcome == welcome:
+                arena.close()  # another thread mapped it meanwhile
+            else:
+                self._retire(self._arena)  # the server was restarted: a new arena
+                self._arena = arena
+        return conn
+
+    def _retire(self, arena: _Arena | None) -> None:
+        """(Lock held.) Close `arena` now, or once the calls in flight are done."""
+        if arena is None:
+            return
+        if self._num_active == 0:
+            arena.close()
+        else:
+            self._retired.append(arena)
+
+    def _ask(self, conn: _Connection, request, reply_type: type,  # noqa: ANN001
+             deadline: float):  # noqa: ANN202
+        """Send `request`, return its reply (of `reply_type`); drops the connection on error."""
+        sock = conn.sock
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            send_frame(sock, conn.encoder, request)
+            (length,) = LENGTH.unpack(self._receive(sock, LENGTH.size))
+            if length > MAX_FRAME_BYTES:
+                raise WireError(f"a {length}-byte reply frame")
+            reply = conn.decoder.decode(self._receive(sock, length))
+        except TimeoutError:
+            self._drop(conn)
+            raise self.timed_out(f"no answer within timeout_s={self.timeout_s:g}") from None
+        except (OSError, WireError) as exc:
+            self._drop(conn)
+            raise self.unavailable(f"connection lost ({exc})") from None
+        if isinstance(reply, Refused):
+            raise self.unavailable(f"the server refused the call: {reply.reason}")
+        if not isinstance(reply, reply_type):
+            self._drop(conn)
+            raise self.unavailable(f"expected {reply_type.__name__}, got "
+                                   f"{type(reply).__name__}")
+        return reply
+
+    @staticmethod
+    def _receive(sock: socket.socket, size: int) -> bytes:
+        data = bytearray()
+        while len(data) < size:
+            chunk = sock.recv(size - len(data))
+            if not chunk:
+                raise ConnectionResetError("the server closed the connection")
+            data += chunk
+        return bytes(data)
+
+    def _drop(self, conn: _Connection) -> None:
+        """Close this thread's connection (the server drops its pins and reservations); the
+        arena stays mapped until a handshake says it changed (or `close`)."""
+        with self._lock:
+            self._drop_locked(conn)
+
+    def _drop_locked(self, conn: _Connection) -> None:
+        conn.sock.close()
+        self._connections.discard(conn)
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
