@@ -123,9 +123,13 @@ class HybridKVCacheManager:
                      for manager, group_hits in zip(self.managers, hits))
         if needed > self.block_pool.get_num_free_blocks():
             return None
+        # Every group's hits out of the free queue before any group takes new blocks, which
+        # would otherwise evict another group's hits.
+        for group_hits in hits:
+            self.block_pool.touch(group_hits)
         new_blocks = [manager.take_blocks(request, num_new_tokens, group_hits,
                                           num_lookahead_tokens, num_external_computed_tokens,
-                                          delay_cache_blocks)
+                                          delay_cache_blocks, hits_touched=True)
                       for manager, group_hits in zip(self.managers, hits)]
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.get_num_blocks_in_use())
         self.peak_blocks_per_request = max(self.peak_blocks_per_request,
@@ -171,6 +175,14 @@ class HybridKVCacheManager:
         assert num_refs == num_pairs, (
             f"ref counts sum to {num_refs} but the groups' requests hold {num_pairs} "
             f"(request, block) pairs")
-        for manager in self.managers[1:]:
+        owner: dict[int, int] = {}
+        for manager in self.managers:
             assert manager.req_to_blocks.keys() == self.req_to_blocks.keys(), (
                 f"group {manager.group} holds blocks of other requests than group 0")
+            for blocks in manager.req_to_blocks.values():
+                for block in blocks:
+                    if block.is_null:
+                        continue
+                    group = owner.setdefault(block.block_id, manager.group)
+                    assert group == manager.group, (
+                        f"block {block.block_id} is held by groups {group} and {manager.group}")

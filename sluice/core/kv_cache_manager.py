@@ -236,16 +236,19 @@ class KVCacheManager:
 
     def take_blocks(self, request: Request, num_new_tokens: int,
                     new_computed_blocks: list[KVCacheBlock], num_lookahead_tokens: int,
-                    num_external_computed_tokens: int,
-                    delay_cache_blocks: bool) -> list[KVCacheBlock]:
-        """allocate_slots once the pool is known to have the blocks: the new blocks."""
+                    num_external_computed_tokens: int, delay_cache_blocks: bool,
+                    hits_touched: bool = False) -> list[KVCacheBlock]:
+        """allocate_slots once the pool is known to have the blocks: the new blocks.
+        hits_touched: the caller took the hits' references already (every group's hits before
+        any group allocates, so that no group's new blocks evict another group's hits)."""
         request_id = request.request_id
         blocks = self.req_to_blocks.get(request_id, [])
         num_computed_tokens, num_new_blocks = self._extent(
             request, num_new_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens)
         # Touch before allocating, so that get_new_blocks cannot evict the hits.
-        self.block_pool.touch(new_computed_blocks)
+        if not hits_touched:
+            self.block_pool.touch(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(request_id, blocks)
         blocks.extend(new_computed_blocks)
