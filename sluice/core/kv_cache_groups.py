@@ -11,7 +11,8 @@ reuse (HybridKVCacheManager).
 
 The split is used only where nothing but the model's own layers reads a request's blocks: a KV
 connector (which saves, loads or sends a prompt's blocks whole) and a speculative proposer keep
-one group of every layer and every block, as before.
+one group of every layer and every block, as before; so does a window at least as long as
+max_model_len, which never hides a position.
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ class KVCacheGroups:
     def group_size(self) -> int:
         """Layers per group: KV tensors the cache holds (a block's bytes are as many layers')."""
         return len(self.layers[0])
+
+    def max_blocks_per_request(self, max_model_len: int, block_size: int,
+                               max_tokens_per_step: int) -> int:
+        """The most blocks one request may need at once over every group: a global group all
+        of max_model_len's; a windowed group of a split model its window and a step's tokens
+        (with a block either side, and the last cached block it keeps)."""
+        full = -(-max_model_len // block_size)
+        if self.num_groups == 1:
+            return full
+        return sum(full if window is None
+                   else min(full, (window - 1 + max_tokens_per_step) // block_size + 3)
+                   for window in self.windows)
 
     def layer_slots(self) -> dict[int, tuple[int, int]]:
         """layer index -> (its group, its KV tensor)."""
@@ -75,7 +88,9 @@ def kv_cache_groups(config: Any) -> KVCacheGroups:
     hf_config = config.hf_config
     spec = config.scheduler_config.speculative_config
     num_layers = hf_config.num_hidden_layers
-    if config.kv_transfer_config is not None or hf_config.sliding_window is None:
+    # A window as long as the context hides no position: nothing to free.
+    if (config.kv_transfer_config is not None or hf_config.sliding_window is None
+            or hf_config.sliding_window >= config.scheduler_config.max_model_len):
         return one_group(num_layers, None)
     window = hf_config.window_of_every_layer()
     if window is None:

@@ -25,6 +25,11 @@ block keeps its hash in the free queue (evictable, a prefix hit for another requ
 evicted), and only blocks already cached, not the last of them, are freed, so the next block
 cached finds its parent held. Prefix lookup is unchanged: it walks from block 0 and stops at
 the first miss.
+
+A hybrid model (Gemma 3) runs one manager per KV cache group over a shared pool
+(`block_pool`, `group`): sluice/core/hybrid_kv_cache_manager.py, which calls the steps of
+`allocate_slots` (`free_behind_window`, `fits_last_block`, `num_blocks_needed`,
+`take_blocks`) for every group at once.
 """
 
 from __future__ import annotations

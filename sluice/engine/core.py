@@ -66,9 +66,11 @@ class EngineCore:
         scheduler_config, cache_config = config.scheduler_config, config.cache_config
         num_blocks = self.executor.determine_num_blocks()
         # One request at max_model_len must fit on its own, or it could never be scheduled
-        # (every KV cache group's blocks: a prompt computed in one step holds them all).
-        blocks_per_seq = (-(-scheduler_config.max_model_len // cache_config.block_size)
-                          * kv_cache_groups(config).num_groups)
+        # (in every KV cache group: a windowed group of a split model holds its window and a
+        # step's tokens at most).
+        blocks_per_seq = kv_cache_groups(config).max_blocks_per_request(
+            scheduler_config.max_model_len, cache_config.block_size,
+            scheduler_config.max_num_batched_tokens)
         if blocks_per_seq > num_blocks - 1:
             raise ValueError(
                 f"max_model_len ({scheduler_config.max_model_len}) needs {blocks_per_seq} KV "

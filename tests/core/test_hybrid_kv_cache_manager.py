@@ -49,7 +49,8 @@ def test_groups_are_split_only_where_nothing_else_reads_the_blocks() -> None:
     def groups(hf_config, spec=None, kv_transfer_config=None) -> KVCacheGroups:  # noqa: ANN001
         return kv_cache_groups(SimpleNamespace(
             hf_config=hf_config, kv_transfer_config=kv_transfer_config,
-            scheduler_config=SimpleNamespace(speculative_config=spec)))
+            scheduler_config=SimpleNamespace(speculative_config=spec,
+                                            max_model_len=256)))
 
     split = groups(mixed)
     assert split.windows == (None, 20, 20) and split.layers == ((2, 5), (0, 1), (3, 4))

@@ -114,7 +114,8 @@ def test_the_windowed_groups_hold_only_their_window_s_blocks(folder: str) -> Non
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_greedy_ids_equal_transformers_under_preemption(folder: str,
                                                         async_scheduling: bool) -> None:
-    """24 usable blocks: one 64-token request's worth in 3 groups."""
+    """24 usable blocks: a 64-token request holds 8 in the global group, 4 to 8 in each
+    windowed one."""
     llm = hybrid_engine(folder, max_model_len=64, num_gpu_blocks_override=25,
                         async_scheduling=async_scheduling)
     prompts = [p[:48] for p in PROMPTS]
