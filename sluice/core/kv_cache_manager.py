@@ -179,13 +179,21 @@ class KVCacheManager:
         blocks behind a sliding window, which the request can never read again) if too few
         are free. `delay_cache_blocks`: enter none of the new blocks into the prefix cache now.
         """
-        check_allocation_args(num_new_tokens, num_lookahead_tokens, num_external_computed_tokens)
+        if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_computed_tokens < 0:
+            check_allocation_args(num_new_tokens, num_lookahead_tokens,
+                                  num_external_computed_tokens)
+        request_id = request.request_id
         if self.sliding_window is not None:
-            self.free_behind_window(request)
+            self._free_blocks_behind_window(request_id, request.num_computed_tokens)
         if (not new_computed_blocks and not num_lookahead_tokens
-                and not num_external_computed_tokens and not delay_cache_blocks
-                and self.fits_last_block(request, num_new_tokens)):
-            return []
+                and not num_external_computed_tokens and not delay_cache_blocks):
+            # The common decode step (fits_last_block, inline: it runs for every request of
+            # every step).
+            end = request.num_computed_tokens + num_new_tokens
+            if (end <= len(self.req_to_blocks.get(request_id, ())) * self.block_size
+                    and (not self.enable_caching or min(end, request.num_tokens)
+                         // self.block_size <= self.num_cached_blocks.get(request_id, 0))):
+                return []
         new_computed_blocks = new_computed_blocks or []
         num_needed = self.num_blocks_needed(request, num_new_tokens, new_computed_blocks,
                                             num_lookahead_tokens, num_external_computed_tokens)
