@@ -202,6 +202,36 @@ def test_kv_cache_sizing_counts_a_group_s_layers_per_block(folder: str) -> None:
     llm.shutdown()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_emulated_cuda_graph_replays_read_every_group_s_tables(
+        folder: str, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph runner's path on a CPU (tests/worker/test_graph_runner.py's emulation: each
+    size's captured inputs are views of the fixed buffers, replayed through the model): the
+    graph-read tables of every group, filled per step, and groups 1..'s slots laid out for the
+    graph's size keep transformers' ids for decode, one-prompt and mixed steps."""
+    from sluice.worker import graph_runner
+    from tests.worker.test_graph_runner import EmulatedGraphs
+
+    monkeypatch.setattr(graph_runner, "DecodeGraphs", EmulatedGraphs)
+    llm = hybrid_engine(folder, max_num_seqs=8, max_num_batched_tokens=64,
+                        async_scheduling=async_scheduling)
+    runner = llm.llm_engine.engine_core.executor.model_runner
+    builder, graphs = runner.input_builder, runner.graph_runner
+    builder.graph_group_block_tables = torch.zeros(
+        (3, 8, builder.block_tables.max_blocks_per_req), dtype=torch.int32)
+    builder.graph_block_tables = builder.graph_group_block_tables[0]
+    graphs.capture(runner.model)
+    assert greedy(llm) == reference(folder)
+    prompt = PROMPTS[3]
+    for _ in range(2):  # a lone prompt, then over its cached prefix: the prefill graphs
+        assert greedy(llm, [prompt]) == reference(folder, [prompt])
+    assert all(s.num_replays > 0
+               for s in (graphs.graphs, graphs.prefill_graphs, graphs.mixed_graphs))
+    assert make_scheduler_stats(llm.llm_engine.engine_core).num_window_freed_blocks > 0
+    assert_all_blocks_back(llm)
+    llm.shutdown()
+
+
 @pytest.mark.one_worker
 def test_tp2_greedy_ids_equal_transformers(folder: str) -> None:
     llm = hybrid_engine(folder, tensor_parallel_size=2)
