@@ -76,7 +76,7 @@ def test_gemma3_270m_past_its_window_frees_the_local_layers_blocks(gemma3_gguf: 
 
     folder, name = os.path.split(gemma3_gguf)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    text = " ".join(QUESTIONS) * 8
+    text = " ".join(QUESTIONS) * 12
     prompt = tokenizer(text)["input_ids"][:700]
     assert len(prompt) == 700
     max_tokens, block_size = 16, 16
