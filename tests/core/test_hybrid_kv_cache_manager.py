@@ -224,3 +224,14 @@ def test_a_random_workload_returns_every_block() -> None:
 def test_a_hybrid_manager_needs_two_groups() -> None:
     with pytest.raises(ValueError, match="2 groups or more, got 1"):
         HybridKVCacheManager(KVCacheGroups((None,), ((0,),)), 8, BLOCK_SIZE)
+
+
+def test_a_request_s_most_blocks_count_a_window_and_a_step_per_windowed_group() -> None:
+    """What the engine checks the cache against at start-up: a global group all of
+    max_model_len's blocks, a windowed group its window and a step's tokens (never more than
+    the whole context); one group, the whole context as before."""
+    groups = KVCacheGroups(windows=(None, 20, 20), layers=((2, 5), (0, 1), (3, 4)))
+    # 256 tokens of 8: 32 blocks; a window of 20 and 16 tokens a step: (19 + 16) // 8 + 3 = 7
+    assert groups.max_blocks_per_request(256, 8, 16) == 32 + 2 * 7
+    assert groups.max_blocks_per_request(40, 8, 16) == 3 * 5  # the context is shorter
+    assert KVCacheGroups((20,), ((0, 1),)).max_blocks_per_request(256, 8, 16) == 32

@@ -202,6 +202,14 @@ def test_kv_cache_sizing_counts_a_group_s_layers_per_block(folder: str) -> None:
     llm.shutdown()
 
 
+def test_a_cache_too_small_for_one_request_is_refused_at_start(folder: str) -> None:
+    """64 tokens of 8: 8 blocks in the global group, at most 7 (the window and a 16-token
+    step) in each windowed one."""
+    with pytest.raises(ValueError, match=r"max_model_len \(64\) needs 22 KV blocks but the "
+                                         r"cache has 20"):
+        engine(folder, "gemma3", max_model_len=64, num_gpu_blocks_override=21)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_emulated_cuda_graph_replays_read_every_group_s_tables(
         folder: str, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch) -> None:
