@@ -9,7 +9,7 @@ its `seq_lens[i]` tokens of context. K/V of every query token is written to `slo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -53,6 +53,22 @@ class AttentionMetadata:
     split_queries: bool = False
     # Set only for eager steps with connector work (never inside a CUDA graph).
     kv_hooks: LayerKVHooks | None = None
+    # A hybrid model's KV cache groups 1.. (sluice/core/kv_cache_groups.py): each group's
+    # (block_tables, slot_mapping), shaped as the fields above (group 0's); () for one group.
+    group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    _group_views: list[AttentionMetadata] | None = None
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """This metadata as the layers of KV cache group `group` read it: the same step over
+        that group's block tables and slots. Made once per step for all groups, when a layer
+        first asks (after the step's flags are set)."""
+        if group == 0:
+            return self
+        if self._group_views is None:
+            self._group_views = [
+                replace(self, block_tables=tables, slot_mapping=slots, group_tables=())
+                for tables, slots in self.group_tables]
+        return self._group_views[group - 1]
 
     @property
     def num_reqs(self) -> int:

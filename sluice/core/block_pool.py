@@ -21,6 +21,9 @@ from sluice.core.kv_cache_utils import (
 if TYPE_CHECKING:
     from sluice.core.request import Request
 
+# A prefix-cache key: a block's hash in group 0, (group, hash) in another group.
+CacheKey = BlockHash | tuple[int, BlockHash]
+
 
 class BlockPool:
     def __init__(
@@ -39,10 +42,12 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Keyed by the hash (group 0) or (group, hash); a cached block's block_hash is its key.
+        self.cached_block_hash_to_block: dict[CacheKey, KVCacheBlock] = {}
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(
+            block_hash if group == 0 else (group, block_hash))
 
     def cache_full_blocks(
         self,
@@ -50,8 +55,10 @@ class BlockPool:
         blocks: list[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group: int = 0,
     ) -> None:
-        """Enter blocks[num_cached_blocks:num_full_blocks] of `request` into the prefix cache."""
+        """Enter blocks[num_cached_blocks:num_full_blocks] of `request` (its blocks of KV cache
+        group `group`) into the prefix cache."""
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
         assert len(request.block_hashes) >= num_full_blocks, (
@@ -61,6 +68,8 @@ class BlockPool:
         cache = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], request.block_hashes[i]
+            if group:
+                block_hash = (group, block_hash)
             if block.block_hash is not None:
                 # A prefix-cache hit: already cached under this very hash.
                 assert block.block_hash == block_hash, (

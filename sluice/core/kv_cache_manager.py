@@ -25,6 +25,11 @@ block keeps its hash in the free queue (evictable, a prefix hit for another requ
 evicted), and only blocks already cached, not the last of them, are freed, so the next block
 cached finds its parent held. Prefix lookup is unchanged: it walks from block 0 and stops at
 the first miss.
+
+A hybrid model (Gemma 3) runs one manager per KV cache group over a shared pool
+(`block_pool`, `group`): sluice/core/hybrid_kv_cache_manager.py, which calls the steps of
+`allocate_slots` (`free_behind_window`, `fits_last_block`, `num_blocks_needed`,
+`take_blocks`) for every group at once.
 """
 
 from __future__ import annotations
@@ -39,6 +44,17 @@ if TYPE_CHECKING:
     from sluice.core.request import Request
 
 
+def check_allocation_args(num_new_tokens: int, num_lookahead_tokens: int,
+                          num_external_computed_tokens: int) -> None:
+    if num_new_tokens < 0:
+        raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+    if num_lookahead_tokens < 0:
+        raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+    if num_external_computed_tokens < 0:
+        raise ValueError(f"num_external_computed_tokens must be >= 0, "
+                         f"got {num_external_computed_tokens}")
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -48,7 +64,11 @@ class KVCacheManager:
         hash_fn: Callable[[bytes], bytes] = sha256_hash,
         defer_caching: bool = False,
         sliding_window: int | None = None,
+        block_pool: BlockPool | None = None,
+        group: int = 0,
     ) -> None:
+        """block_pool, group: a pool shared with the other KV cache groups of a hybrid model
+        and this manager's group in it (HybridKVCacheManager); by default a pool of its own."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -58,7 +78,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
-        self.block_pool = BlockPool(num_blocks, enable_caching, hash_fn)
+        self.block_pool = (block_pool if block_pool is not None
+                           else BlockPool(num_blocks, enable_caching, hash_fn))
+        self.group = group
         # Blocks of each request, in token order: block i holds tokens [i*bs, (i+1)*bs).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already in the prefix cache (or skipped).
@@ -116,13 +138,21 @@ class KVCacheManager:
         self.flush_pending_cache()  # blocks of requests scheduled before this one
         if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
-        max_hit_blocks = max(0, (request.num_tokens - 1) // self.block_size)
+        hits = self.find_cached_prefix(request, (request.num_tokens - 1) // self.block_size)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def find_cached_prefix(self, request: Request, max_hit_blocks: int) -> list[KVCacheBlock]:
+        """The cached blocks of this manager's group that match the request's first blocks,
+        `max_hit_blocks` at most: a walk from block 0 to the first miss."""
         hits: list[KVCacheBlock] = []
-        for i in range(max_hit_blocks):
+        for i in range(max(0, max_hit_blocks)):
             if i == len(request.block_hashes):
                 # Hashed as far as the lookup goes, twice as far each time it runs out.
                 self.update_block_hashes(request, max(2 * i, 1))
-            block = self.block_pool.get_cached_block(request.block_hashes[i])
+            block = self.block_pool.get_cached_block(request.block_hashes[i], self.group)
             if block is None:
                 break
             # The key compares tokens, not what came before them: check the block was cached
@@ -131,10 +161,7 @@ class KVCacheManager:
             if block.parent != expected_parent:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits
 
     def allocate_slots(
         self,
@@ -152,45 +179,89 @@ class KVCacheManager:
         blocks behind a sliding window, which the request can never read again) if too few
         are free. `delay_cache_blocks`: enter none of the new blocks into the prefix cache now.
         """
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if num_lookahead_tokens < 0:
-            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
-        if num_external_computed_tokens < 0:
-            raise ValueError(f"num_external_computed_tokens must be >= 0, "
-                             f"got {num_external_computed_tokens}")
+        if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_computed_tokens < 0:
+            check_allocation_args(num_new_tokens, num_lookahead_tokens,
+                                  num_external_computed_tokens)
         request_id = request.request_id
         if self.sliding_window is not None:
             self._free_blocks_behind_window(request_id, request.num_computed_tokens)
-        blocks = self.req_to_blocks.get(request_id, [])
         if (not new_computed_blocks and not num_lookahead_tokens
                 and not num_external_computed_tokens and not delay_cache_blocks):
-            # The common decode step: the token fits the last block and completes none.
+            # The common decode step (fits_last_block, inline: it runs for every request of
+            # every step).
             end = request.num_computed_tokens + num_new_tokens
-            if (end <= len(blocks) * self.block_size
+            if (end <= len(self.req_to_blocks.get(request_id, ())) * self.block_size
                     and (not self.enable_caching or min(end, request.num_tokens)
                          // self.block_size <= self.num_cached_blocks.get(request_id, 0))):
                 return []
         new_computed_blocks = new_computed_blocks or []
+        num_needed = self.num_blocks_needed(request, num_new_tokens, new_computed_blocks,
+                                            num_lookahead_tokens, num_external_computed_tokens)
+        if num_needed > self.block_pool.get_num_free_blocks():
+            return None
+        return self.take_blocks(request, num_new_tokens, new_computed_blocks,
+                                num_lookahead_tokens, num_external_computed_tokens,
+                                delay_cache_blocks)
+
+    # The steps of allocate_slots, which a HybridKVCacheManager runs for every group.
+
+    def free_behind_window(self, request: Request) -> None:
+        """Give back the request's blocks the window of its next token no longer sees."""
+        self._free_blocks_behind_window(request.request_id, request.num_computed_tokens)
+
+    def fits_last_block(self, request: Request, num_new_tokens: int) -> bool:
+        """The common decode step: the tokens fit the blocks held and complete none to cache."""
+        request_id = request.request_id
+        end = request.num_computed_tokens + num_new_tokens
+        return (end <= len(self.req_to_blocks.get(request_id, ())) * self.block_size
+                and (not self.enable_caching or min(end, request.num_tokens)
+                     // self.block_size <= self.num_cached_blocks.get(request_id, 0)))
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          new_computed_blocks: list[KVCacheBlock], num_lookahead_tokens: int,
+                          num_external_computed_tokens: int) -> int:
+        """Free blocks `take_blocks` would take out of the pool: new ones, and hits with ref 0
+        (they sit in the free queue)."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id, [])
         assert not (blocks and new_computed_blocks), (
             f"request {request_id} already owns blocks; prefix hits come only before them")
         assert len(blocks) * self.block_size >= request.num_computed_tokens, (
             f"request {request_id} has {request.num_computed_tokens} computed tokens but "
             f"{len(blocks)} blocks (num_computed_tokens not reset after free?)")
+        _, num_new_blocks = self._extent(request, num_new_tokens, new_computed_blocks,
+                                         num_lookahead_tokens, num_external_computed_tokens)
+        return num_new_blocks + sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
 
+    def _extent(self, request: Request, num_new_tokens: int,
+                new_computed_blocks: list[KVCacheBlock], num_lookahead_tokens: int,
+                num_external_computed_tokens: int) -> tuple[int, int]:
+        """(tokens computed once the hits and the loaded tokens count, new blocks the step
+        needs)."""
         num_computed_tokens = (request.num_computed_tokens
                                + len(new_computed_blocks) * self.block_size
                                + num_external_computed_tokens)
         num_required_blocks = -(-(num_computed_tokens + num_new_tokens + num_lookahead_tokens)
                                 // self.block_size)
-        num_new_blocks = max(0, num_required_blocks - len(blocks) - len(new_computed_blocks))
-        # Hits with ref 0 sit in the free queue: touching them takes them out of the free count.
-        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks + num_free_hits > self.block_pool.get_num_free_blocks():
-            return None
+        num_held = len(self.req_to_blocks.get(request.request_id, ()))
+        return (num_computed_tokens,
+                max(0, num_required_blocks - num_held - len(new_computed_blocks)))
 
+    def take_blocks(self, request: Request, num_new_tokens: int,
+                    new_computed_blocks: list[KVCacheBlock], num_lookahead_tokens: int,
+                    num_external_computed_tokens: int, delay_cache_blocks: bool,
+                    hits_touched: bool = False) -> list[KVCacheBlock]:
+        """allocate_slots once the pool is known to have the blocks: the new blocks.
+        hits_touched: the caller took the hits' references already (every group's hits before
+        any group allocates, so that no group's new blocks evict another group's hits)."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id, [])
+        num_computed_tokens, num_new_blocks = self._extent(
+            request, num_new_tokens, new_computed_blocks, num_lookahead_tokens,
+            num_external_computed_tokens)
         # Touch before allocating, so that get_new_blocks cannot evict the hits.
-        self.block_pool.touch(new_computed_blocks)
+        if not hits_touched:
+            self.block_pool.touch(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(request_id, blocks)
         blocks.extend(new_computed_blocks)
@@ -264,7 +335,7 @@ class KVCacheManager:
         if num_full_blocks > num_cached_blocks:
             self.update_block_hashes(request)
             self.block_pool.cache_full_blocks(request, self.req_to_blocks[request_id],
-                                              num_cached_blocks, num_full_blocks)
+                                              num_cached_blocks, num_full_blocks, self.group)
             self.num_cached_blocks[request_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
@@ -278,6 +349,15 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def block_ids_of(self, new_blocks: list[KVCacheBlock]) -> tuple[list[int], list[list[int]]]:
+        """allocate_slots' blocks as the step message carries them: (ids, the other groups'
+        ids: none here)."""
+        return [block.block_id for block in new_blocks], []
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """Block ids of the request's other KV cache groups (none: one group)."""
+        return []
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """Block ids of the request in token order ([] for a request without blocks); 0 (the
         null block) for blocks freed behind a sliding window."""
@@ -290,6 +370,13 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Pool invariants, plus: the requests' blocks account for every reference."""
         self.block_pool.check_integrity()
+        num_pairs = self.check_requests()
+        num_refs = sum(block.ref_cnt for block in self.block_pool.blocks)
+        assert num_refs == num_pairs, (
+            f"ref counts sum to {num_refs} but requests hold {num_pairs} (request, block) pairs")
+
+    def check_requests(self) -> int:
+        """This manager's per-request invariants; returns the (request, block) pairs held."""
         assert self._pending_cache.keys() <= self.req_to_blocks.keys(), (
             f"blocks to cache for requests without blocks: "
             f"{sorted(self._pending_cache.keys() - self.req_to_blocks.keys())}")
@@ -312,6 +399,4 @@ class KVCacheManager:
             assert self.num_cached_blocks.get(request_id, 0) <= len(all_blocks), (
                 f"request {request_id} has more cached blocks than blocks")
             num_pairs += len(blocks)
-        num_refs = sum(block.ref_cnt for block in self.block_pool.blocks)
-        assert num_refs == num_pairs, (
-            f"ref counts sum to {num_refs} but requests hold {num_pairs} (request, block) pairs")
+        return num_pairs

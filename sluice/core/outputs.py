@@ -38,7 +38,9 @@ from sluice.sampling_params import SamplingParams
 # 11: n-gram drafts proposed on the device (SchedulerOutput.scheduled_device_drafts,
 #    ModelRunnerOutput.num_device_drafts).
 # 12: SchedulerStats carries the KV cache's peaks and the blocks freed behind sliding windows.
-SCHEMA_VERSION = 12
+# 13: a hybrid model's other KV cache groups' block ids (NewRequestData.group_block_ids,
+#     CachedRequestData.new_group_block_ids).
+SCHEMA_VERSION = 13
 
 # A connector's per-step plan (its own msgspec struct type).
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")
@@ -55,6 +57,9 @@ class NewRequestData(msgspec.Struct):
     output_token_ids: list[int] = msgspec.field(default_factory=list)
     # Of num_computed_tokens, those a KV connector loaded (after the local prefix-cache hit).
     num_loaded_tokens: int = 0
+    # A hybrid model's KV cache groups 1.. (sluice/core/kv_cache_groups.py): each group's
+    # block ids, as many as block_ids (group 0's); empty for a model of one group.
+    group_block_ids: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class CachedRequestData(msgspec.Struct):
@@ -65,6 +70,8 @@ class CachedRequestData(msgspec.Struct):
     num_computed_tokens: int
     # A resumed request's: of num_computed_tokens, those a KV connector loaded.
     num_loaded_tokens: int = 0
+    # Groups 1.. of a hybrid model, as NewRequestData.group_block_ids (new or replacing).
+    new_group_block_ids: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class GrammarBitmask(msgspec.Struct):

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from sluice.config import KVTransferConfig, SchedulerConfig
 from sluice.core.drafts import Drafts
 from sluice.core.grammar_gate import GrammarBackend, GrammarGate, is_constrained
+from sluice.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.kv_connector import KVConnectorScheduler
 from sluice.core.kv_transfers import KVTransfers
@@ -62,7 +63,8 @@ def _output(request: Request, new_token_ids: list[int], kv_transfer_params: dict
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+    def __init__(self, config: SchedulerConfig,
+                 kv_cache_manager: KVCacheManager | HybridKVCacheManager,
                  connector: KVConnectorScheduler | None = None,
                  kv_transfer_config: KVTransferConfig | None = None,
                  structured_output: GrammarBackend | None = None) -> None:
@@ -228,7 +230,8 @@ class Scheduler:
                 break
             if self.drafts is not None:
                 self.drafts.take_scheduled(request, num_new, plan)
-            plan.add_running(request, [b.block_id for b in new_blocks], num_new, is_partial)
+            plan.add_running(request, *self.kv_cache_manager.block_ids_of(new_blocks), num_new,
+                             is_partial)
             req_index += 1
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
@@ -317,7 +320,9 @@ class Scheduler:
         self.running.append(request)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = plan.now
-        plan.add_admitted(request, block_ids, num_new, is_partial)
+        plan.add_admitted(request, block_ids,
+                          self.kv_cache_manager.get_group_block_ids(request.request_id),
+                          num_new, is_partial)
         request.status = RequestStatus.RUNNING
         return True
 

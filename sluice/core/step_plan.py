@@ -52,19 +52,22 @@ class StepPlan:
                       config.max_model_len - request.num_computed_tokens)
         return max(num_new, 0)
 
-    def add_running(self, request: Request, new_block_ids: list[int], num_new: int,
+    def add_running(self, request: Request, new_block_ids: list[int],
+                    new_group_block_ids: list[list[int]], num_new: int,
                     is_partial: bool) -> None:
-        """A running request's next tokens, with the blocks it got for them."""
+        """A running request's next tokens, with the blocks it got for them (group 0's, and
+        the other KV cache groups' of a hybrid model)."""
         self.cached_reqs.append(CachedRequestData(
             req_id=request.request_id,
             resumed_from_preemption=False,
             new_block_ids=new_block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            new_group_block_ids=new_group_block_ids,
         ))
         self.add(request, num_new, is_partial)
 
-    def add_admitted(self, request: Request, block_ids: list[int], num_new: int,
-                     is_partial: bool) -> None:
+    def add_admitted(self, request: Request, block_ids: list[int],
+                     group_block_ids: list[list[int]], num_new: int, is_partial: bool) -> None:
         """A waiting request admitted with `request.num_computed_tokens` already in its
         blocks: the runner's state of it anew (new) or with a fresh block table (resumed
         after preemption)."""
@@ -75,6 +78,7 @@ class StepPlan:
                 new_block_ids=block_ids,
                 num_computed_tokens=request.num_computed_tokens,
                 num_loaded_tokens=request.num_loaded_tokens,
+                new_group_block_ids=group_block_ids,
             ))
         else:
             self.new_reqs.append(NewRequestData(
@@ -85,6 +89,7 @@ class StepPlan:
                 num_computed_tokens=request.num_computed_tokens,
                 output_token_ids=list(request.output_token_ids),
                 num_loaded_tokens=request.num_loaded_tokens,
+                group_block_ids=group_block_ids,
             ))
         self.add(request, num_new, is_partial)
 

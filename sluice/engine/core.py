@@ -23,6 +23,8 @@ import gc
 from collections.abc import Iterable
 
 from sluice.config import EngineConfig
+from sluice.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from sluice.core.kv_cache_groups import kv_cache_groups
 from sluice.core.kv_cache_manager import KVCacheManager
 from sluice.core.outputs import EngineCoreOutput, SchedulerOutput
 from sluice.core.request import EngineCoreRequest, Request, RequestStatus
@@ -36,21 +38,12 @@ _COMPILE_WAIT_S = 0.05
 
 
 def freeing_window(config: EngineConfig) -> int | None:
-    """The window behind which the KV cache manager may free a request's blocks: the model's,
-    where every layer attends in it (Mistral, Phi-3; not Gemma 3, whose global layers read
-    every block), widened by the draft tokens a verification may roll back (n-gram drafts).
-    None (every block kept, the output the same) where something else reads older blocks: a
-    KV connector (a CPU tier, the pool or PD sends a prompt's blocks whole) or a model
-    proposer (a draft model's or EAGLE head's layers read the same block table unwindowed)."""
-    window = config.hf_config.window_of_every_layer()
-    spec = config.scheduler_config.speculative_config
-    if window is None or config.kv_transfer_config is not None:
-        return None
-    if spec is not None:
-        if spec.method != "ngram":
-            return None
-        window += spec.num_speculative_tokens
-    return window
+    """The window behind which a one-group KV cache manager frees a request's blocks (see
+    sluice/core/kv_cache_groups.py): the model's where every layer attends in it (Mistral,
+    Phi-3), widened by n-gram drafts; None where every block is kept or the model's groups are
+    split (Gemma 3: HybridKVCacheManager)."""
+    groups = kv_cache_groups(config)
+    return groups.windows[0] if groups.num_groups == 1 else None
 
 
 class EngineCore:
@@ -72,22 +65,29 @@ class EngineCore:
     def _initialize(self, config: EngineConfig) -> None:
         scheduler_config, cache_config = config.scheduler_config, config.cache_config
         num_blocks = self.executor.determine_num_blocks()
-        # One request at max_model_len must fit on its own, or it could never be scheduled.
-        blocks_per_seq = -(-scheduler_config.max_model_len // cache_config.block_size)
+        # One request at max_model_len must fit on its own, or it could never be scheduled
+        # (in every KV cache group: a windowed group of a split model holds its window and a
+        # step's tokens at most).
+        blocks_per_seq = kv_cache_groups(config).max_blocks_per_request(
+            scheduler_config.max_model_len, cache_config.block_size,
+            scheduler_config.max_num_batched_tokens)
         if blocks_per_seq > num_blocks - 1:
             raise ValueError(
                 f"max_model_len ({scheduler_config.max_model_len}) needs {blocks_per_seq} KV "
                 f"blocks but the cache has {num_blocks - 1}: lower max_model_len or give the "
                 "KV cache more memory (num_gpu_blocks_override / gpu_memory_utilization)")
         kv_cache_spec = self.executor.initialize_kv_cache(num_blocks)
-        self.kv_cache_manager = KVCacheManager(
+        groups = kv_cache_groups(config)
+        manager_args = dict(
             num_blocks=num_blocks,
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             # A connector reads every block hash when the step is scheduled.
             defer_caching=config.kv_transfer_config is None,
-            sliding_window=freeing_window(config),
         )
+        self.kv_cache_manager: KVCacheManager | HybridKVCacheManager = (
+            KVCacheManager(**manager_args, sliding_window=groups.windows[0])
+            if groups.num_groups == 1 else HybridKVCacheManager(groups, **manager_args))
         connector = None
         if config.kv_transfer_config is not None:
             from sluice.kv_transfer.factory import create_scheduler_connector

@@ -46,6 +46,9 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         # The qualified module name in its model, set by name_attention_layers.
         self.layer_name = ""
+        # The KV cache group whose block tables and slots this layer reads (a hybrid model's,
+        # sluice/core/kv_cache_groups.py; set with the cache), its metadata `for_group`.
+        self.kv_group = 0
         # [2, num_blocks, block_size, num_kv_heads, head_dim] once bound; a plain attribute, not a
         # buffer, so it stays out of state_dict and `model.to()`.
         self.kv_cache: torch.Tensor = torch.empty(0)
@@ -66,6 +69,8 @@ class Attention(nn.Module):
         layer's loads are waited for before it reads the cache, and its KV of this step is
         handed on once stored (the blocks they touch are not this step's new tokens' slots)."""
         num_tokens = q.shape[0]
+        if self.kv_group:
+            attn_metadata = attn_metadata.for_group(self.kv_group)
         hooks = attn_metadata.kv_hooks
         if hooks is not None:
             hooks.wait_for_layer_load(self.layer_name)
@@ -102,6 +107,8 @@ class Attention(nn.Module):
         fused = getattr(self.backend, "decode_from_qkv", None)
         if fused is None or attn_metadata.kv_hooks is not None or self.kv_cache.numel() == 0:
             return None
+        if self.kv_group:
+            attn_metadata = attn_metadata.for_group(self.kv_group)
         return fused(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, residual,
                      residual_eps, self.num_heads, self.kv_cache, attn_metadata, self.scale,
                      sliding_window=self.sliding_window)

@@ -275,14 +275,19 @@ class GraphRunner:
         b.buf_query_start_loc.np[1:num_reqs + 1] = np.cumsum(query_lens)
         b.buf_seq_lens.np[:num_reqs] = seq_lens
         width = -(-max(seq_lens) // b.block_size)
-        b.buf_block_tables.np[:num_reqs * width] = 0
+        b.buf_block_tables.np[:b.num_groups * num_reqs * width] = 0
         for buf, n in ((b.buf_input_ids, num_tokens), (b.buf_positions, num_tokens),
                        (b.buf_slot_mapping, num_tokens),
                        (b.buf_query_start_loc, num_reqs + 1), (b.buf_seq_lens, num_reqs)):
             buf.to_device(n)
-        block_tables = b.buf_block_tables.to_device(num_reqs * width).view(num_reqs, width)
+        if b.num_groups > 1:
+            b.buf_group_slot_mapping.np[:(b.num_groups - 1) * num_tokens] = -1
+            b.buf_group_slot_mapping.to_device((b.num_groups - 1) * num_tokens)
+        block_tables = b.buf_block_tables.to_device(b.num_groups * num_reqs * width)[
+            :num_reqs * width].view(num_reqs, width)
         metadata = b.metadata(num_reqs, num_tokens, max_query_len=max(query_lens),
-                              max_seq_len=max(seq_lens), block_tables=block_tables)
+                              max_seq_len=max(seq_lens), block_tables=block_tables,
+                              group_tables=b.compact_group_tables(num_reqs, width, num_tokens))
         metadata.dense_prefill = dense
         return model(b.buf_input_ids.device[:num_tokens], b.buf_positions.device[:num_tokens],
                      metadata)
@@ -304,15 +309,20 @@ class GraphRunner:
         b.buf_seq_lens.np[:] = 0
         b.buf_query_start_loc.np[:] = np.arange(b.buf_query_start_loc.np.shape[0])
         b.buf_decode_order.np[:] = np.arange(b.buf_decode_order.np.shape[0])
-        for buf in (b.buf_input_ids, b.buf_positions, b.buf_slot_mapping,
-                    b.buf_seq_lens, b.buf_query_start_loc, b.buf_decode_order):
+        buffers = [b.buf_input_ids, b.buf_positions, b.buf_slot_mapping,
+                   b.buf_seq_lens, b.buf_query_start_loc, b.buf_decode_order]
+        if b.buf_group_slot_mapping is not None:  # a hybrid model's other KV cache groups
+            b.buf_group_slot_mapping.np[:] = -1
+            buffers.append(b.buf_group_slot_mapping)
+        for buf in buffers:
             buf.to_device(buf.np.shape[0])
 
         def decode_inputs(max_seq_len: int) -> Callable[[int], GraphInputs]:
             def make_inputs(size: int) -> GraphInputs:
                 metadata = b.metadata(size, size, max_query_len=1, max_seq_len=max_seq_len,
                                       block_tables=b.graph_block_tables[:size],
-                                      decode_order=b.buf_decode_order.device[:size])
+                                      decode_order=b.buf_decode_order.device[:size],
+                                      group_tables=b.graph_group_tables(size, size))
                 return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
             return make_inputs
 
@@ -352,7 +362,8 @@ class GraphRunner:
                 b.buf_query_start_loc.to_device(2)
                 b.buf_seq_lens.to_device(1)
                 metadata = b.metadata(1, size, max_query_len=size, max_seq_len=max_model_len,
-                                      block_tables=b.graph_block_tables[:1])
+                                      block_tables=b.graph_block_tables[:1],
+                                      group_tables=b.graph_group_tables(1, size))
                 metadata.dense_prefill = dense
                 return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
             return make_inputs
@@ -380,7 +391,8 @@ class GraphRunner:
             # max_query_len > a decode tile's queries: the attention runs its decode rows and its
             # prompt rows in two launches, as an eager mixed step does.
             metadata = b.metadata(max_size, size, max_query_len=size, max_seq_len=max_model_len,
-                                  block_tables=b.graph_block_tables[:max_size])
+                                  block_tables=b.graph_block_tables[:max_size],
+                                  group_tables=b.graph_group_tables(max_size, size))
             return b.buf_input_ids.device[:size], b.buf_positions.device[:size], metadata
 
         self.mixed_graphs.capture(forward, self._hooked(make_mixed_inputs))
@@ -433,7 +445,8 @@ class GraphRunner:
             b.buf_seq_lens.to_device(size)
             metadata = b.metadata(size, size * q, max_query_len=q,
                                   max_seq_len=self.scheduler_config.max_model_len,
-                                  block_tables=b.graph_block_tables[:size])
+                                  block_tables=b.graph_block_tables[:size],
+                                  group_tables=b.graph_group_tables(size, size * q))
             metadata.split_queries = True
             return b.buf_input_ids.device[:size * q], b.buf_positions.device[:size * q], metadata
 

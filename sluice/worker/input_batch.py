@@ -46,18 +46,23 @@ class CachedRequestState:
 
 
 class BlockTables:
-    """Host block tables, one row per live request: [rows, max_blocks_per_req] int32."""
+    """Host block tables, one row per live request: [rows, max_blocks_per_req] int32; a hybrid
+    model's KV cache groups have one each, side by side in `tables` [groups, rows, max_blocks]
+    (`table` is group 0's), every group's row as long as the others."""
 
-    def __init__(self, max_blocks_per_req: int, initial_rows: int = 64) -> None:
+    def __init__(self, max_blocks_per_req: int, initial_rows: int = 64,
+                 num_groups: int = 1) -> None:
         self.max_blocks_per_req = max_blocks_per_req
-        self.table = np.zeros((initial_rows, max_blocks_per_req), dtype=np.int32)
+        self.tables = np.zeros((num_groups, initial_rows, max_blocks_per_req), dtype=np.int32)
+        self.table = self.tables[0]
         self.num_blocks = np.zeros(initial_rows, dtype=np.int32)
         self.free_rows = list(range(initial_rows - 1, -1, -1))
 
     def add_row(self) -> int:
         if not self.free_rows:
             old = self.table.shape[0]
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)], axis=1)
+            self.table = self.tables[0]
             self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
             self.free_rows = list(range(2 * old - 1, old - 1, -1))
         row = self.free_rows.pop()
@@ -67,18 +72,24 @@ class BlockTables:
     def release_row(self, row: int) -> None:
         self.free_rows.append(row)
 
-    def append(self, row: int, block_ids: list[int]) -> None:
+    def append(self, row: int, block_ids: list[int],
+               group_block_ids: list[list[int]] = ()) -> None:
+        """Add group 0's `block_ids` to the row, and groups 1..'s (as many each)."""
         start = int(self.num_blocks[row])
         end = start + len(block_ids)
         if end > self.max_blocks_per_req:
             raise ValueError(f"a request needs {end} blocks, more than max_model_len allows "
                              f"({self.max_blocks_per_req})")
         self.table[row, start:end] = block_ids
+        for group, ids in enumerate(group_block_ids, start=1):
+            assert len(ids) == len(block_ids), (group, len(ids), len(block_ids))
+            self.tables[group, row, start:end] = ids
         self.num_blocks[row] = end
 
-    def replace(self, row: int, block_ids: list[int]) -> None:
+    def replace(self, row: int, block_ids: list[int],
+                group_block_ids: list[list[int]] = ()) -> None:
         self.num_blocks[row] = 0
-        self.append(row, block_ids)
+        self.append(row, block_ids, group_block_ids)
 
 
 class StagedBuffer:

@@ -11,6 +11,7 @@ import torch
 
 from sluice.attention.kv_layout import bytes_per_block
 from sluice.config import CacheConfig, SchedulerConfig
+from sluice.core.kv_cache_groups import KVCacheGroups
 from sluice.distributed.head_split import kv_heads_per_rank
 from sluice.model.hf_config import HFModelConfig
 
@@ -27,15 +28,19 @@ def determine_num_blocks(
     gpu_bytes_available: int = 0,
     extra_bytes_per_block: int = 0,
     tp_size: int = 1,
+    kv_groups: KVCacheGroups | None = None,
 ) -> int:
     """Blocks that fit the memory budget (or the override) of one rank, whose cache holds its
     share of the KV heads (tp_size ranks). On a GPU, `gpu_bytes_available` is this engine's
     share left after its weights (see ModelRunner). `extra_bytes_per_block`: the same block in
-    other caches addressed by the same block ids (a draft model's)."""
+    other caches addressed by the same block ids (a draft model's). `kv_groups`: the model's
+    KV cache groups (None: one of every layer); a block is a page of one group's layers."""
     if cache_config.num_gpu_blocks_override is not None:
         return cache_config.num_gpu_blocks_override
+    num_groups = 1 if kv_groups is None else kv_groups.num_groups
+    num_kv_layers = hf_config.num_hidden_layers if kv_groups is None else kv_groups.group_size
     block_bytes = extra_bytes_per_block + bytes_per_block(
-        hf_config.num_hidden_layers, cache_config.block_size,
+        num_kv_layers, cache_config.block_size,
         kv_heads_per_rank(hf_config.num_key_value_heads, tp_size), hf_config.head_dim, dtype)
     if device.type == "cuda":
         budget = gpu_bytes_available - _GPU_ACTIVATION_RESERVE_BYTES
@@ -43,8 +48,8 @@ def determine_num_blocks(
         budget = cache_config.cpu_kv_cache_bytes
     # Never more than every sequence at full length could use, plus the null block: beyond that
     # blocks only hold evicted prefixes, and each costs host memory for its bookkeeping (a small
-    # model on a big GPU would otherwise get millions).
-    blocks_per_seq = -(-scheduler_config.max_model_len // cache_config.block_size)
+    # model on a big GPU would otherwise get millions). Every group holds a sequence's blocks.
+    blocks_per_seq = -(-scheduler_config.max_model_len // cache_config.block_size) * num_groups
     needed = scheduler_config.max_num_seqs * blocks_per_seq + 1
     num_blocks = min(budget // block_bytes, needed)
     if num_blocks < 2:

@@ -39,6 +39,7 @@ from sluice.attention.kv_layout import (
     resolve_kv_cache_dtype,
 )
 from sluice.config import CacheConfig, ModelConfig, SchedulerConfig
+from sluice.core.kv_cache_groups import KVCacheGroups, one_group
 from sluice.core.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     GrammarBitmask,
@@ -82,14 +83,17 @@ def resolve_device(device: str) -> torch.device:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, hf_config: HFModelConfig,
-                 tp: TPGroup = SINGLE_RANK) -> None:
+                 tp: TPGroup = SINGLE_RANK, kv_groups: KVCacheGroups | None = None) -> None:
         """tp: this rank's tensor-parallel group; the model is this rank's shard of it, its KV
-        cache this rank's heads (tensor parallelism: sluice/distributed/tp.py)."""
+        cache this rank's heads (tensor parallelism: sluice/distributed/tp.py). kv_groups: the
+        model's KV cache groups (sluice/core/kv_cache_groups.py; None: one of every layer)."""
         self.model_config = model_config
         self.tp = tp
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.hf_config = hf_config
+        self.kv_groups = (kv_groups if kv_groups is not None
+                          else one_group(hf_config.num_hidden_layers, None))
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, hf_config)
         self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype)
@@ -135,7 +139,7 @@ class ModelRunner:
         max_tokens = max(scheduler_config.max_num_batched_tokens, max_num_reqs)
         dev = self.device
         self.input_builder = InputBuilder(max_num_reqs, max_tokens, max_blocks_per_req,
-                                          self.block_size, dev)
+                                          self.block_size, dev, self.kv_groups.num_groups)
         # The host block tables: a row per live request, taken and released in _update_states.
         self.block_tables = self.input_builder.block_tables
         self.graph_runner = GraphRunner(self.input_builder, scheduler_config,
@@ -188,7 +192,8 @@ class ModelRunner:
         extra = self.spec.kv_bytes_per_block() if self.spec is not None else 0
         return determine_num_blocks(self.cache_config, self.scheduler_config, self.hf_config,
                                     self.kv_cache_dtype, self.device, self.gpu_bytes_available,
-                                    extra_bytes_per_block=extra, tp_size=self.tp.size)
+                                    extra_bytes_per_block=extra, tp_size=self.tp.size,
+                                    kv_groups=self.kv_groups)
 
     def initialize_kv_cache(self, num_blocks: int, with_connector: bool = False,
                             allocator: KVCacheAllocator | None = None) -> None:
@@ -196,12 +201,25 @@ class ModelRunner:
         capture the graphs (with the per-layer events of a KV connector when `with_connector`:
         sluice/worker/layer_events.py)."""
         hf = self.hf_config
-        self.kv_caches = allocate_kv_caches(list(attention_layers(self.model)), num_blocks,
-                                            self.block_size,
-                                            kv_heads_per_rank(hf.num_key_value_heads,
-                                                              self.tp.size),
-                                            hf.head_dim, self.kv_cache_dtype, self.device,
-                                            allocator)
+        layers = attention_layers(self.model)
+        names = list(layers)
+        groups = self.kv_groups
+        # One tensor per layer, or per layer of a group (named after group 0's layers) where
+        # the model's layers are split into KV cache groups: layer j of every group shares
+        # tensor j.
+        caches = allocate_kv_caches(names if groups.num_groups == 1
+                                    else [names[i] for i in groups.layers[0]],
+                                    num_blocks, self.block_size,
+                                    kv_heads_per_rank(hf.num_key_value_heads, self.tp.size),
+                                    hf.head_dim, self.kv_cache_dtype, self.device, allocator)
+        if groups.num_groups > 1:
+            tensors = list(caches.values())
+            slots = groups.layer_slots()
+            assert len(slots) == len(names), (len(slots), names)
+            caches = {name: tensors[slots[i][1]] for i, name in enumerate(names)}
+            for i, layer in enumerate(layers.values()):
+                layer.kv_group = slots[i][0]
+        self.kv_caches = caches
         bind_kv_caches(self.model, self.kv_caches)
         self._connector_caches = {name: kv_bytes(kv) for name, kv in self.kv_caches.items()}
         self.num_blocks = num_blocks
@@ -389,7 +407,7 @@ class ModelRunner:
                         torch.empty(self.hf_config.vocab_size, device=self.device).exponential_(
                             generator=generator)
             row = self.block_tables.add_row()
-            self.block_tables.append(row, new.block_ids)
+            self.block_tables.append(row, new.block_ids, new.group_block_ids)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=[*new.prompt_token_ids, *new.output_token_ids],
@@ -406,9 +424,11 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.resumed_from_preemption:
-                self.block_tables.replace(state.row, cached.new_block_ids)
+                self.block_tables.replace(state.row, cached.new_block_ids,
+                                          cached.new_group_block_ids)
             elif cached.new_block_ids:
-                self.block_tables.append(state.row, cached.new_block_ids)
+                self.block_tables.append(state.row, cached.new_block_ids,
+                                         cached.new_group_block_ids)
                 if self.spec is not None:
                     self.spec.fresh_blocks(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens

@@ -60,6 +60,9 @@ class StepInputs:
     device_rows: np.ndarray | None = None
     draft_slots: np.ndarray | None = None
     device_drafts: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A hybrid model's KV cache groups 1..: (block tables, slots) on the device, as
+    # block_tables and the slot mapping are group 0's (AttentionMetadata.group_tables).
+    group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 class InputBuilder:
@@ -68,26 +71,34 @@ class InputBuilder:
     _MAX_WASTED_UPLOAD_BYTES = 256 * 1024
 
     def __init__(self, max_num_reqs: int, max_tokens: int, max_blocks_per_req: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, num_groups: int = 1) -> None:
+        """num_groups: KV cache groups, each with its block tables and slots (a hybrid
+        model's: sluice/core/kv_cache_groups.py); 1 for every other model."""
         self.block_size = block_size
         self.device = device
-        self.block_tables = BlockTables(max_blocks_per_req, initial_rows=max_num_reqs)
+        self.num_groups = num_groups
+        self.block_tables = BlockTables(max_blocks_per_req, initial_rows=max_num_reqs,
+                                        num_groups=num_groups)
         # One step's inputs, in the order they travel: the per-request arrays and the block
-        # tables (compact, [B, width] of this step) in one copy, the per-token arrays in
-        # another (see upload). CUDA graphs read the block tables from a fixed full-width
+        # tables (compact, [groups, B, width] of this step) in one copy, the per-token arrays
+        # in another (see upload). CUDA graphs read the block tables from a fixed full-width
         # table, filled on the device.
-        arena = StagedArena({
+        specs = {
             "query_start_loc": ((max_num_reqs + 1,), torch.int32),
             "seq_lens": ((max_num_reqs,), torch.int32),
             # A decode batch's requests, longest context first (AttentionMetadata.decode_order).
             "decode_order": ((max_num_reqs,), torch.int32),
             # Where tokens still in flight go in this step's input ids: (destination, source).
             "pending": ((2 * max_num_reqs,), torch.int64),
-            "block_tables": ((max_num_reqs * max_blocks_per_req,), torch.int32),
+            "block_tables": ((num_groups * max_num_reqs * max_blocks_per_req,), torch.int32),
             "input_ids": ((max_tokens,), torch.int64),
             "positions": ((max_tokens,), torch.int64),
             "slot_mapping": ((max_tokens,), torch.int64),
-        }, device)
+        }
+        if num_groups > 1:
+            # Groups 1..'s slots, [groups - 1, T] for a step of T (padded) tokens.
+            specs["group_slot_mapping"] = (((num_groups - 1) * max_tokens,), torch.int64)
+        arena = StagedArena(specs, device)
         self.arena = arena
         self.buf_query_start_loc = arena.buffers["query_start_loc"]
         self.buf_seq_lens = arena.buffers["seq_lens"]
@@ -97,10 +108,15 @@ class InputBuilder:
         self.buf_input_ids = arena.buffers["input_ids"]
         self.buf_positions = arena.buffers["positions"]
         self.buf_slot_mapping = arena.buffers["slot_mapping"]
-        # [max_num_reqs, max_blocks_per_req] int32: what every CUDA graph was captured reading
-        self.graph_block_tables = (
-            torch.zeros((max_num_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
+        self.buf_group_slot_mapping = arena.buffers.get("group_slot_mapping")
+        # [groups, max_num_reqs, max_blocks_per_req] int32: what every CUDA graph was captured
+        # reading (graph_block_tables: group 0's)
+        self.graph_group_block_tables = (
+            torch.zeros((num_groups, max_num_reqs, max_blocks_per_req), dtype=torch.int32,
+                        device=device)
             if device.type == "cuda" else None)
+        self.graph_block_tables = (self.graph_group_block_tables[0]
+                                   if self.graph_group_block_tables is not None else None)
         self._inputs_copied: torch.cuda.Event | None = None
         # A step that is one prompt over no cached context is marked for dense attention
         # (AttentionMetadata.dense_prefill), and one long chunk over a cached prefix
@@ -201,8 +217,18 @@ class InputBuilder:
         self.buf_query_start_loc.np[:num_reqs + 1] = query_start_loc
         self.buf_seq_lens.np[:num_reqs] = num_computed + layout
         width = int(self.block_tables.num_blocks[rows].max())
-        compact = self.buf_block_tables.np[:num_reqs * width].reshape(num_reqs, width)
-        compact[:] = table[rows, :width]
+        num_groups = self.num_groups
+        if num_groups == 1:
+            compact = self.buf_block_tables.np[:num_reqs * width].reshape(num_reqs, width)
+            compact[:] = table[rows, :width]
+        else:
+            # [groups, B, width], and groups 1..'s slots of each token (spec decoding, whose
+            # padded layouts these do not handle, keeps one group)
+            tables = self.block_tables.tables
+            self.buf_block_tables.np[:num_groups * num_reqs * width].reshape(
+                num_groups, num_reqs, width)[:] = tables[:, rows, :width]
+            group_slots = (tables[1:, rows[req_of_token], positions // self.block_size]
+                           .astype(np.int64) * self.block_size + positions % self.block_size)
 
         lone = num_reqs == 1 and not pending and not drafts and device_rows is None
         fresh = self.dense_prefill and lone and num_computed[0] == 0
@@ -224,11 +250,25 @@ class InputBuilder:
             self.buf_pending.np[start + count:start + 2 * count] = src
             pending_spans.append((handle, start, count))
             start += 2 * count
-        self.upload(num_reqs * width, padded_tokens)
+        group_tables = ()
+        if num_groups > 1:
+            # Laid out [groups - 1, padded tokens]: a graph of that size was captured so.
+            slots_by_group = self.buf_group_slot_mapping.np[
+                :(num_groups - 1) * padded_tokens].reshape(num_groups - 1, padded_tokens)
+            slots_by_group[:, :num_layout_tokens] = group_slots
+            slots_by_group[:, num_layout_tokens:] = -1
+            self.buf_group_slot_mapping.to_device((num_groups - 1) * padded_tokens)
+            group_tables = self.compact_group_tables(num_reqs, width, padded_tokens)
+        self.upload(num_groups * num_reqs * width, padded_tokens)
         block_tables = self.buf_block_tables.device[:num_reqs * width].view(num_reqs, width)
         if graph is not None:
             # Padding rows keep whatever they held: with no context they read nothing.
-            self.graph_block_tables[:num_reqs, :width].copy_(block_tables)
+            if num_groups == 1:
+                self.graph_block_tables[:num_reqs, :width].copy_(block_tables)
+            else:
+                self.graph_group_block_tables[:, :num_reqs, :width].copy_(
+                    self.buf_block_tables.device[:num_groups * num_reqs * width].view(
+                        num_groups, num_reqs, width))
         for handle, start, count in pending_spans:
             dst = self.buf_pending.np[start:start + count]
             src = self.buf_pending.np[start + count:start + 2 * count]
@@ -253,7 +293,24 @@ class InputBuilder:
                           query_start_loc, num_drafts, drafts, block_tables, graph, ordered,
                           dense_prefill=fresh or over_prefix, device_rows=device_rows,
                           draft_slots=num_drafts if device_rows is not None else None,
-                          device_drafts=device_drafts)
+                          device_drafts=device_drafts, group_tables=group_tables)
+
+    def compact_group_tables(self, num_reqs: int, width: int, num_tokens: int
+                             ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """Groups 1..'s (block tables [num_reqs, width], slots [num_tokens]) in the device
+        buffers, as a step of that shape lays them out; () for one group."""
+        n = num_reqs * width
+        return tuple((self.buf_block_tables.device[g * n:(g + 1) * n].view(num_reqs, width),
+                      self.buf_group_slot_mapping.device[(g - 1) * num_tokens:g * num_tokens])
+                     for g in range(1, self.num_groups))
+
+    def graph_group_tables(self, num_reqs: int, num_tokens: int
+                           ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """Groups 1..'s (block tables, slots) a CUDA graph of `num_reqs` requests and
+        `num_tokens` tokens is captured reading; () for one group."""
+        return tuple((self.graph_group_block_tables[g, :num_reqs],
+                      self.buf_group_slot_mapping.device[(g - 1) * num_tokens:g * num_tokens])
+                     for g in range(1, self.num_groups))
 
     def _fix_up_device_rows(self, draft_fix_up: DeviceNgram,
                             states: list[CachedRequestState], device_rows: np.ndarray,
@@ -315,15 +372,20 @@ class InputBuilder:
             num_reqs, step.num_tokens, max_query_len=int(step.num_scheduled.max()),
             max_seq_len=int((step.num_computed + step.num_scheduled).max()),
             block_tables=step.block_tables,
-            decode_order=self.buf_decode_order.device[:num_reqs] if step.ordered else None)
+            decode_order=self.buf_decode_order.device[:num_reqs] if step.ordered else None,
+            group_tables=step.group_tables)
         metadata.dense_prefill = step.dense_prefill
         return (self.buf_input_ids.device[:step.num_tokens],
                 self.buf_positions.device[:step.num_tokens], metadata)
 
     def metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
                  block_tables: torch.Tensor,
-                 decode_order: torch.Tensor | None = None) -> AttentionMetadata:
-        """Attention metadata over the first `num_reqs` / `num_tokens` of the device buffers."""
+                 decode_order: torch.Tensor | None = None,
+                 group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+                 ) -> AttentionMetadata:
+        """Attention metadata over the first `num_reqs` / `num_tokens` of the device buffers;
+        group_tables: a hybrid model's groups 1.. (compact_group_tables, graph_group_tables)."""
+        assert len(group_tables) == self.num_groups - 1, "every KV cache group's tables"
         return AttentionMetadata(
             num_actual_tokens=num_tokens,
             max_query_len=max_query_len,
@@ -335,4 +397,5 @@ class InputBuilder:
             query_start_loc_cpu=self.buf_query_start_loc.cpu[:num_reqs + 1],
             seq_lens_cpu=self.buf_seq_lens.cpu[:num_reqs],
             decode_order=decode_order,
+            group_tables=group_tables,
         )

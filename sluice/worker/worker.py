@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from sluice.config import EngineConfig
+from sluice.core.kv_cache_groups import kv_cache_groups
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.core.outputs import SchedulerOutput
 from sluice.distributed.head_split import kv_heads_per_rank
@@ -43,7 +44,8 @@ class Worker:
         self.rank = rank
         self.tp = tp
         self.model_runner = ModelRunner(config.model_config, config.cache_config,
-                                        config.scheduler_config, config.hf_config, tp)
+                                        config.scheduler_config, config.hf_config, tp,
+                                        kv_cache_groups(config))
         self.connector_factory = connector_factory
         self.connector: KVConnectorWorker | None = None
         self.profiler = StepProfiler(rank)

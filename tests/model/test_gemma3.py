@@ -53,12 +53,13 @@ def test_what_is_not_read_is_refused_naming_it(fields: dict, message: str) -> No
 
 
 def test_the_window_no_longer_holds_max_model_len(tmp_path: Path) -> None:
-    """Up to max_position_embeddings, as any model; the global layers keep every block, so
-    nothing is freed behind the window (tests/engine/test_sliding_window.py)."""
+    """Up to max_position_embeddings, as any model; the windowed and global layers are KV
+    cache groups of their own, the global one keeping every block
+    (tests/engine/test_hybrid_kv_cache.py)."""
     folder = save_hf_model(str(tmp_path / "g"), "gemma3", sliding_window=96)
     llm = LLM(model=folder, dtype="float32")
     assert llm.llm_engine.scheduler_config.max_model_len == 1024  # max_position_embeddings
-    assert llm.llm_engine.kv_cache_manager.sliding_window is None
+    assert llm.llm_engine.kv_cache_manager.groups.windows == (None, 96)
     llm.shutdown()
 
 

@@ -63,3 +63,39 @@ def test_gemma3_270m_greedy_equals_transformers(gemma3_gguf: str) -> None:
             out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
                                  do_sample=False, eos_token_id=1 << 30, pad_token_id=0)
         assert out[0, len(prompt):].tolist() == ids
+
+
+@pytest.mark.one_worker
+def test_gemma3_270m_past_its_window_frees_the_local_layers_blocks(gemma3_gguf: str) -> None:
+    """One prompt past the 512-token window, in 128-token chunks: the hybrid KV cache (3
+    global layers in one group, 15 local ones in 5 groups of 3) frees the local groups' blocks
+    behind the window, and greedy ids still equal transformers' (eager attention)."""
+    import transformers
+
+    from sluice.engine.core_proc import make_scheduler_stats
+
+    folder, name = os.path.split(gemma3_gguf)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    text = " ".join(QUESTIONS) * 12
+    prompt = tokenizer(text)["input_ids"][:700]
+    assert len(prompt) == 700
+    max_tokens, block_size = 16, 16
+    llm = LLM(model=gemma3_gguf, dtype="float32", max_model_len=1024, block_size=block_size,
+              max_num_batched_tokens=128)
+    manager = llm.llm_engine.kv_cache_manager
+    assert manager.groups.windows == (None,) + (512,) * 5 and manager.groups.group_size == 3
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    stats = make_scheduler_stats(llm.llm_engine.engine_core)
+    full_context = -(-(len(prompt) + max_tokens) // block_size)
+    assert stats.num_window_freed_blocks > 0
+    assert stats.peak_blocks_per_request < 6 * full_context
+    manager.check_integrity()
+    assert manager.get_num_free_blocks() == manager.block_pool.num_blocks - 1
+    llm.shutdown()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                             do_sample=False, eos_token_id=1 << 30, pad_token_id=0)
+    assert out[0, len(prompt):].tolist() == got.outputs[0].token_ids

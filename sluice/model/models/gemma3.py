@@ -16,10 +16,12 @@ What it adds to the Llama decoder:
 
 A sliding layer's attention is bounded by the config's window (Attention.sliding_window: a
 query at position p sees keys at positions > p - window, transformers' rule); a global layer's
-is not. The KV cache keeps every block of a request, since the global layers read them all
-(docs/architecture.md, "Sliding-window attention"). The layers are plain torch ops around the
-attention backend. None of the fused CUDA kernels (sluice.worker.compile) applies, and the
-projections take the small-batch GEMM like any Linear.
+is not. The windowed and global layers are KV cache groups of their own (each layer's
+`Attention.kv_group`, sluice/core/kv_cache_groups.py): the global layers' blocks are all kept,
+the windowed layers' freed behind the window (docs/architecture.md, "The hybrid KV cache").
+The layers are plain torch ops around the attention backend. None of the fused CUDA kernels
+(sluice.worker.compile) applies, and the projections take the small-batch GEMM like any
+Linear.
 
 Not read: the vision tower and multimodal projector of Gemma3ForConditionalGeneration (image
 inputs are not supported).
