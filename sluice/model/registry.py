@@ -29,7 +29,8 @@ _MODELS: dict[str, tuple[str, str, str]] = {
     "MixtralForCausalLM": ("sluice.model.models.mixtral", "MixtralForCausalLM",
                            "Mixtral 8x7B / 8x22B: top-2 routed SwiGLU experts"),
     "Gemma3ForCausalLM": ("sluice.model.models.gemma3", "Gemma3ForCausalLM",
-                          "Gemma 3 270M / 1B (text): local (windowed) and global layers"),
+                          "Gemma 3 270M / 1B (text): local (windowed) and global layers; a "
+                          "hybrid KV cache frees the local layers' blocks behind the window"),
     "Gemma3ForConditionalGeneration": (
         "sluice.model.models.gemma3", "Gemma3ForConditionalGeneration",
         "Gemma 3 4B / 12B / 27B: the text model (linear RoPE scaling); images not read"),
