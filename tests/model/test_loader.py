@@ -93,8 +93,8 @@ def test_folder_without_safetensors_is_named(llama_copy):
 
 
 def test_unsupported_architecture_lists_supported(llama_copy):
-    edit_json(llama_copy / "config.json", architectures=["MixtralForCausalLM"])
-    with pytest.raises(ValueError, match="MixtralForCausalLM") as excinfo:
+    edit_json(llama_copy / "config.json", architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM") as excinfo:
         load_hf_config(str(llama_copy))
     for arch in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
                  "MistralForCausalLM", "Phi3ForCausalLM"):

@@ -29,6 +29,7 @@ from tests.server.conftest import ServerProcess
 from tests.server.test_disagg_serving import (
     FLAGS,
     HEARTBEAT,
+    PREFILL_CHUNKS,
     Call,
     assert_blocks_back,
     assert_layerwise,
@@ -64,7 +65,9 @@ def pd_tp(request: pytest.FixtureRequest, qwen3_dir: str,
     decode_extra = HEARTBEAT if backend == "fake" else {**HEARTBEAT, "waiting_timeout_s": 90.0}
     cluster = start_cluster(
         qwen3_dir, FLAGS, backend, prefill_env=env, decode_extra=decode_extra,
-        prefill_flags=["--tensor-parallel-size", "2"],
+        # prompts in several steps, so a decode's ask lands before most of their layers'
+        # writes even when it reaches the prefill after the prompt's first step (layer-wise)
+        prefill_flags=["--tensor-parallel-size", "2", *PREFILL_CHUNKS],
         router_flags=["--health-check-interval", "0.5", "--health-failure-threshold", "2",
                       "--max-retries", "1"],
         workdir=workdir)
