@@ -83,6 +83,15 @@ class GemmConfig(NamedTuple):
     fma: bool = False
 
 
+
+@triton.jit
+def silu_mul_operand(gate, up, dtype: tl.constexpr):
+    """A GEMM's operand from float32 gate and up as silu_and_mul rounds it: silu(gate) rounded
+    to `dtype`, times up, rounded again (the prologue of every kernel that fuses SiLU-and-mul
+    into its down projection)."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
 @triton.jit(do_not_specialize=["M"])  # one compiled variant for every batch size
 def _skinny_mm_kernel(
     x_ptr,  # [M, K], or [M, 2K] (gate, up) with SILU_MUL
@@ -149,9 +158,7 @@ def _skinny_mm_kernel(
         if SILU_MUL:
             gate = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
             up = tl.load(x_ptrs + K, mask=m_mask[:, None], other=0.0).to(tl.float32)
-            # silu_and_mul: silu(gate) rounded to the dtype, times up, rounded again
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            x = (act * up).to(dtype)
+            x = silu_mul_operand(gate, up, dtype)
         else:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         if INV_RMS:
@@ -251,8 +258,7 @@ def _row_mm_kernel(
         if SILU_MUL:
             gate = tl.load(x_ptrs).to(tl.float32)
             up = tl.load(x_ptrs + K).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            x = (act * up).to(dtype).to(tl.float32)
+            x = silu_mul_operand(gate, up, dtype).to(tl.float32)
         else:
             x = tl.load(x_ptrs).to(tl.float32)
         if INV_RMS:

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.model.triton_gemm import silu_mul_operand
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Up to this many (token, expert) pairs, the pair kernel (no alignment): batch 1 and 2 of a
@@ -187,11 +189,10 @@ def _moe_gemm_kernel(
         for k_start in range(0, K, BLOCK_K):
             k_mask = k_start + offs_k < K
             a_mask = valid[:, None] & k_mask[None, :]
-            if SILU_MUL:  # silu_and_mul: silu(gate) rounded to the dtype, times up, rounded
+            if SILU_MUL:
                 gate = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
                 up = tl.load(a_ptrs + K, mask=a_mask, other=0.0).to(tl.float32)
-                act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-                a = (act * up).to(dtype)
+                a = silu_mul_operand(gate, up, dtype)
             else:
                 a = tl.load(a_ptrs, mask=a_mask, other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -316,11 +317,10 @@ def _moe_pair_kernel(
     for k_start in range(0, K, BLOCK_K):
         k_mask = k_start + offs_k < K
         w = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if SILU_MUL:  # as the grouped GEMM's prologue rounds it
+        if SILU_MUL:
             gate = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
             up = tl.load(a_ptrs + K, mask=k_mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            a = (act * up).to(dtype).to(tl.float32)
+            a = silu_mul_operand(gate, up, dtype).to(tl.float32)
         else:
             a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
         acc += w * a[None, :]

@@ -146,17 +146,18 @@ class TieredBackend(PoolBackend):
         return self.far._chunked(self.far._put, keys, offsets,
                                  [framing.value_size(size) for size in sizes])
 
-    # Unused: the batch_* methods above go to the tiers directly.
+    # PoolBackend's per-store hooks: never called, since the batch_* methods above go to the
+    # tiers' own batch_* (each tier's hooks do the store's work).
     def _exists(self, keys: list[str], deadline: float) -> list[bool]:
-        raise NotImplementedError
+        raise NotImplementedError("TieredBackend answers through its tiers' batch_exists")
 
     def _get(self, keys: list[str], offsets: list[int], sizes: list[int],
              deadline: float) -> list[int]:
-        raise NotImplementedError
+        raise NotImplementedError("TieredBackend answers through its tiers' batch_get")
 
     def _put(self, keys: list[str], offsets: list[int], sizes: list[int],
              deadline: float) -> list[bool]:
-        raise NotImplementedError
+        raise NotImplementedError("TieredBackend answers through its tiers' batch_put")
 
 
 def _attempt(call, *args):  # noqa: ANN001, ANN202
