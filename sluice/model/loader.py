@@ -74,12 +74,16 @@ def load_model(
     if (hf_config.quantization is not None and fp8_weights
             and getattr(model, "fp8_weights", True)
             and not os.path.lexists(os.path.join(model_dir, GGUF_LINK))):
-        kept, layers = prepare_fp8_layers(
-            model, hf_config.quantization, fp8_weight_names(safetensors_files(model_dir)),
-            getattr(model, "packed_modules", {}))
-        logger.info("FP8 checkpoint (%s): %d of %d linear layers keep FP8 weights and "
-                    "multiply in FP8, the rest are dequantized to %s",
-                    hf_config.quantization.describe(), kept, layers, dtype)
+        from sluice.model.moe import prepare_fp8_experts
+
+        fp8_names = fp8_weight_names(safetensors_files(model_dir))
+        kept, layers = prepare_fp8_layers(model, hf_config.quantization, fp8_names,
+                                          getattr(model, "packed_modules", {}))
+        kept_moe, moe_layers = prepare_fp8_experts(model, hf_config.quantization, fp8_names)
+        logger.info("FP8 checkpoint (%s): %d of %d linear layers and %d of %d expert layers "
+                    "keep FP8 weights and multiply in FP8, the rest are dequantized to %s",
+                    hf_config.quantization.describe(), kept, layers, kept_moe, moe_layers,
+                    dtype)
     with torch.no_grad():
         model.load_weights(weights)
     return model.eval().requires_grad_(False)

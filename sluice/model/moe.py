@@ -13,11 +13,20 @@ expert parallelism (ranks holding whole experts) is not built: docs/architecture
 enforce_eager), or on CUDA the fused Triton kernels of sluice.model.triton_moe (tokens sorted
 by expert with static shapes, one grouped GEMM launch for gate/up and one for down with
 SiLU-and-mul in its prologue; capturable in CUDA graphs), installed by sluice.worker.compile.
+
+FP8 checkpoints (sluice.model.quantization): where the FP8 weights are kept (the loader's
+`fp8_weights`), a layer whose experts are all FP8 in the checkpoint holds `w13` and `w2` in
+float8_e4m3fn with float32 scales (`use_fp8`, `prepare_fp8_experts`): per row, [E, 2 I_r] and
+[E, H], or per block, [E, 2 ceil(I_r / br), ceil(H / bc)] (gate's blocks, then up's) and
+[E, ceil(H / br), ceil(I_r / bc)]. It then computes through `fp8_experts_op(x, w13, w2,
+topk_weights, topk_ids, scales)`: `fp8_experts_reference` (the weights dequantized to x's dtype,
+then experts_reference: the CPU, and the kernels' reference) or on CUDA triton_moe's W8A16
+kernels (install_fp8_ops). Elsewhere the experts are dequantized at load.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +35,7 @@ from torch import nn
 from sluice.distributed.tp import SINGLE_RANK, TPGroup
 from sluice.model.hf_config import MoeConfig
 from sluice.model.linear import Linear
+from sluice.model.quantization import Fp8CheckpointTensor, Fp8Config
 from sluice.model.weights import LoadedWeight, check_shape
 
 
@@ -56,6 +66,42 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+class ExpertScales(NamedTuple):
+    """The float32 scales of a layer's FP8 `w13` and `w2` (the module's docstring: per row when
+    `block` is None, else per `block` of (rows, columns), w13's gate and up parts each counted
+    from their own first row)."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block: tuple[int, int] | None
+
+
+def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                       halves: int, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 expert stack [E, N, K] (`halves` 2 for w13: gate rows then up rows, each with
+    its own blocks; 1 for w2) times its scales, in float32, cast to `dtype`."""
+    e, n, k = weight.shape
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if block is None:
+        return (w * s.reshape(e, n, 1)).to(dtype)
+    br, bc = block
+    rows = n // halves
+    w = w.reshape(e, halves, rows, k)
+    s = s.reshape(e, halves, -1, s.shape[-1])
+    s = s.repeat_interleave(br, 2)[:, :, :rows].repeat_interleave(bc, 3)[..., :k]
+    return (w * s).reshape(e, n, k).to(dtype)
+
+
+def fp8_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          scales: ExpertScales) -> torch.Tensor:
+    """experts_reference on FP8 experts, dequantized to x's dtype (as the load-time path
+    does, so the same products): the CPU's op, and the reference of triton_moe's FP8 path."""
+    return experts_reference(
+        x, dequantize_experts(w13, scales.w13, scales.block, 2, x.dtype),
+        dequantize_experts(w2, scales.w2, scales.block, 1, x.dtype), topk_weights, topk_ids)
+
+
 class FusedMoE(nn.Module):
     """The sparse MLP block: router (`gate`, replicated), experts (`w13`, `w2`: this rank's slice
     of every expert's intermediate dimension). forward: x [T, H] -> [T, H], summed over ranks."""
@@ -75,26 +121,93 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, rows), requires_grad=False)
         self.experts_op = experts_reference
         self.route_op = route  # on CUDA triton_moe.fused_route (sluice.worker.compile)
+        # FP8 experts (use_fp8): their scales; the op, on CUDA triton_moe.fused_experts
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
+        self.fp8_block: tuple[int, int] | None = None
+        self.fp8_experts_op = fp8_experts_reference
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13_scale is not None
+
+    def fp8_fits(self, block: tuple[int, int] | None) -> bool:
+        """Whether the FP8 kernels (sluice.model.triton_moe) take scales per `block` (None: per
+        row): a K step of the grouped GEMM (16 and up, a power of two) lies in one block
+        column, so a block's columns must be a multiple of 16."""
+        return block is None or block[1] % 16 == 0
+
+    def use_fp8(self, block: tuple[int, int] | None) -> None:
+        """Hold w13 and w2 as float8_e4m3fn with float32 scales per `block` (None: per row),
+        for loading an FP8 checkpoint's experts as they are. Call before loading, after
+        fp8_fits. ValueError naming the sizes where this rank's slice of the intermediate
+        dimension does not start and end on the scale blocks (it would split a block's scale
+        between ranks)."""
+        e, two_rows, hidden = self.w13.shape
+        rows, start, full = self.inter_rows, self.inter_start, self.full_intermediate
+        if block is not None:
+            end = start + rows
+            for size, what in ((block[0], "rows of gate/up_proj"), (block[1],
+                                                                    "columns of down_proj")):
+                if start % size or (end % size and end != full):
+                    raise ValueError(
+                        f"FP8 experts scaled per {block[0]}x{block[1]} block cannot be split "
+                        f"over {self.tp.size} tensor-parallel ranks: each rank takes {rows} of "
+                        f"the {full} {what} (moe_intermediate_size), and {rows} is not a "
+                        f"multiple of the {size}-wide blocks (use a tensor_parallel_size that "
+                        f"leaves each rank a multiple of {size}, or "
+                        "SLUICE_FP8_WEIGHTS=dequantize)")
+        device = self.w13.device
+        fp8 = torch.float8_e4m3fn
+        self.w13 = nn.Parameter(torch.empty(e, two_rows, hidden, dtype=fp8, device=device),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, hidden, rows, dtype=fp8, device=device),
+                               requires_grad=False)
+        if block is None:
+            w13_scale, w2_scale = (e, two_rows), (e, hidden)
+        else:
+            w13_scale = (e, 2 * -(-rows // block[0]), -(-hidden // block[1]))
+            w2_scale = (e, -(-hidden // block[0]), -(-rows // block[1]))
+        self.w13_scale = torch.empty(w13_scale, dtype=torch.float32, device=device)
+        self.w2_scale = torch.empty(w2_scale, dtype=torch.float32, device=device)
+        self.fp8_block = block
 
     def load_expert(self, expert: int, part: str, loaded_weight: LoadedWeight) -> None:
         """One checkpoint tensor of one expert: part "gate", "up" or "down"."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} of a layer of {self.num_experts} experts")
         hidden, start, rows = self.w2.shape[1], self.inter_start, self.inter_rows
-        if part in ("gate", "up"):
-            check_shape((self.full_intermediate, hidden), loaded_weight, f"expert {part}_proj")
-            offset = 0 if part == "gate" else rows
-            self.w13.data[expert, offset : offset + rows].copy_(
-                loaded_weight.narrow(0, start, rows))
-        elif part == "down":
-            check_shape((hidden, self.full_intermediate), loaded_weight, "expert down_proj")
-            self.w2.data[expert].copy_(loaded_weight.narrow(1, start, rows))
-        else:
+        if part not in ("gate", "up", "down"):
             raise ValueError(f"expert part must be 'gate', 'up' or 'down', got {part!r}")
+        down = part == "down"
+        shape = (hidden, self.full_intermediate) if down else (self.full_intermediate, hidden)
+        check_shape(shape, loaded_weight, f"expert {part}_proj")
+        if self.is_fp8:
+            if not isinstance(loaded_weight, Fp8CheckpointTensor):
+                raise ValueError("the layer holds FP8 experts but the checkpoint tensor is not "
+                                 "FP8 (a quantization_config that names the wrong layers?)")
+            weight = loaded_weight.narrow_fp8(int(down), start, rows)
+            scale = loaded_weight.stored_scale(int(down), start, rows)
+        else:
+            weight = loaded_weight.narrow(int(down), start, rows)
+        if down:
+            self.w2.data[expert].copy_(weight)
+            if self.is_fp8:
+                self.w2_scale[expert].copy_(scale)
+            return
+        offset = 0 if part == "gate" else rows
+        self.w13.data[expert, offset : offset + rows].copy_(weight)
+        if self.is_fp8:
+            first = offset if self.fp8_block is None else offset // rows * scale.shape[0]
+            self.w13_scale[expert, first : first + scale.shape[0]].copy_(scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route_op(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts_op(x, self.w13, self.w2, weights, ids)
+        if self.is_fp8:
+            out = self.fp8_experts_op(x, self.w13, self.w2, weights, ids, ExpertScales(
+                self.w13_scale, self.w2_scale, self.fp8_block))
+        else:
+            out = self.experts_op(x, self.w13, self.w2, weights, ids)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
@@ -109,6 +222,27 @@ def expert_tensor(name: str) -> tuple[str, int, str] | None:
     if not index.isdigit() or part == rest:
         return None
     return head, int(index), part
+
+
+def prepare_fp8_experts(model: nn.Module, quantization: Fp8Config, fp8_names: set[str]
+                        ) -> tuple[int, int]:
+    """Make each FusedMoE of `model` whose experts' weights are all FP8 in the checkpoint
+    (`fp8_names`, as the model reads them: `model.sluice_weight_name`) hold FP8 experts
+    (FusedMoE.use_fp8) where the kernels take its blocks (fp8_fits); the others (an ignored
+    layer's, or blocks too narrow) load dequantized. Returns (layers made FP8, MoE layers)."""
+    rename = getattr(model, "sluice_weight_name", None) or (lambda name: name)
+    fp8 = {expert_tensor(rename(name)) for name in fp8_names}
+    block = quantization.block_size if quantization.scheme == "block" else None
+    kept = layers = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedMoE):
+            continue
+        layers += 1
+        if all((name, e, p) in fp8 for e in range(module.num_experts)
+               for p in ("gate", "up", "down")) and module.fp8_fits(block):
+            module.use_fp8(block)
+            kept += 1
+    return kept, layers
 
 
 def load_experts(model: nn.Module, weights: Any) -> tuple[Any, set[str]]:

@@ -31,14 +31,22 @@ tensors, or CPU tensors under TRITON_INTERPRET=1 (tests/kernels/test_triton_moe.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from sluice.model.moe import ExpertScales
 from sluice.model.triton_gemm import silu_mul_operand
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# The GEMM kernels' SCALES: b in a's dtype, or FP8 with float32 scales per output row (per
+# channel) or per block of GROUP_N rows x GROUP_K columns.
+NO_SCALES = tl.constexpr(0)
+PER_ROW = tl.constexpr(1)
+BLOCKWISE = tl.constexpr(2)
 
 # Up to this many (token, expert) pairs, the pair kernel (no alignment): batch 1 and 2 of a
 # model with 8 experts a token. Two pairs of one expert read its weight twice; at 16 pairs of 128
@@ -142,6 +150,50 @@ def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m:
     return sorted_ids, block_expert
 
 
+class WeightScales(NamedTuple):
+    """One FP8 expert stack's scales as sluice.model.moe.FusedMoE holds them: `scale` [E, N]
+    per row (`block` None), or per block [E, halves * ceil(N / halves / GN), ceil(K / GK)]:
+    w13 stacks gate rows then up rows (halves 2), each part's blocks counted from its own first
+    row, so a part of rows not a multiple of GN keeps its blocks; w2 is one part."""
+    scale: torch.Tensor
+    block: tuple[int, int] | None
+    halves: int
+
+
+def _fp8_scale_args(b: torch.Tensor, scales: WeightScales | None
+                    ) -> tuple[torch.Tensor, tuple[int, int, int, int], dict[str, int]]:
+    """The GEMM kernels' scale arguments for weight `b` [E, N, K]: (s_ptr, (stride_se,
+    stride_sn, HALF_N, HALF_BLOCKS), constexprs); b itself as an unread s_ptr without scales."""
+    e, n, k = b.shape
+    if scales is None:
+        return b, (0, 0, n, 1), dict(SCALES=NO_SCALES.value, GROUP_N=1, GROUP_K=1)
+    if b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"FP8 expert weights expected with scales, got {b.dtype}")
+    scale, block, halves = scales
+    half_n = n // halves
+    if block is None:
+        expected = (e, n)
+        half_blocks = 1
+    else:
+        half_blocks = triton.cdiv(half_n, block[0])
+        expected = (e, halves * half_blocks, triton.cdiv(k, block[1]))
+    if tuple(scale.shape) != expected or scale.dtype != torch.float32 or scale.stride(-1) != 1:
+        raise ValueError(f"scales of shape {list(scale.shape)} ({scale.dtype}) do not fit FP8 "
+                         f"experts {list(b.shape)} per {block or 'row'}: {list(expected)} "
+                         "float32 expected")
+    if block is None:
+        return scale, (scale.stride(0), 0, half_n, 1), dict(SCALES=PER_ROW.value, GROUP_N=1,
+                                                            GROUP_K=1)
+    return scale, (scale.stride(0), scale.stride(1), half_n, half_blocks), dict(
+        SCALES=BLOCKWISE.value, GROUP_N=block[0], GROUP_K=block[1])
+
+
+@triton.jit
+def _scale_rows(rows, HALF_N, HALF_BLOCKS, GROUP_N: tl.constexpr):
+    """Weight rows -> their block rows of the scales (WeightScales: each part's own blocks)."""
+    return (rows // HALF_N) * HALF_BLOCKS + (rows % HALF_N) // GROUP_N
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K] (SILU_MUL: [rows, 2K], gate then up)
@@ -150,12 +202,17 @@ def _moe_gemm_kernel(
     weights_ptr,  # [num_pairs] routing weights (MUL_WEIGHT)
     sorted_ids_ptr,  # [P]
     block_expert_ptr,  # [P / BLOCK_M]
+    s_ptr,  # FP8 b's float32 scales (SCALES: _fp8_scale_args), else unread
     num_pairs,
     N,
     stride_am,
     stride_be,
     stride_bn,
     stride_cm,
+    stride_se,
+    stride_sn,
+    HALF_N,
+    HALF_BLOCKS,
     K: tl.constexpr,
     TOP_K: tl.constexpr,
     A_ROW_PER_PAIR: tl.constexpr,  # a's rows are pairs (the intermediate), else tokens (x)
@@ -163,9 +220,12 @@ def _moe_gemm_kernel(
     MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # SCALES == BLOCKWISE: divides GROUP_K
     UPCAST: tl.constexpr,  # the CPU interpreter: its 16-bit dot products are wrong
     DOT_PRECISION: tl.constexpr,
+    SCALES: tl.constexpr,  # NO_SCALES (b in a's dtype), PER_ROW or BLOCKWISE (b FP8)
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -185,6 +245,9 @@ def _moe_gemm_kernel(
         b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
                   + offs_k[:, None])
         dtype = c_ptr.dtype.element_ty
+        s_ptrs = s_ptr + expert.to(tl.int64) * stride_se
+        if SCALES == BLOCKWISE:
+            s_ptrs += _scale_rows(offs_n, HALF_N, HALF_BLOCKS, GROUP_N) * stride_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k_start in range(0, K, BLOCK_K):
             k_mask = k_start + offs_k < K
@@ -196,35 +259,48 @@ def _moe_gemm_kernel(
             else:
                 a = tl.load(a_ptrs, mask=a_mask, other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if SCALES != NO_SCALES:  # FP8 values are exact in 16 bits: the scale comes after
+                b = b.to(dtype)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if SCALES == BLOCKWISE:  # the K step lies in one block column
+                scale = tl.load(s_ptrs + k_start // GROUP_K, mask=n_mask, other=0.0)
+                acc += tl.dot(a, b, input_precision=DOT_PRECISION) * scale[None, :]
+            else:
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        if SCALES == PER_ROW:
+            acc *= tl.load(s_ptrs + offs_n, mask=n_mask, other=0.0)[None, :]
         if MUL_WEIGHT:
             acc *= tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
         c_ptrs = c_ptr + tl.where(valid, ids, 0).to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(dtype), mask=valid[:, None] & n_mask[None, :])
 
 
-def _block_k(k: int) -> int:
-    return max(16, min(64, triton.next_power_of_2(k)))
+def _block_k(k: int, scales: WeightScales | None = None) -> int:
+    block_k = max(16, min(64, triton.next_power_of_2(k)))
+    if scales is not None and scales.block is not None:  # a K step in one block column
+        block_k = min(block_k, scales.block[1] & -scales.block[1])
+    return block_k
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
           sorted_ids: torch.Tensor, block_expert: torch.Tensor, top_k: int, block_m: int,
-          a_row_per_pair: bool, silu_mul: bool, mul_weight: bool) -> None:
+          a_row_per_pair: bool, silu_mul: bool, mul_weight: bool,
+          scales: WeightScales | None = None) -> None:
     n, k = b.shape[1], b.shape[2]
     block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    s, s_args, s_consts = _fp8_scale_args(b, scales)
     _moe_gemm_kernel[grid](
-        a, b, out, weights, sorted_ids, block_expert, out.shape[0], n,
-        a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        a, b, out, weights, sorted_ids, block_expert, s, out.shape[0], n,
+        a.stride(0), b.stride(0), b.stride(1), out.stride(0), *s_args,
         K=k, TOP_K=top_k, A_ROW_PER_PAIR=a_row_per_pair, SILU_MUL=silu_mul,
-        MUL_WEIGHT=mul_weight, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(k),
+        MUL_WEIGHT=mul_weight, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(k, scales),
         UPCAST=_INTERPRET, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=4, **s_consts,
     )
 
 
@@ -290,11 +366,16 @@ def _moe_pair_kernel(
     c_ptr,  # [num_pairs, N]
     weights_ptr,  # [num_pairs] routing weights (MUL_WEIGHT)
     ids_ptr,  # [num_pairs] each pair's expert
+    s_ptr,  # FP8 b's float32 scales (SCALES: _fp8_scale_args), else unread
     N,
     stride_am,
     stride_be,
     stride_bn,
     stride_cm,
+    stride_se,
+    stride_sn,
+    HALF_N,
+    HALF_BLOCKS,
     K: tl.constexpr,
     TOP_K: tl.constexpr,
     A_ROW_PER_PAIR: tl.constexpr,  # a's rows are pairs (the intermediate), else tokens (x)
@@ -302,6 +383,10 @@ def _moe_pair_kernel(
     MUL_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALES: tl.constexpr,  # NO_SCALES (b in a's dtype), PER_ROW or BLOCKWISE (b FP8)
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    ROWS_IN_ONE_BLOCK: tl.constexpr,  # BLOCKWISE: a program's BLOCK_N rows share a block row
 ):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1).to(tl.int64)
@@ -313,6 +398,12 @@ def _moe_pair_kernel(
     b_ptrs = b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
     a_ptrs = a_ptr + row * stride_am + offs_k
     dtype = c_ptr.dtype.element_ty
+    s_ptrs = s_ptr + expert * stride_se
+    if SCALES == BLOCKWISE:
+        if ROWS_IN_ONE_BLOCK:  # one scale row: it scales a's K slice, not the weight tile
+            s_ptrs += _scale_rows(pid_n * BLOCK_N, HALF_N, HALF_BLOCKS, GROUP_N) * stride_sn
+        else:
+            s_ptrs += _scale_rows(offs_n, HALF_N, HALF_BLOCKS, GROUP_N)[:, None] * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         k_mask = k_start + offs_k < K
@@ -323,10 +414,19 @@ def _moe_pair_kernel(
             a = silu_mul_operand(gate, up, dtype).to(tl.float32)
         else:
             a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        if SCALES == BLOCKWISE:
+            columns = (k_start + offs_k) // GROUP_K
+            if ROWS_IN_ONE_BLOCK:
+                a *= tl.load(s_ptrs + columns, mask=k_mask, other=0.0)
+            else:
+                w *= tl.load(s_ptrs + columns[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                             other=0.0)
         acc += w * a[None, :]
         b_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
+    if SCALES == PER_ROW:
+        y *= tl.load(s_ptrs + offs_n, mask=n_mask, other=0.0)
     if MUL_WEIGHT:
         y *= tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(c_ptr + pair * stride_cm + offs_n, y.to(dtype), mask=n_mask)
@@ -343,23 +443,30 @@ def _pair_block_k(k: int) -> int:
 
 def _pair_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
                ids: torch.Tensor, top_k: int, a_row_per_pair: bool, silu_mul: bool,
-               mul_weight: bool) -> None:
+               mul_weight: bool, scales: WeightScales | None = None) -> None:
     n, k = b.shape[1], b.shape[2]
     block_k = _pair_block_k(k)
     block_n = 4
     grid = (triton.cdiv(n, block_n), ids.numel())
+    s, s_args, s_consts = _fp8_scale_args(b, scales)
+    half_n = s_args[2]
+    one_block = (scales is not None and scales.block is not None
+                 and scales.block[0] % block_n == 0 and half_n % block_n == 0)
     _moe_pair_kernel[grid](
-        a, b, out, weights, ids, n, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        K=k, TOP_K=top_k, A_ROW_PER_PAIR=a_row_per_pair, SILU_MUL=silu_mul,
-        MUL_WEIGHT=mul_weight, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=8 if block_k >= 2048 else 4,
+        a, b, out, weights, ids, s, n, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        *s_args, K=k, TOP_K=top_k, A_ROW_PER_PAIR=a_row_per_pair, SILU_MUL=silu_mul,
+        MUL_WEIGHT=mul_weight, BLOCK_N=block_n, BLOCK_K=block_k, ROWS_IN_ONE_BLOCK=one_block,
+        num_warps=8 if block_k >= 2048 else 4, **s_consts,
     )
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  scales: ExpertScales | None = None) -> torch.Tensor:
     """sluice.model.moe.experts_reference in two grouped GEMM launches (the module's
-    docstring): x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]."""
+    docstring): x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]. With `scales`
+    the weights are float8_e4m3fn (sluice.model.moe.fp8_experts_reference's product): W8A16,
+    each FP8 tile widened to x's dtype in registers and its scale applied in the kernel."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
@@ -370,17 +477,21 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights.reshape(-1).contiguous()
     inter = torch.empty((t * top_k, two_inter), dtype=x.dtype, device=x.device)
     out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
+    s13 = s2 = None
+    if scales is not None:
+        s13 = WeightScales(scales.w13, scales.block, 2)
+        s2 = WeightScales(scales.w2, scales.block, 1)
     if t * top_k <= PAIR_KERNEL_MAX_PAIRS:
         ids = topk_ids.reshape(-1).contiguous()
         _pair_gemm(x, w13, inter, weights, ids, top_k, a_row_per_pair=False, silu_mul=False,
-                   mul_weight=False)
+                   mul_weight=False, scales=s13)
         _pair_gemm(inter, w2, out, weights, ids, top_k, a_row_per_pair=True, silu_mul=True,
-                   mul_weight=True)
+                   mul_weight=True, scales=s2)
         return out.view(t, top_k, hidden).sum(dim=1)
     block_m = 16 if t * top_k <= 16 * num_experts else 64
     sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, block_m)
     _gemm(x, w13, inter, weights, sorted_ids, block_expert, top_k, block_m,
-          a_row_per_pair=False, silu_mul=False, mul_weight=False)
+          a_row_per_pair=False, silu_mul=False, mul_weight=False, scales=s13)
     _gemm(inter, w2, out, weights, sorted_ids, block_expert, top_k, block_m,
-          a_row_per_pair=True, silu_mul=True, mul_weight=True)
+          a_row_per_pair=True, silu_mul=True, mul_weight=True, scales=s2)
     return out.view(t, top_k, hidden).sum(dim=1)

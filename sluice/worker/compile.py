@@ -33,10 +33,14 @@ from sluice.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaML
 def install_fp8_ops(model: nn.Module) -> None:
     """The FP8 kernels (sluice.model.fp8_gemm) for every layer of `model` that holds FP8
     weights (CUDA): also with enforce_eager, where the other fused ops stay off, since the
-    layers' default op (the CPU reference) dequantizes the whole weight at every step."""
-    from sluice.model import fp8_gemm
+    layers' default op (the CPU reference) dequantizes the whole weight at every step. FP8
+    experts take sluice.model.triton_moe's W8A16 kernels (any batch: static shapes)."""
+    from sluice.model import fp8_gemm, triton_moe
+    from sluice.model.moe import FusedMoE
 
     for module in model.modules():
+        if isinstance(module, FusedMoE) and module.is_fp8:
+            module.fp8_experts_op = triton_moe.fused_experts
         if isinstance(module, Linear) and module.is_fp8:
             module.fp8_op = fp8_gemm.fp8_linear
             if module.fp8_block == (128, 128):  # probed now, never inside a graph's capture

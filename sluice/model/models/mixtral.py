@@ -16,23 +16,29 @@ from sluice.model.weights import LoadedWeight
 _PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
+def sluice_weight_name(name: str) -> str:
+    """A Mixtral tensor name -> the one sluice.model.moe reads ('mlp.experts.{e}.gate_proj')."""
+    if ".block_sparse_moe." in name:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        head, sep, tail = name.partition(".experts.")
+        if sep:
+            index, _, rest = tail.partition(".")
+            part, dot, suffix = rest.partition(".")
+            if part in _PARTS and dot:
+                name = f"{head}.experts.{index}.{_PARTS[part]}.{suffix}"
+    return name
+
+
 def _checkpoint_names(weights: Iterable[tuple[str, LoadedWeight]]
                       ) -> Iterator[tuple[str, LoadedWeight]]:
-    """Mixtral's tensor names -> the ones sluice.model.moe reads ('mlp.experts.{e}.gate_proj')."""
     for name, tensor in weights:
-        if ".block_sparse_moe." in name:
-            name = name.replace(".block_sparse_moe.", ".mlp.")
-            head, sep, tail = name.partition(".experts.")
-            if sep:
-                index, _, rest = tail.partition(".")
-                part, dot, suffix = rest.partition(".")
-                if part in _PARTS and dot:
-                    name = f"{head}.experts.{index}.{_PARTS[part]}.{suffix}"
-        yield name, tensor
+        yield sluice_weight_name(name), tensor
 
 
 class MixtralForCausalLM(MistralForCausalLM):
     mlp_builder = staticmethod(Qwen3MoeForCausalLM.mlp_builder)
+    # the FP8 experts' names (sluice.model.moe.prepare_fp8_experts)
+    sluice_weight_name = staticmethod(sluice_weight_name)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
         Qwen3MoeForCausalLM.load_weights(self, _checkpoint_names(weights))

@@ -18,8 +18,7 @@ from sluice.model.weights import LoadedWeight
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    # The experts' stacked weights are not FP8 layers (prepare_fp8_layers): an FP8 checkpoint's
-    # experts are dequantized at load, its attention projections kept FP8.
+    # An FP8 checkpoint's experts stay FP8 where its projections do (prepare_fp8_experts).
     @staticmethod
     def mlp_builder(config: HFModelConfig, tp: TPGroup = SINGLE_RANK
                     ) -> Callable[[int], nn.Module | None] | None:
