@@ -214,22 +214,77 @@ def quantize_fp8(weight: torch.Tensor, scheme: str,
     return quantized, scale.to(torch.float32)
 
 
-# The decoder's projections: what quantize_weights stores as FP8.
+# What quantize_weights stores as FP8: the decoder's projections (attention, a dense MLP,
+# Qwen2-MoE's shared expert) and every expert of a mixture of experts, named as Qwen's FP8 and
+# RedHat's FP8-dynamic checkpoints name them (`mlp.experts.{e}.{gate,up,down}_proj`; Mixtral's
+# `block_sparse_moe.experts.{e}.w1/w2/w3`). Routers (`mlp.gate`, `block_sparse_moe.gate`,
+# `shared_expert_gate`) stay in the checkpoint dtype, as in those checkpoints.
 _PROJECTION = re.compile(
-    r"(.*\.)?layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+    r"(.*\.)?layers\.\d+\.(self_attn\.[qkvo]_proj"
+    r"|mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj"
+    r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
+# Routers, and compressed-tensors' `ignore` patterns for them (RedHat's MoE checkpoints list
+# the router so: only Linear layers not ignored are quantized).
+_ROUTERS = {r"\.mlp\.gate\.weight$": "re:.*mlp\\.gate$",
+            r"\.block_sparse_moe\.gate\.weight$": "re:.*block_sparse_moe\\.gate$",
+            r"\.mlp\.shared_expert_gate\.weight$": "re:.*mlp\\.shared_expert_gate$"}
 
 
 def quantize_weights(weights: dict[str, torch.Tensor], choice: str,
                      block_size: tuple[int, int] = (128, 128)
                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An HF-named state dict -> (the same with the decoder's projections as FP8 and their
-    scales added, config.json's quantization_config) for `choice` "fp8-block" (quant_method
-    fp8, per block) or "fp8-channel" (compressed-tensors, per output channel); embeddings,
-    norms and the lm_head are kept. For sluice make-model --quantize and the accuracy tool."""
+    """An HF-named state dict -> (the same with the decoder's projections and experts as FP8
+    and their scales added, config.json's quantization_config) for `choice` "fp8-block"
+    (quant_method fp8, per block) or "fp8-channel" (compressed-tensors, per output channel);
+    embeddings, norms, routers and the lm_head are kept. For sluice make-model --quantize,
+    quantize_folder and the accuracy tool."""
     scheme, config = quantization_config_for(choice, block_size)
     scale_name = "weight_scale_inv" if scheme == "block" else "weight_scale"
     out = dict(weights)
     for name in [n for n in weights if _PROJECTION.match(n)]:
         out[name], out[name.removesuffix("weight") + scale_name] = quantize_fp8(
             weights[name], scheme, block_size)
+    if "ignore" in config:
+        config["ignore"] += [pattern for router, pattern in _ROUTERS.items()
+                             if any(re.search(router, n) for n in weights)]
     return out, config
+
+
+def quantize_folder(src: str, dst: str, choice: str, block_size: tuple[int, int] = (128, 128),
+                    device: str = "cpu") -> None:
+    """Write an FP8 copy of safetensors model folder `src` to `dst` (quantize_weights, one
+    shard at a time on `device`; the other files copied, the shard index rewritten), for
+    benchmarks/tools/quantize_folder.py and the tests' MoE checkpoints."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    source, target = Path(src), Path(dst)
+    target.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy(path, target / path.name)
+    shards = sorted(source.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"model folder {src!r} has no *.safetensors weights")
+    weight_map: dict[str, str] = {}
+    ignored: list[str] = []  # each shard's routers' patterns (compressed-tensors)
+    for shard in shards:
+        tensors = {name: t.to(device) for name, t in load_file(str(shard)).items()}
+        quantized, quantization_config = quantize_weights(tensors, choice, block_size)
+        ignored += [p for p in quantization_config.get("ignore", []) if p not in ignored]
+        save_file({name: t.contiguous().cpu() for name, t in quantized.items()},
+                  str(target / shard.name), metadata={"format": "pt"})
+        weight_map.update((name, shard.name) for name in quantized)
+        del tensors, quantized
+    if "ignore" in quantization_config:
+        quantization_config["ignore"] = ignored
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    if (source / "model.safetensors.index.json").exists():
+        (target / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
