@@ -1,5 +1,6 @@
-"""The fused experts (sluice.model.triton_moe) equal sluice.model.moe.experts_reference, and the
-alignment by expert lays every (token, slot) pair out once, in its expert's blocks.
+"""The fused experts (sluice.model.triton_moe) equal sluice.model.moe.experts_reference (FP8
+experts: fp8_experts_reference, the weights dequantized), and the alignment by expert lays
+every (token, slot) pair out once, in its expert's blocks.
 
 On a CPU the kernels run in Triton's interpreter (conftest.py)."""
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from sluice.model import triton_moe
-from sluice.model.moe import experts_reference, route
+from sluice.model.moe import ExpertScales, experts_reference, fp8_experts_reference, route
+from sluice.model.quantization import quantize_fp8
 from sluice.model.triton_moe import (
     align_by_expert,
     align_by_expert_reference,
@@ -139,3 +141,85 @@ def test_the_alignment_kernel_equals_torch_s_stable_sort(t: int, experts: int, t
             want = align_by_expert_reference(routing, experts, block_m)
             got = align_by_expert(routing, experts, block_m)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | None
+                ) -> tuple[torch.Tensor, torch.Tensor, ExpertScales]:
+    """Stacked experts quantized as a checkpoint stores them, each expert's gate, up and down
+    projections on their own (quantize_fp8, per block or per output row), then laid out as
+    FusedMoE holds them: w13's gate rows then up rows, the scales likewise."""
+    inter = w13.shape[1] // 2
+
+    def stack(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        pieces = [quantize_fp8(p, "block" if block else "channel", block or (128, 128))
+                  for p in parts]
+        return (torch.stack([w for w, _ in pieces]),
+                torch.stack([s if block else s.reshape(-1) for _, s in pieces]))
+
+    gate, gate_scale = stack(list(w13[:, :inter].float()))
+    up, up_scale = stack(list(w13[:, inter:].float()))
+    down, down_scale = stack(list(w2.float()))
+    move = lambda v: v.to(DEVICE)  # noqa: E731
+    scales = ExpertScales(move(torch.cat([gate_scale, up_scale], dim=1)), move(down_scale),
+                          block)
+    return move(torch.cat([gate, up], dim=1)), move(down), scales
+
+
+@pytest.mark.parametrize("path", ["pairs", "grouped"])
+@pytest.mark.parametrize("block", [None, (16, 16), (16, 32), (128, 128), (10, 16)])
+@pytest.mark.parametrize("t,experts,top_k,hidden,inter", [
+    (1, 4, 2, 48, 40), (5, 8, 2, 64, 42), (33, 8, 3, 48, 40)])
+def test_fp8_experts_equal_the_dequantized_reference(
+        t: int, experts: int, top_k: int, hidden: int, inter: int,
+        block: tuple[int, int] | None, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W8A16: FP8 weights with per-row or per-block scales, applied in the kernels, equal
+    the product of x with the weights dequantized (fp8_experts_reference) in float32. K and N
+    not multiples of 128 nor of the blocks (48, 40; 42: the gate/up parts end inside a block,
+    and a pair kernel program's 4 rows straddle gate and up); blocks of 10 rows (a program's
+    rows in two block rows); 128 x 128 blocks wider than the weights."""
+    monkeypatch.setattr(triton_moe, "PAIR_KERNEL_MAX_PAIRS", 10**6 if path == "pairs" else 0)
+    if path == "pairs" and t * top_k > 16:
+        pytest.skip("the pair kernel is for few pairs (PAIR_KERNEL_MAX_PAIRS)")
+    x, w13, w2, weights, ids = case(t, experts, top_k, hidden, inter, torch.float32, t + 1)
+    w13, w2, scales = fp8_experts(w13.cpu(), w2.cpu(), block)
+    assert w13.dtype == torch.float8_e4m3fn
+    got = fused_experts(x, w13, w2, weights, ids, scales)
+    want = fp8_experts_reference(x, w13, w2, weights, ids, scales)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the scales are applied: a scale of one expert doubled doubles its share
+    expert = int(ids[0, 0])
+    doubled = ExpertScales(scales.w13, scales.w2.clone(), block)
+    doubled.w2[expert] *= 2
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, doubled),
+                               fp8_experts_reference(x, w13, w2, weights, ids, doubled),
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(fused_experts(x, w13, w2, weights, ids, doubled), got)
+
+
+@pytest.mark.parametrize("path", ["pairs", "grouped"])
+@pytest.mark.parametrize("block", [None, (16, 16)])
+def test_fp8_experts_in_bfloat16(block: tuple[int, int] | None, path: str,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 activations (the models' dtype): the FP8 tiles widen to bfloat16 exactly, so
+    the product is the dequantized reference's to bfloat16's rounding of the weights and of
+    the sum."""
+    monkeypatch.setattr(triton_moe, "PAIR_KERNEL_MAX_PAIRS", 10**6 if path == "pairs" else 0)
+    x, w13, w2, weights, ids = case(5, 8, 2, 64, 32, torch.bfloat16, 4)
+    w13, w2, scales = fp8_experts(w13.cpu(), w2.cpu(), block)
+    got = fused_experts(x, w13, w2, weights, ids, scales)
+    want = fp8_experts_reference(x, w13, w2, weights, ids, scales)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6)
+
+
+def test_fp8_scales_that_do_not_fit_the_weights_are_errors() -> None:
+    x, w13, w2, weights, ids = case(2, 4, 2, 48, 40, torch.float32, 0)
+    fp8_w13, fp8_w2, scales = fp8_experts(w13.cpu(), w2.cpu(), (16, 16))
+    short = ExpertScales(scales.w13[:, :5], scales.w2, (16, 16))
+    with pytest.raises(ValueError, match=r"scales of shape \[4, 5, 3\] \(torch.float32\) do "
+                                         r"not fit FP8 experts \[4, 80, 48\] per \(16, 16\): "
+                                         r"\[4, 6, 3\] float32 expected"):
+        fused_experts(x, fp8_w13, fp8_w2, weights, ids, short)
+    with pytest.raises(ValueError, match="FP8 expert weights expected with scales, got "
+                                         "torch.float32"):
+        fused_experts(x, w13, w2, weights, ids, scales)
