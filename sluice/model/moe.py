@@ -147,13 +147,13 @@ class FusedMoE(nn.Module):
         rows, start, full = self.inter_rows, self.inter_start, self.full_intermediate
         if block is not None:
             end = start + rows
-            for size, what in ((block[0], "rows of gate/up_proj"), (block[1],
-                                                                    "columns of down_proj")):
+            for size, what in ((block[0], "intermediate rows of each expert's gate/up_proj"),
+                               (block[1], "intermediate columns of each expert's down_proj")):
                 if start % size or (end % size and end != full):
                     raise ValueError(
                         f"FP8 experts scaled per {block[0]}x{block[1]} block cannot be split "
                         f"over {self.tp.size} tensor-parallel ranks: each rank takes {rows} of "
-                        f"the {full} {what} (moe_intermediate_size), and {rows} is not a "
+                        f"the {full} {what}, and {rows} is not a "
                         f"multiple of the {size}-wide blocks (use a tensor_parallel_size that "
                         f"leaves each rank a multiple of {size}, or "
                         "SLUICE_FP8_WEIGHTS=dequantize)")

@@ -448,8 +448,9 @@ def make_tiny_model(
     )
     std = PRESETS[preset]["weight_std"]
     weights = _random_weights(config, arch, std, seed, len(tokenizer))
-    if quantize is not None:
-        weights = quantize_weights(weights, quantize, block_size)[0]
+    if quantize is not None:  # the config as written for these weights (their routers)
+        weights, config["quantization_config"] = quantize_weights(weights, quantize, block_size)
+        _write_json(out / "config.json", config)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return str(out)
 
