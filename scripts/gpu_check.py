@@ -15,7 +15,8 @@ all-reduces inside the CUDA graphs, the fused ops and folded norms per rank), wi
 off; and with an 8-bit KV cache
 (`kv_cache_dtype="fp8"`, and "fp8_e5m2") against the CPU reference with the same cache dtype;
 with `--trained-gguf`, the trained SmolLM2 in float32 and bfloat16 (trained_model_check); FP8
-checkpoints with their FP8 weights kept (fp8_weights_check, `--only fp8_weights`); Mistral,
+checkpoints with their FP8 weights kept (fp8_weights_check, `--only fp8_weights`), and FP8
+Qwen3-MoE experts kept FP8 (fp8_moe_check, `--only fp8_moe`); Mistral,
 Phi-3, Gemma 3 and Qwen3-MoE (families_check, `--only families`).
 Exits non-zero on any mismatch.
 
@@ -388,6 +389,85 @@ def fp8_weights_check(work: str) -> dict[str, object]:
     return result
 
 
+def experts_only_fp8_folder(source: str, out: str, choice: str,
+                            block: tuple[int, int]) -> str:
+    """A copy of float folder `source` whose experts alone are FP8 (quantize_weights on the
+    expert tensors; the loader reads the other tensors as they are), so every product but the
+    experts' is the CPU's float32 one at any batch."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from sluice.model.quantization import quantize_weights
+
+    shutil.copytree(source, out)
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    experts = {name: t for name, t in tensors.items() if ".experts." in name}
+    quantized, quantization_config = quantize_weights(experts, choice, block)
+    save_file({**tensors, **quantized}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return out
+
+
+def fp8_moe_check(work: str, device: str = "cuda") -> dict[str, object]:
+    """Tiny FP8 Qwen3-MoE checkpoints (8 experts of 32, 2 a token; per 16 x 32 block, and per
+    channel) with their FP8 experts kept (sluice.model.triton_moe's W8A16 kernels), in float32,
+    by default and eager, against the CPU's float32 engine on the weights dequantized at load
+    (`--only fp8_moe`). The whole model FP8, one-token prompts decoded alone: every product
+    one row (the dense layers weight-only, the experts' 2 pairs the pair kernel), greedy ids
+    equal. The experts alone FP8, a batch of prompts: prefill chunks and decode batches of
+    more than 16 pairs take the grouped kernel, and greedy ids equal. `device` "cpu" (with
+    SLUICE_FP8_WEIGHTS=keep) runs the same path on the CPU's reference op (the tests)."""
+    rng = random.Random(6)
+    short = [{"prompt_token_ids": [rng.randrange(3, 600)]} for _ in range(3)]
+    batch = [{"prompt_token_ids": [rng.randrange(3, 600) for _ in range(n)]}
+             for n in (40, 130, 5, 17, 9, 60, 3, 25, 11)]
+    float_folder = make_tiny_model(os.path.join(work, "moe-float"), arch="qwen3_moe")
+    result: dict[str, object] = {}
+    for kind in ("block", "channel"):
+        whole = make_tiny_model(os.path.join(work, f"moe-fp8-{kind}"), arch="qwen3_moe",
+                                quantize=f"fp8-{kind}", block_size=(16, 32))
+        experts = experts_only_fp8_folder(float_folder, os.path.join(work, f"moe-exp-{kind}"),
+                                          f"fp8-{kind}", (16, 32))
+        want: dict[str, list[list[int]]] = {}
+        for folder, prompts, one in ((whole, short, True), (experts, batch, False)):
+            with _fp8_weights("dequantize"):
+                cpu = LLM(model=folder, dtype="float32", device="cpu")
+                want[folder] = greedy_ids(cpu, prompts, one_at_a_time=one)
+                cpu.shutdown()
+        for name, kwargs in (("default", {}), ("enforce_eager", {"enforce_eager": True})):
+            for folder, prompts, one, what in (
+                    (whole, short, True, "one_row_steps"), (experts, batch, False, "batch")):
+                llm = LLM(model=folder, dtype="float32", device=device, **kwargs)
+                runner = llm.llm_engine.engine_core.executor.model_runner
+                moe = runner.model.model.layers[0].mlp
+                key = f"fp8_moe_{kind}_{name}_{what}"
+                result[f"{key}_experts_hold_fp8"] = moe.is_fp8
+                result[f"{key}_equals_cpu"] = (
+                    greedy_ids(llm, prompts, one_at_a_time=one) == want[folder])
+                llm.shutdown()
+    return result
+
+
+@contextlib.contextmanager
+def _fp8_weights(choice: str):  # noqa: ANN202
+    """SLUICE_FP8_WEIGHTS=choice around the block (the CPU reference dequantizes at load)."""
+    previous = os.environ.get("SLUICE_FP8_WEIGHTS")
+    os.environ["SLUICE_FP8_WEIGHTS"] = choice
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["SLUICE_FP8_WEIGHTS"]
+        else:
+            os.environ["SLUICE_FP8_WEIGHTS"] = previous
+
+
 # Architectures beyond the three make_tiny_model writes: tiny random transformers models. The
 # windows (24 positions) are shorter than most prompts, so the windowed kernels, the decode
 # graphs over them and the blocks freed behind an all-windowed model's window all run.
@@ -470,6 +550,8 @@ def main() -> None:
     if not only or any("fp8_weights".startswith(p) or p.startswith("fp8_weights")
                        for p in only):
         result.update(fp8_weights_check(work))
+    if not only or any(p.startswith("fp8_moe") or "fp8_moe".startswith(p) for p in only):
+        result.update(fp8_moe_check(work))
     if not only or any(p.startswith("families") or "families".startswith(p) for p in only):
         result.update(families_check(work))
     for arch in ("qwen3", "llama", "qwen2"):

@@ -215,3 +215,20 @@ def test_expert_blocks_a_rank_boundary_would_split_are_refused(
                                               r"of each expert's gate/up_proj, and 64 is not a "
                                               r"multiple of the 128-wide blocks"):
         LLM(model=folder, tensor_parallel_size=2, **BASE)
+
+
+def test_the_gpu_check_s_fp8_moe_setting_passes_on_the_cpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/gpu_check.py's fp8_moe_check (`--only fp8_moe`) with the CPU in the GPU's place
+    and FP8 experts kept: its folders (the whole model FP8; the experts alone) load with FP8
+    experts and every comparison holds on the reference op, so on a GPU a false is the
+    kernels'."""
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "keep")
+    result = gpu_check.fp8_moe_check(str(tmp_path), device="cpu")
+    assert len(result) == 16 and all(value is True for value in result.values()), result
