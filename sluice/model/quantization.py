@@ -22,7 +22,9 @@ How the engine runs them (`Fp8CheckpointTensor`, read tensor by tensor, a tensor
 reading only its rows or columns and their scales):
 - On a GPU with FP8 tensor cores (compute capability 8.9 and up) the decoder's projections keep
   their FP8 weights and scales (sluice.model.linear: `Linear.use_fp8`, chosen per layer by
-  `prepare_fp8_layers`) and multiply in FP8 (sluice.model.fp8_gemm).
+  `prepare_fp8_layers`) and multiply in FP8 (sluice.model.fp8_gemm); so do the experts of a
+  mixture of experts (sluice.model.moe: `FusedMoE.use_fp8`, `prepare_fp8_experts`; the W8A16
+  kernels of sluice.model.triton_moe).
 - Elsewhere (the CPU, older GPUs), and for a layer whose shards do not fall on scale blocks,
   the weights are dequantized at load into the compute dtype, so the matmuls are the dtype's
   own: the reference the tests check the FP8 kernels against (`fp8_linear_reference` is the

@@ -24,8 +24,12 @@ renormalized) in one launch, a program per token: in a Qwen3-30B-A3B decode step
 of routing and alignment were ~15 launches a layer, ~2 ms of a 7.6 ms batch-1 step on an H200
 (benchmarks/journal/2026-12-02-fp8-and-moe-beside-vllm.md).
 
-`fused_experts` is what sluice.model.moe.experts_reference computes. The kernels run on CUDA
-tensors, or CPU tensors under TRITON_INTERPRET=1 (tests/kernels/test_triton_moe.py).
+`fused_experts` is what sluice.model.moe.experts_reference computes. FP8 experts (an FP8
+checkpoint's, sluice.model.moe.FusedMoE.use_fp8) take the same two paths, weight-only (W8A16:
+decode reads the weights, so half their bytes is what counts; x stays in its dtype): the
+`SCALES` branch of each kernel loads FP8 tiles and applies per-row or per-block scales
+(`WeightScales`). The kernels run on CUDA tensors, or CPU tensors under TRITON_INTERPRET=1
+(tests/kernels/test_triton_moe.py).
 """
 
 from __future__ import annotations
