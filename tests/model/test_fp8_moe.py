@@ -28,6 +28,7 @@ from tests.model.test_fp8_checkpoints import (
     BASE,
     PREEMPTING,
     _loaded,
+    _per_tensor_static_folder,
     dequantized_folder,
     greedy,
     hf_greedy,
@@ -164,6 +165,33 @@ def test_an_ignored_layer_s_experts_stay_unquantized(tmp_path: Path,
     want = greedy(LLM(model=str(folder), **BASE))
     monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "keep")
     assert greedy(LLM(model=str(folder), **BASE)) == want
+
+
+def test_per_tensor_static_experts_keep_fp8_with_their_scale_per_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compressed-tensors per-tensor weights with static input scales (AutoFP8's Mixtral
+    style): each expert's one scale repeated over its rows, the per-row layout."""
+    folder, _ = _per_tensor_static_folder(Path(make_tiny_model(str(tmp_path / "m"),
+                                                               arch="qwen3_moe")))
+    tensors = tensors_of(str(folder))
+    assert tensors["model.layers.0.mlp.experts.1.down_proj.weight_scale"].shape == (1,)
+    moe = fp8_experts_of(_loaded(str(folder), keep=True))[0]
+    assert moe.is_fp8 and moe.fp8_block is None
+    up_scale = float(tensors["model.layers.0.mlp.experts.1.up_proj.weight_scale"])
+    assert torch.equal(moe.w13_scale[1, 32:], torch.full((32,), up_scale))
+    want = greedy(LLM(model=str(folder), **BASE))
+    monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "keep")
+    assert greedy(LLM(model=str(folder), **BASE)) == want
+
+
+def test_blocks_the_kernels_do_not_take_load_dequantized(tmp_path: Path) -> None:
+    """16 x 40 blocks: 40 columns are no multiple of the grouped GEMM's K step of 16, so the
+    experts load dequantized even when FP8 weights are kept, and give the same products."""
+    folder = fp8_moe_folder(tmp_path, "qwen3_moe", "block", block=(16, 40))
+    moe = fp8_experts_of(_loaded(folder, keep=True))[0]
+    assert not moe.is_fp8 and moe.w13.dtype == torch.float32
+    x = torch.randn(5, 64)
+    assert torch.equal(moe(x), fp8_experts_of(_loaded(folder, keep=False))[0](x))
 
 
 def test_bad_expert_scales_are_errors_naming_them(tmp_path: Path) -> None:
