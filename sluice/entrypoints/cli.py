@@ -186,9 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: preset's)")
     make.add_argument("--quantize", default=None, choices=["fp8-block", "fp8-channel"],
-                      help="store the decoder's projections as FP8: per 128x128 block "
-                      "(quant_method fp8, as Qwen3-*-FP8) or per output channel "
-                      "(compressed-tensors FP8-dynamic)")
+                      help="store the decoder's projections and experts as FP8: per "
+                      "128x128 block (quant_method fp8, as Qwen3-*-FP8) or per output "
+                      "channel (compressed-tensors FP8-dynamic)")
     make.set_defaults(func=_cmd_make_model)
 
     bench = sub.add_parser("bench", help="benchmarks")
