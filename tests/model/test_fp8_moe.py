@@ -99,6 +99,41 @@ def test_written_moe_checkpoints_are_named_as_the_published_ones(arch: str, kind
         assert not any(re.match(p[3:], gate) for p in routers)
 
 
+def test_a_sharded_folder_is_quantized_shard_by_shard(tmp_path: Path) -> None:
+    """quantize_folder on a folder of two shards and an index (as make_big_folder.py writes
+    Qwen3-30B-A3B): each shard's experts quantized in place, every scale in the new index
+    beside its weight, the routers of both shards in `ignore`; the same greedy ids as the
+    folder quantized whole."""
+    source = Path(save_hf_model(str(tmp_path / "float"), "mixtral"))
+    whole = str(tmp_path / "whole")
+    quantize_folder(str(source), whole, "fp8-channel")
+    tensors = tensors_of(str(source))
+    (source / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for name, tensor in tensors.items():
+        # the last shard without a router: its config alone would miss them
+        shard = "model-00002-of-00002.safetensors" if name.startswith(
+            ("lm_head", "model.norm")) else "model-00001-of-00002.safetensors"
+        shards[shard][name] = tensor
+    weight_map = {}
+    for shard, part in shards.items():
+        save_file(part, str(source / shard), metadata={"format": "pt"})
+        weight_map.update((name, shard) for name in part)
+    (source / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": weight_map}))
+    sharded = tmp_path / "sharded"
+    quantize_folder(str(source), str(sharded), "fp8-channel")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    down = "model.layers.1.block_sparse_moe.experts.5.w2"
+    assert index[f"{down}.weight_scale"] == index[f"{down}.weight"] == (
+        "model-00001-of-00002.safetensors")
+    assert index["lm_head.weight"] == "model-00002-of-00002.safetensors"
+    config = json.loads((sharded / "config.json").read_text())["quantization_config"]
+    assert config == json.loads((Path(whole) / "config.json").read_text())[
+        "quantization_config"]
+    assert greedy(LLM(model=str(sharded), **BASE)) == greedy(LLM(model=whole, **BASE))
+
+
 def fp8_experts_of(model: torch.nn.Module) -> list[FusedMoE]:
     return [m for m in model.modules() if isinstance(m, FusedMoE)]
 
