@@ -9,7 +9,7 @@ with the model in a worker process; with the CPU KV tier and the global KV pool 
 Redis and Mooncake Store where their servers are installed: started on loopback), saved and then
 loaded; through a prefill, a decode and a router (PD over the Mooncake Transfer Engine, TCP,
 `--only pd`, where Mooncake is installed; and over the same-host `shm` backend, which on a GPU
-is CUDA IPC, `--only pd` or `--only pd_shm`: never run on a GPU before); the pool and PD
+is CUDA IPC, `--only pd` or `--only pd_shm`); the pool and PD
 with an 8-bit cache too; and, on a machine of two or more GPUs, tensor parallelism (NCCL; the
 all-reduces inside the CUDA graphs, the fused ops and folded norms per rank), with graphs on and
 off; and with an 8-bit KV cache

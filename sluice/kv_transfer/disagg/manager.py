@@ -73,8 +73,7 @@ class KVManager(ABC):
         self.backends: dict[str, TransferBackend] = (
             {backend.name: backend} if backend is not None else create_backends(
                 config.transfer_backend, config.host, config.max_batch_descriptors,
-                config.mooncake_protocol, config.mooncake_device, arena,
-                cuda_caches=first.is_cuda))
+                config.mooncake_protocol, config.mooncake_device, arena))
         for each in self.backends.values():
             each.register(tensors)
         self.lock = threading.Lock()

@@ -110,16 +110,15 @@ def create_backend(name: str, host: str, max_batch: int, protocol: str = "tcp",
 
 
 def create_backends(setting: str, host: str, max_batch: int, protocol: str = "tcp",
-                    device: str = "", arena: Any = None, cuda_caches: bool = False
-                    ) -> dict[str, TransferBackend]:
+                    device: str = "", arena: Any = None) -> dict[str, TransferBackend]:
     """The backends a transfer_backend setting brings up, by name: one, or for `auto` shm
-    and mooncake where each can run here (at least one). With CUDA caches `auto` leaves shm
-    out: its CUDA IPC path has not run on a GPU yet (`shm` asks for it by name)."""
+    (shared memory, CUDA IPC for GPU caches) and mooncake where each can run here (at least
+    one)."""
     if setting != "auto":
         return {setting: create_backend(setting, host, max_batch, protocol, device, arena)}
     backends: dict[str, TransferBackend] = {}
     problems = []
-    for name in (("mooncake",) if cuda_caches else ("shm", "mooncake")):
+    for name in ("shm", "mooncake"):
         try:
             backends[name] = create_backend(name, host, max_batch, protocol, device, arena)
         except ValueError as exc:
