@@ -34,7 +34,10 @@ decode reads the weights, so half their bytes is what counts; x stays in its dty
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -61,16 +64,103 @@ PAIR_KERNEL_MAX_PAIRS = 16
 ALIGN_KERNEL_MAX_PAIRS = 4096
 ALIGN_CHUNK = 128
 
+# Tuned tiles of the grouped path per GPU model, written by benchmarks/tools/moe_sweep.py on that
+# GPU (as vLLM ships its fused-MoE configs): `<device name, spaces as _>.json`, keyed by
+# `moe_shape_key`, then by a count of (token, expert) pairs. A step takes the entry of the
+# smallest count >= its pairs (else the largest); shapes, dtypes or GPUs without an entry, and
+# FP8 experts, keep the heuristic tiles of `_heuristic_config`.
+CONFIG_DIR = Path(__file__).parent / "moe_configs"
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+
+class GemmTiles(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+class MoeTiles(NamedTuple):
+    """The grouped path's tiles: the alignment's block_m (both GEMMs), each GEMM's tiles, and
+    whether the alignment runs as the one-program kernel (else torch's sort)."""
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
+    align_kernel: bool = True
+
+
+def moe_shape_key(num_experts: int, hidden: int, inter: int, top_k: int,
+                  dtype: torch.dtype) -> str:
+    return f"E={num_experts},H={hidden},I={inter},top_k={top_k},{str(dtype).split('.')[-1]}"
+
+
+def parse_tiles(entry: dict, where: str) -> MoeTiles:
+    try:
+        return MoeTiles(int(entry["block_m"]), GemmTiles(*map(int, entry["gate_up"])),
+                        GemmTiles(*map(int, entry["down"])), bool(entry.get("align_kernel", True)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: a tuned MoE entry needs block_m, gate_up and down "
+                         f"([block_n, block_k, num_warps, num_stages]), got {entry!r}") from exc
+
+
+@functools.cache
+def load_tuned(path: Path) -> dict[str, list[tuple[int, MoeTiles]]]:
+    """{shape key: [(pairs, tiles), ...] ascending} from one tuned file; {} if there is none."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        shapes = raw["shapes"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a tuned MoE config file ({exc})") from exc
+    return {key: sorted((int(pairs), parse_tiles(entry, f"{path} [{key}][{pairs}]"))
+                        for pairs, entry in buckets.items())
+            for key, buckets in shapes.items()}
+
+
+def tuned_file(device: torch.device) -> Path:
+    return CONFIG_DIR / (torch.cuda.get_device_name(device).replace(" ", "_") + ".json")
+
+
+def tuned_tiles(buckets: list[tuple[int, MoeTiles]], pairs: int) -> MoeTiles:
+    for count, tiles in buckets:
+        if pairs <= count:
+            return tiles
+    return buckets[-1][1]
+
+
+def _heuristic_config(pairs: int, num_experts: int, n13: int, hidden: int, inter: int,
+                      scales: WeightScales | None) -> MoeTiles:
+    def tiles(n: int, k: int) -> GemmTiles:
+        block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
+        return GemmTiles(block_n, _block_k(k, scales), 4, 3)
+    return MoeTiles(16 if pairs <= 16 * num_experts else 64, tiles(n13, hidden),
+                    tiles(hidden, inter), pairs <= ALIGN_KERNEL_MAX_PAIRS)
+
+
+def moe_tiles(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              scales: WeightScales | None) -> MoeTiles:
+    """The grouped path's tiles for this call: tuned (CUDA, weights in x's dtype, an entry for
+    the shape in this GPU's file) or heuristic."""
+    pairs = x.shape[0] * top_k
+    num_experts, n13, hidden = w13.shape
+    inter = w2.shape[2]
+    if x.is_cuda and scales is None:
+        buckets = load_tuned(tuned_file(x.device)).get(
+            moe_shape_key(num_experts, hidden, inter, top_k, x.dtype))
+        if buckets:
+            return tuned_tiles(buckets, pairs)
+    return _heuristic_config(pairs, num_experts, n13, hidden, inter, scales)
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                    use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted pair ids [P] (pair = token * k + slot; T * k marks padding),
     each block's expert [P / block_m] (-1: no expert)), P = T * k + E * (block_m - 1) rounded
     up to block_m. Up to ALIGN_KERNEL_MAX_PAIRS pairs in one launch (`_align_kernel`), more
     through torch's sort (`align_by_expert_reference`, the same output)."""
     flat = topk_ids.reshape(-1)
     pairs = flat.numel()
-    if pairs > ALIGN_KERNEL_MAX_PAIRS or pairs == 0:
+    if pairs > ALIGN_KERNEL_MAX_PAIRS or pairs == 0 or not use_kernel:
         return align_by_expert_reference(topk_ids, num_experts, block_m)
     capacity = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
     sorted_ids = torch.empty((capacity,), dtype=torch.int64, device=flat.device)
@@ -293,18 +383,20 @@ def _block_k(k: int, scales: WeightScales | None = None) -> int:
 def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
           sorted_ids: torch.Tensor, block_expert: torch.Tensor, top_k: int, block_m: int,
           a_row_per_pair: bool, silu_mul: bool, mul_weight: bool,
-          scales: WeightScales | None = None) -> None:
+          scales: WeightScales | None = None, tiles: GemmTiles | None = None) -> None:
     n, k = b.shape[1], b.shape[2]
-    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
-    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    if tiles is None:
+        tiles = GemmTiles(64 if n >= 64 else max(16, triton.next_power_of_2(n)),
+                          _block_k(k, scales), 4, 3)
+    grid = (block_expert.numel(), triton.cdiv(n, tiles.block_n))
     s, s_args, s_consts = _fp8_scale_args(b, scales)
     _moe_gemm_kernel[grid](
         a, b, out, weights, sorted_ids, block_expert, s, out.shape[0], n,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0), *s_args,
         K=k, TOP_K=top_k, A_ROW_PER_PAIR=a_row_per_pair, SILU_MUL=silu_mul,
-        MUL_WEIGHT=mul_weight, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(k, scales),
+        MUL_WEIGHT=mul_weight, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         UPCAST=_INTERPRET, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=4, **s_consts,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **s_consts,
     )
 
 
@@ -466,7 +558,8 @@ def _pair_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: tor
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  scales: ExpertScales | None = None) -> torch.Tensor:
+                  scales: ExpertScales | None = None, tiles: MoeTiles | None = None
+                  ) -> torch.Tensor:
     """sluice.model.moe.experts_reference in two grouped GEMM launches (the module's
     docstring): x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]. With `scales`
     the weights are float8_e4m3fn (sluice.model.moe.fp8_experts_reference's product): W8A16,
@@ -492,10 +585,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         _pair_gemm(inter, w2, out, weights, ids, top_k, a_row_per_pair=True, silu_mul=True,
                    mul_weight=True, scales=s2)
         return out.view(t, top_k, hidden).sum(dim=1)
-    block_m = 16 if t * top_k <= 16 * num_experts else 64
-    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, block_m)
-    _gemm(x, w13, inter, weights, sorted_ids, block_expert, top_k, block_m,
-          a_row_per_pair=False, silu_mul=False, mul_weight=False, scales=s13)
-    _gemm(inter, w2, out, weights, sorted_ids, block_expert, top_k, block_m,
-          a_row_per_pair=True, silu_mul=True, mul_weight=True, scales=s2)
+    if tiles is None:  # (`tiles`: benchmarks/tools/moe_sweep.py's candidates)
+        tiles = moe_tiles(x, w13, w2, top_k, s13)
+    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, tiles.block_m,
+                                               tiles.align_kernel)
+    _gemm(x, w13, inter, weights, sorted_ids, block_expert, top_k, tiles.block_m,
+          a_row_per_pair=False, silu_mul=False, mul_weight=False, scales=s13,
+          tiles=tiles.gate_up)
+    _gemm(inter, w2, out, weights, sorted_ids, block_expert, top_k, tiles.block_m,
+          a_row_per_pair=True, silu_mul=True, mul_weight=True, scales=s2, tiles=tiles.down)
     return out.view(t, top_k, hidden).sum(dim=1)

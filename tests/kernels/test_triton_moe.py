@@ -6,6 +6,9 @@ On a CPU the kernels run in Triton's interpreter (conftest.py)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -223,3 +226,53 @@ def test_fp8_scales_that_do_not_fit_the_weights_are_errors() -> None:
     with pytest.raises(ValueError, match="FP8 expert weights expected with scales, got "
                                          "torch.float32"):
         fused_experts(x, w13, w2, weights, ids, scales)
+
+
+@pytest.mark.parametrize("tiles", [
+    triton_moe.MoeTiles(32, triton_moe.GemmTiles(64, 32, 4, 3), triton_moe.GemmTiles(32, 16, 8, 4),
+                        align_kernel=False),
+    triton_moe.MoeTiles(64, triton_moe.GemmTiles(32, 16, 4, 4), triton_moe.GemmTiles(64, 64, 4, 3)),
+])
+def test_tuned_tiles_give_the_reference_s_output(tiles: triton_moe.MoeTiles) -> None:
+    """A tuned file's tiles (block_m, each GEMM's block_n / block_k, the alignment through
+    torch's sort or the kernel) change the order of the sums, not their result."""
+    x, w13, w2, weights, ids = case(40, 8, 3, 64, 48, torch.float32, 5)
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, tiles=tiles),
+                               experts_reference(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_tuned_file_gives_the_tiles_of_the_smallest_count_at_or_above_the_pairs(
+        tmp_path: Path) -> None:
+    key = triton_moe.moe_shape_key(128, 2048, 768, 8, torch.bfloat16)
+    assert key == "E=128,H=2048,I=768,top_k=8,bfloat16"
+    path = tmp_path / "GPU.json"
+    path.write_text(json.dumps({"shapes": {key: {
+        "512": {"block_m": 16, "gate_up": [64, 128, 4, 4], "down": [128, 64, 8, 3]},
+        "64": {"block_m": 32, "gate_up": [64, 64, 4, 3], "down": [64, 64, 4, 3],
+               "align_kernel": False}}}}))
+    buckets = triton_moe.load_tuned(path)[key]
+    assert [count for count, _ in buckets] == [64, 512]
+    assert triton_moe.tuned_tiles(buckets, 40).block_m == 32
+    assert not triton_moe.tuned_tiles(buckets, 64).align_kernel
+    assert triton_moe.tuned_tiles(buckets, 65).gate_up == triton_moe.GemmTiles(64, 128, 4, 4)
+    assert triton_moe.tuned_tiles(buckets, 9999).down.block_n == 128  # past the last: the last
+    assert triton_moe.load_tuned(tmp_path / "none.json") == {}
+
+
+def test_a_bad_tuned_file_is_an_error_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json"):
+        triton_moe.load_tuned(bad)
+    entry = tmp_path / "entry.json"
+    entry.write_text(json.dumps({"shapes": {"k": {"64": {"block_m": 16, "gate_up": [64]}}}}))
+    with pytest.raises(ValueError, match=r"entry.json \[k\]\[64\].*block_m, gate_up and down"):
+        triton_moe.load_tuned(entry)
+
+
+def test_cpu_calls_and_fp8_experts_keep_the_heuristic_tiles() -> None:
+    x, w13, w2, _, _ = case(40, 8, 3, 64, 48, torch.float32, 5)
+    got = triton_moe.moe_tiles(x.cpu(), w13.cpu(), w2.cpu(), 3, None)
+    assert got == triton_moe._heuristic_config(120, 8, 96, 64, 48, None)
+    assert got.gate_up == triton_moe.GemmTiles(64, 64, 4, 3) and got.block_m == 16
