@@ -101,12 +101,13 @@ def main() -> None:
         best = None
         for block_m in (16, 32, 64):
             align = {}
-            for use_kernel in ((True, False) if pairs <= triton_moe.ALIGN_KERNEL_MAX_PAIRS
-                               else (False,)):
-                align[use_kernel] = bench(lambda: triton_moe.align_by_expert(
-                    ids, e, block_m, use_kernel), triton)
-            use_kernel = min(align, key=align.get)
-            sorted_ids, block_expert = triton_moe.align_by_expert(ids, e, block_m, use_kernel)
+            for mode in triton_moe.ALIGN_MODES:
+                if mode == "kernel" and pairs > triton_moe.ALIGN_KERNEL_MAX_PAIRS:
+                    continue
+                align[mode] = bench(lambda: triton_moe.align_by_expert(ids, e, block_m, mode),
+                                    triton)
+            mode = min(align, key=align.get)
+            sorted_ids, block_expert = triton_moe.align_by_expert(ids, e, block_m, mode)
             picks = {}
             for part, (a_in, b, c, per_pair, silu, mul) in {
                     "gate_up": (x, w13, inter_buf, False, False, False),
@@ -123,10 +124,10 @@ def main() -> None:
                     except Exception as exc:  # noqa: BLE001 (out of resources: not a candidate)
                         print(f"  skip {part} {tiles}: {type(exc).__name__}", flush=True)
                 picks[part] = min(timed)
-            total = align[use_kernel] + picks["gate_up"][0] + picks["down"][0]
+            total = align[mode] + picks["gate_up"][0] + picks["down"][0]
             if best is None or total < best[0]:
-                best = (total, MoeTiles(block_m, picks["gate_up"][1], picks["down"][1],
-                                        use_kernel))
+                best = (total, MoeTiles(block_m, picks["gate_up"][1], picks["down"][1], mode))
+                align_us = {k: round(v, 1) for k, v in align.items()}
         tiles = best[1]
         tuned_us = bench(lambda: triton_moe.fused_experts(x, w13, w2, weights, ids,
                                                           tiles=tiles), triton)
@@ -137,11 +138,12 @@ def main() -> None:
                "heuristic_us": round(base_us, 1), "tuned_us": round(tuned_us, 1),
                "speedup": round(base_us / tuned_us, 3),
                "tuned_tb_s": round(hit * expert_bytes / tuned_us / 1e6, 2),
-               "heuristic": heuristic._asdict(), "tuned": tiles._asdict()}
+               "align_us": align_us, "heuristic": heuristic._asdict(),
+               "tuned": tiles._asdict()}
         rows.append(row)
         if tuned_us < base_us:  # else no entry: the heuristic stays
             buckets[str(pairs)] = {"block_m": tiles.block_m, "gate_up": list(tiles.gate_up),
-                                   "down": list(tiles.down), "align_kernel": tiles.align_kernel}
+                                   "down": list(tiles.down), "align": tiles.align}
         print(f"T={t:4d} pairs={pairs:5d} hit={hit:3d}  heuristic {base_us:8.1f} us  "
               f"tuned {tuned_us:8.1f} us  x{base_us / tuned_us:.3f}  "
               f"{row['tuned_tb_s']:.2f} TB/s  {tiles}", flush=True)

@@ -63,6 +63,10 @@ PAIR_KERNEL_MAX_PAIRS = 16
 # experts a token); more go through torch's sort. Not yet timed on a GPU.
 ALIGN_KERNEL_MAX_PAIRS = 4096
 ALIGN_CHUNK = 128
+# How align_by_expert runs: "kernel" (`_align_kernel`, one program: its chunks one after the
+# other), "chunks" (three launches of a program per chunk: `_chunk_counts_kernel`,
+# `_chunk_offsets_kernel`, `_chunk_scatter_kernel`) or "torch" (a stable sort); the same output.
+ALIGN_MODES = ("kernel", "chunks", "torch")
 
 # Tuned tiles of the grouped path per GPU model, written by benchmarks/tools/moe_sweep.py on that
 # GPU (as vLLM ships its fused-MoE configs): `<device name, spaces as _>.json`, keyed by
@@ -81,11 +85,11 @@ class GemmTiles(NamedTuple):
 
 class MoeTiles(NamedTuple):
     """The grouped path's tiles: the alignment's block_m (both GEMMs), each GEMM's tiles, and
-    whether the alignment runs as the one-program kernel (else torch's sort)."""
+    how the alignment runs (ALIGN_MODES)."""
     block_m: int
     gate_up: GemmTiles
     down: GemmTiles
-    align_kernel: bool = True
+    align: str = "kernel"
 
 
 def moe_shape_key(num_experts: int, hidden: int, inter: int, top_k: int,
@@ -95,11 +99,14 @@ def moe_shape_key(num_experts: int, hidden: int, inter: int, top_k: int,
 
 def parse_tiles(entry: dict, where: str) -> MoeTiles:
     try:
-        return MoeTiles(int(entry["block_m"]), GemmTiles(*map(int, entry["gate_up"])),
-                        GemmTiles(*map(int, entry["down"])), bool(entry.get("align_kernel", True)))
+        tiles = MoeTiles(int(entry["block_m"]), GemmTiles(*map(int, entry["gate_up"])),
+                         GemmTiles(*map(int, entry["down"])), str(entry.get("align", "kernel")))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{where}: a tuned MoE entry needs block_m, gate_up and down "
                          f"([block_n, block_k, num_warps, num_stages]), got {entry!r}") from exc
+    if tiles.align not in ALIGN_MODES:
+        raise ValueError(f"{where}: align {tiles.align!r} is none of {ALIGN_MODES}")
+    return tiles
 
 
 @functools.cache
@@ -134,7 +141,7 @@ def _heuristic_config(pairs: int, num_experts: int, n13: int, hidden: int, inter
         block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
         return GemmTiles(block_n, _block_k(k, scales), 4, 3)
     return MoeTiles(16 if pairs <= 16 * num_experts else 64, tiles(n13, hidden),
-                    tiles(hidden, inter), pairs <= ALIGN_KERNEL_MAX_PAIRS)
+                    tiles(hidden, inter), "kernel" if pairs <= ALIGN_KERNEL_MAX_PAIRS else "torch")
 
 
 def moe_tiles(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
@@ -153,18 +160,21 @@ def moe_tiles(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-                    use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    mode: str = "kernel") -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted pair ids [P] (pair = token * k + slot; T * k marks padding),
     each block's expert [P / block_m] (-1: no expert)), P = T * k + E * (block_m - 1) rounded
     up to block_m. Up to ALIGN_KERNEL_MAX_PAIRS pairs in one launch (`_align_kernel`), more
     through torch's sort (`align_by_expert_reference`, the same output)."""
     flat = topk_ids.reshape(-1)
     pairs = flat.numel()
-    if pairs > ALIGN_KERNEL_MAX_PAIRS or pairs == 0 or not use_kernel:
+    if pairs == 0 or mode == "torch" or (mode == "kernel" and pairs > ALIGN_KERNEL_MAX_PAIRS):
         return align_by_expert_reference(topk_ids, num_experts, block_m)
     capacity = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
     sorted_ids = torch.empty((capacity,), dtype=torch.int64, device=flat.device)
     block_expert = torch.empty((capacity // block_m,), dtype=torch.int64, device=flat.device)
+    if mode == "chunks":
+        return _align_in_chunks(flat.contiguous(), sorted_ids, block_expert, num_experts,
+                                block_m)
     _align_kernel[(1,)](
         flat.contiguous(), sorted_ids, block_expert, pairs, capacity, E=num_experts,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK,
@@ -242,6 +252,79 @@ def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m:
     block_expert = torch.searchsorted(padded_end, block_starts, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1)
     return sorted_ids, block_expert
+
+
+def _align_in_chunks(flat: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                     num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_by_expert with a program per ALIGN_CHUNK pairs: each chunk's histogram; one
+    program's prefix over chunks (every chunk's first row per expert, the blocks' experts, the
+    padding); each chunk's pairs written at their row."""
+    pairs = flat.numel()
+    chunks = triton.cdiv(pairs, ALIGN_CHUNK)
+    block_e = triton.next_power_of_2(num_experts)
+    counts = torch.empty((chunks, block_e), dtype=torch.int32, device=flat.device)
+    _chunk_counts_kernel[(chunks,)](flat, counts, pairs, BLOCK_E=block_e, CHUNK=ALIGN_CHUNK)
+    _chunk_offsets_kernel[(1,)](counts, sorted_ids, block_expert, pairs, chunks,
+                                sorted_ids.numel(), E=num_experts, BLOCK_E=block_e,
+                                BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, num_warps=8)
+    _chunk_scatter_kernel[(chunks,)](flat, counts, sorted_ids, pairs, BLOCK_E=block_e,
+                                     CHUNK=ALIGN_CHUNK)
+    return sorted_ids, block_expert
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _chunk_counts_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK_E: tl.constexpr,
+                         CHUNK: tl.constexpr):
+    chunk = tl.program_id(0)
+    lanes = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = lanes < num_pairs
+    ids = tl.load(ids_ptr + lanes, mask=mask, other=0).to(tl.int32)
+    tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E),
+             tl.histogram(ids, BLOCK_E, mask=mask))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "capacity"])
+def _chunk_offsets_kernel(counts_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_chunks,
+                          capacity, E: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Per expert, its padded run's start; then counts[c, e] is overwritten with chunk c's first
+    row of expert e (the run's start plus the pairs of e in chunks before c)."""
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, CHUNK)
+    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c in range(0, num_chunks):
+        total += tl.load(counts_ptr + c * BLOCK_E + experts)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    row = padded_end - padded
+    for c in range(0, num_chunks):
+        here = tl.load(counts_ptr + c * BLOCK_E + experts)
+        tl.store(counts_ptr + c * BLOCK_E + experts, row)
+        row += here
+    for start in range(0, capacity, CHUNK):
+        tl.store(sorted_ptr + start + lanes, num_pairs, mask=start + lanes < capacity)
+    num_blocks = capacity // BLOCK_M
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + lanes
+        expert = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32),
+                        axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(expert < E, expert, -1),
+                 mask=blocks < num_blocks)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _chunk_scatter_kernel(ids_ptr, rows_ptr, sorted_ptr, num_pairs, BLOCK_E: tl.constexpr,
+                          CHUNK: tl.constexpr):
+    chunk = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    lanes = chunk * CHUNK + offs
+    mask = lanes < num_pairs
+    ids = tl.load(ids_ptr + lanes, mask=mask, other=BLOCK_E).to(tl.int32)
+    # (Padding lanes name expert BLOCK_E: no column, and they are not stored.)
+    base = tl.load(rows_ptr + chunk * BLOCK_E + ids, mask=mask, other=0)
+    earlier = tl.sum(((ids[None, :] == ids[:, None])
+                      & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1)
+    tl.store(sorted_ptr + base + earlier, lanes, mask=mask)
 
 
 class WeightScales(NamedTuple):
@@ -588,7 +671,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if tiles is None:  # (`tiles`: benchmarks/tools/moe_sweep.py's candidates)
         tiles = moe_tiles(x, w13, w2, top_k, s13)
     sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, tiles.block_m,
-                                               tiles.align_kernel)
+                                               tiles.align)
     _gemm(x, w13, inter, weights, sorted_ids, block_expert, top_k, tiles.block_m,
           a_row_per_pair=False, silu_mul=False, mul_weight=False, scales=s13,
           tiles=tiles.gate_up)

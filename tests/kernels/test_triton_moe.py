@@ -132,7 +132,8 @@ def test_fused_route_equals_route(t: int, experts: int, top_k: int, renormalize:
     (1, 128, 8), (3, 128, 8), (64, 128, 8), (40, 6, 2), (300, 8, 3), (129, 60, 4)])
 def test_the_alignment_kernel_equals_torch_s_stable_sort(t: int, experts: int, top_k: int
                                                          ) -> None:
-    """One program's histogram, padded runs and stable ranks: the torch ops' output exactly,
+    """One program's histogram, padded runs and stable ranks, and the same in a program per
+    chunk of pairs: the torch ops' output exactly,
     over several chunks of pairs (300 x 3), experts not a power of two, experts with no pair
     (3 tokens of 128 experts), and routing skewed to a few experts (every run of one expert)."""
     generator = torch.Generator().manual_seed(t)
@@ -142,8 +143,9 @@ def test_the_alignment_kernel_equals_torch_s_stable_sort(t: int, experts: int, t
         routing = routing.to(DEVICE)
         for block_m in (16, 64):
             want = align_by_expert_reference(routing, experts, block_m)
-            got = align_by_expert(routing, experts, block_m)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            for mode in ("kernel", "chunks"):
+                got = align_by_expert(routing, experts, block_m, mode)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), mode
 
 
 def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | None
@@ -230,8 +232,10 @@ def test_fp8_scales_that_do_not_fit_the_weights_are_errors() -> None:
 
 @pytest.mark.parametrize("tiles", [
     triton_moe.MoeTiles(32, triton_moe.GemmTiles(64, 32, 4, 3), triton_moe.GemmTiles(32, 16, 8, 4),
-                        align_kernel=False),
+                        align="torch"),
     triton_moe.MoeTiles(64, triton_moe.GemmTiles(32, 16, 4, 4), triton_moe.GemmTiles(64, 64, 4, 3)),
+    triton_moe.MoeTiles(16, triton_moe.GemmTiles(64, 32, 4, 3), triton_moe.GemmTiles(32, 16, 4, 3),
+                        align="chunks"),
 ])
 def test_tuned_tiles_give_the_reference_s_output(tiles: triton_moe.MoeTiles) -> None:
     """A tuned file's tiles (block_m, each GEMM's block_n / block_k, the alignment through
@@ -250,11 +254,11 @@ def test_a_tuned_file_gives_the_tiles_of_the_smallest_count_at_or_above_the_pair
     path.write_text(json.dumps({"shapes": {key: {
         "512": {"block_m": 16, "gate_up": [64, 128, 4, 4], "down": [128, 64, 8, 3]},
         "64": {"block_m": 32, "gate_up": [64, 64, 4, 3], "down": [64, 64, 4, 3],
-               "align_kernel": False}}}}))
+               "align": "torch"}}}}))
     buckets = triton_moe.load_tuned(path)[key]
     assert [count for count, _ in buckets] == [64, 512]
     assert triton_moe.tuned_tiles(buckets, 40).block_m == 32
-    assert not triton_moe.tuned_tiles(buckets, 64).align_kernel
+    assert triton_moe.tuned_tiles(buckets, 64).align == "torch"
     assert triton_moe.tuned_tiles(buckets, 65).gate_up == triton_moe.GemmTiles(64, 128, 4, 4)
     assert triton_moe.tuned_tiles(buckets, 9999).down.block_n == 128  # past the last: the last
     assert triton_moe.load_tuned(tmp_path / "none.json") == {}
