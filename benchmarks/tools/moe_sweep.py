@@ -113,7 +113,8 @@ def main() -> None:
                     "gate_up": (x, w13, inter_buf, False, False, False),
                     "down": (inter_buf, w2, out, True, True, True)}.items():
                 timed = []
-                for tiles in candidates(block_m, b.shape[1], b.shape[2]):
+                base_tiles = getattr(heuristic, part)
+                for tiles in {base_tiles, *candidates(block_m, b.shape[1], b.shape[2])}:
                     def run(tiles=tiles, a_in=a_in, b=b, c=c, per_pair=per_pair, silu=silu,
                             mul=mul) -> None:
                         triton_moe._gemm(a_in, b, c, flat_w, sorted_ids, block_expert, top_k,
