@@ -61,13 +61,15 @@ def frame(key: str, payload: bytes) -> bytes:
     return payload + TRAILER.pack(checksum(key, payload), len(payload))
 
 
-# Values of a KV block are megabytes: one task each is cheap beside its checksum.
+# Values of a KV block are megabytes: one task each is cheap beside its checksum or its copy.
 _NUM_THREADS = max(1, min(8, os.cpu_count() or 1))
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
 
 
-def _map(fn: Callable, *columns: Sequence) -> list:
+def parallel_map(fn: Callable, *columns: Sequence) -> list:
+    """[fn(*row) for row in zip(*columns)], the rows spread over the pool's threads: for work
+    on megabyte values that releases the GIL (crc32, ctypes.memmove, buffer copies)."""
     global _executor
     rows = list(zip(*columns))
     if _NUM_THREADS == 1 or len(rows) < 2:
@@ -82,11 +84,11 @@ def _map(fn: Callable, *columns: Sequence) -> list:
 def seal_all(view: memoryview, offsets: Sequence[int], sizes: Sequence[int],
              keys: Sequence[str]) -> None:
     """`seal` each payload, on several threads."""
-    _map(lambda offset, size, key: seal(view, offset, size, key), offsets, sizes, keys)
+    parallel_map(lambda offset, size, key: seal(view, offset, size, key), offsets, sizes, keys)
 
 
 def intact_all(view: memoryview, offsets: Sequence[int], sizes: Sequence[int],
                keys: Sequence[str], received: Sequence[int]) -> list[bool]:
     """`is_intact` of each value, on several threads."""
-    return _map(lambda offset, size, key, got: is_intact(view, offset, size, key, got),
+    return parallel_map(lambda offset, size, key, got: is_intact(view, offset, size, key, got),
                 offsets, sizes, keys, received)
