@@ -11,8 +11,9 @@ Backends move whole values (`value_size(n)` bytes) between the store and the reg
 buffer, so the caller leaves `TRAILER_SIZE` bytes after each payload: `seal` writes the trailer
 there before a put, `is_intact` checks it after a get. zlib's crc32 (stdlib, about 3.5 GB/s on
 one core here, GIL released) keeps the format independent of optional packages; a batch of
-values is checked on several threads (`seal_all`, `intact_all`), since one core's 3.5 GB/s was
-most of a pool load's time on the GPU (1.8 GB/s end to end for the in-process backend).
+values is checked on several threads (`seal_all`, `intact_all`), and the shm tier copies a
+batch's values on the same threads (`parallel_map`): on the H200's host one thread checks 3.5 GB/s
+and copies 5.7, 16 threads 28 and 36 (benchmarks/journal/2026-12-02-pool-host-path-h200.md).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def frame(key: str, payload: bytes) -> bytes:
 
 
 # Values of a KV block are megabytes: one task each is cheap beside its checksum or its copy.
-_NUM_THREADS = max(1, min(8, os.cpu_count() or 1))
+_NUM_THREADS = max(1, min(16, os.cpu_count() or 1))
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
 
