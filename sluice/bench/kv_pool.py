@@ -232,6 +232,7 @@ def _measure(llm: Any, backend: str, prompt_lens: list[int], num_iters: int, par
         cases: dict[str, list[float]] = {"recompute": [], "local_hit": [], "pool_hit": []}
         loads: list[tuple[float, float]] = []  # (bytes, seconds) of each pool hit's load
         partial: list[int] = []  # tokens of pool hits short of the whole prompt
+        load_stages: list[dict[str, float]] = []  # each pool hit's host seconds by stage
         saves_before = scheduler.get_stats()
         for prompt in random_prompts(num_iters, length, vocab, rng):
             elapsed, cached = ttft(prompt)
@@ -252,11 +253,13 @@ def _measure(llm: Any, backend: str, prompt_lens: list[int], num_iters: int, par
             loads.append((after.get("pool_load_bytes", 0.0) - before.get("pool_load_bytes", 0.0),
                           after.get("pool_load_seconds", 0.0)
                           - before.get("pool_load_seconds", 0.0)))
+            load_stages.append({name: after.get(name, 0.0) - before.get(name, 0.0)
+                                for name in _LOAD_STAGES})
         if not cases["pool_hit"]:
             raise RuntimeError(f"{backend} {length}: no pool hit of the whole prompt in "
                                f"{num_iters} tries (hits of {partial} tokens)")
         saves = {name: scheduler.get_stats().get(name, 0.0) - saves_before.get(name, 0.0)
-                 for name in ("pool_save_bytes", "pool_save_seconds")}
+                 for name in ("pool_save_bytes", "pool_save_seconds", *_SAVE_STAGES)}
         medians = {name: statistics.median(times) for name, times in cases.items()}
         load_bytes = full // block_size * bytes_per_block
         assert all(b == load_bytes for b, _ in loads), (loads, load_bytes)
@@ -274,6 +277,12 @@ def _measure(llm: Any, backend: str, prompt_lens: list[int], num_iters: int, par
             "effective_load_gb_s": load_bytes / medians["pool_hit"] / 1e9,
             "save_gb_s": (saves["pool_save_bytes"] / saves["pool_save_seconds"] / 1e9
                           if saves["pool_save_seconds"] else 0.0),
+            # Where a load's and the row's saves' time went (median load; saves summed).
+            "load_stage_ms": {name.removeprefix("pool_load_").removesuffix("_seconds"):
+                              1e3 * statistics.median(s[name] for s in load_stages)
+                              for name in _LOAD_STAGES},
+            "save_stage_ms": {name.removeprefix("pool_save_").removesuffix("_seconds"):
+                              1e3 * saves[name] for name in _SAVE_STAGES},
         })
         t = rows[-1]["ttft_ms"]
         print(f"{backend} {length}: TTFT recompute {t['recompute']:.2f} ms, local hit "
@@ -281,6 +290,12 @@ def _measure(llm: Any, backend: str, prompt_lens: list[int], num_iters: int, par
               f"{rows[-1]['load_gb_s']:.2f} GB/s, save {rows[-1]['save_gb_s']:.2f} GB/s",
               file=sys.stderr, flush=True)
     return rows
+
+
+# The worker's host-side split of a load and of a save (worker.py, `stage_seconds`).
+_LOAD_STAGES = ("pool_load_get_copy_seconds", "pool_load_get_checksum_seconds",
+                "pool_load_dma_wait_seconds")
+_SAVE_STAGES = ("pool_save_put_checksum_seconds", "pool_save_put_copy_seconds")
 
 
 def _errors(stats: dict[str, float]) -> dict[str, float]:
@@ -306,6 +321,12 @@ def format_kv_pool(record: dict[str, Any]) -> str:
                      f"{row['pool_hit_vs_recompute']:>11.2f} "
                      f"{row['local_hit_vs_recompute']:>12.2f} {row['load_gb_s']:>9.2f} "
                      f"{row['effective_load_gb_s']:>9.2f} {row.get('save_gb_s', 0.0):>9.2f}")
+    for row in results["rows"]:
+        if "load_stage_ms" in row:
+            load = ", ".join(f"{k} {v:.1f}" for k, v in row["load_stage_ms"].items())
+            save = ", ".join(f"{k} {v:.1f}" for k, v in row["save_stage_ms"].items())
+            lines.append(f"{row['backend']:>9} {row['prompt_len']:>7} host ms: load (median) "
+                         f"{load}; saves (sum) {save}")
     return "\n".join(lines)
 
 

@@ -42,6 +42,12 @@ def test_kv_pool_bench_reports_each_backend_against_recompute(
         assert row["load_gb_s"] > 0 and row["effective_load_gb_s"] > 0 and row["save_gb_s"] > 0
         ttft = row["ttft_ms"]
         assert row["pool_hit_vs_recompute"] == pytest.approx(ttft["pool_hit"] / ttft["recompute"])
+        # The host split of a load and of the saves: every hit copied and checked values; the
+        # CPU path has no DMA to wait for.
+        load, save = row["load_stage_ms"], row["save_stage_ms"]
+        assert load["get_copy"] > 0 and load["get_checksum"] > 0 and load["dma_wait"] == 0
+        assert save["put_checksum"] > 0 and save["put_copy"] > 0
+    assert "host ms: load (median) get_copy " in printed
 
 
 def test_kv_pool_bench_refuses_a_connector_of_its_own(qwen3_dir: str,

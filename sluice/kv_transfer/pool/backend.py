@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -85,6 +86,10 @@ class PoolBackend(ABC):
         self._buffer: memoryview | None = None
         self._buffer_address = 0
         self._closed = False
+        # Seconds spent so far in each host stage of the calls moving values ("get.copy",
+        # "get.checksum", "put.checksum", "put.copy"): benchmarks split a load's time by them.
+        self._stage_seconds: dict[str, float] = {}
+        self._stage_lock = threading.Lock()
 
     # ---- what a backend implements ----
 
@@ -183,18 +188,42 @@ class PoolBackend(ABC):
         keys, offsets, sizes, value_sizes = self._check_slots(keys, offsets, sizes)
         view = self._buffer
         assert view is not None
+        start = time.perf_counter()
         framing.seal_all(view, offsets, sizes, keys)
-        return self._chunked(self._put, keys, offsets, value_sizes)
+        sealed = time.perf_counter()
+        try:
+            return self._chunked(self._put, keys, offsets, value_sizes)
+        finally:
+            self._add_stage_seconds(("put.checksum", sealed - start),
+                                    ("put.copy", time.perf_counter() - sealed))
 
     def batch_get(self, keys: Sequence[str], offsets: Sequence[int],
                   sizes: Sequence[int]) -> list[bool]:
         """Read each key's payload into buffer[offsets[i]:offsets[i]+sizes[i]]; False where it
         is missing, of another size, or corrupt (the slot's bytes are then unspecified)."""
         keys, offsets, sizes, value_sizes = self._check_slots(keys, offsets, sizes)
-        received = self._chunked(self._get, keys, offsets, value_sizes)
+        start = time.perf_counter()
+        try:
+            received = self._chunked(self._get, keys, offsets, value_sizes)
+        finally:
+            copied = time.perf_counter()
+            self._add_stage_seconds(("get.copy", copied - start))
         view = self._buffer
         assert view is not None
-        return framing.intact_all(view, offsets, sizes, keys, received)
+        intact = framing.intact_all(view, offsets, sizes, keys, received)
+        self._add_stage_seconds(("get.checksum", time.perf_counter() - copied))
+        return intact
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds spent so far in each host stage of `batch_get` / `batch_put` (the copy is
+        the store's transfer: for a network store, the round trips too)."""
+        with self._stage_lock:
+            return dict(self._stage_seconds)
+
+    def _add_stage_seconds(self, *stages: tuple[str, float]) -> None:
+        with self._stage_lock:
+            for name, seconds in stages:
+                self._stage_seconds[name] = self._stage_seconds.get(name, 0.0) + seconds
 
     def close(self) -> None:
         """Release the connection (idempotent). The staging buffer is the caller's to free."""

@@ -11,8 +11,9 @@ Backends move whole values (`value_size(n)` bytes) between the store and the reg
 buffer, so the caller leaves `TRAILER_SIZE` bytes after each payload: `seal` writes the trailer
 there before a put, `is_intact` checks it after a get. zlib's crc32 (stdlib, about 3.5 GB/s on
 one core here, GIL released) keeps the format independent of optional packages; a batch of
-values is checked on several threads (`seal_all`, `intact_all`), since one core's 3.5 GB/s was
-most of a pool load's time on the GPU (1.8 GB/s end to end for the in-process backend).
+values is checked on several threads (`seal_all`, `intact_all`), and the shm tier copies a
+batch's values on the same threads (`parallel_map`): on the H200's host one thread checks 3.5 GB/s
+and copies 5.7, 16 threads 28 and 36 (benchmarks/journal/2026-12-02-pool-host-path-h200.md).
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ def frame(key: str, payload: bytes) -> bytes:
     return payload + TRAILER.pack(checksum(key, payload), len(payload))
 
 
-# Values of a KV block are megabytes: one task each is cheap beside its checksum.
-_NUM_THREADS = max(1, min(8, os.cpu_count() or 1))
+# Values of a KV block are megabytes: one task each is cheap beside its checksum or its copy.
+_NUM_THREADS = max(1, min(16, os.cpu_count() or 1))
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
 
 
-def _map(fn: Callable, *columns: Sequence) -> list:
+def parallel_map(fn: Callable, *columns: Sequence) -> list:
+    """[fn(*row) for row in zip(*columns)], the rows spread over the pool's threads: for work
+    on megabyte values that releases the GIL (crc32, ctypes.memmove, buffer copies)."""
     global _executor
     rows = list(zip(*columns))
     if _NUM_THREADS == 1 or len(rows) < 2:
@@ -82,11 +85,11 @@ def _map(fn: Callable, *columns: Sequence) -> list:
 def seal_all(view: memoryview, offsets: Sequence[int], sizes: Sequence[int],
              keys: Sequence[str]) -> None:
     """`seal` each payload, on several threads."""
-    _map(lambda offset, size, key: seal(view, offset, size, key), offsets, sizes, keys)
+    parallel_map(lambda offset, size, key: seal(view, offset, size, key), offsets, sizes, keys)
 
 
 def intact_all(view: memoryview, offsets: Sequence[int], sizes: Sequence[int],
                keys: Sequence[str], received: Sequence[int]) -> list[bool]:
     """`is_intact` of each value, on several threads."""
-    return _map(lambda offset, size, key, got: is_intact(view, offset, size, key, got),
+    return parallel_map(lambda offset, size, key, got: is_intact(view, offset, size, key, got),
                 offsets, sizes, keys, received)

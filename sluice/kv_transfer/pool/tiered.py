@@ -97,6 +97,13 @@ class TieredBackend(PoolBackend):
             found[i] = hit
         return found
 
+    def stage_seconds(self) -> dict[str, float]:
+        """Both tiers' host stages, summed."""
+        out = self.near.stage_seconds()
+        for name, seconds in self.far.stage_seconds().items():
+            out[name] = out.get(name, 0.0) + seconds
+        return out
+
     def batch_get(self, keys: Sequence[str], offsets: Sequence[int],
                   sizes: Sequence[int]) -> list[bool]:
         self._check_open()

@@ -188,8 +188,11 @@ class KVPoolConnectorWorker(KVConnectorWorker):
                 continue
             half = index % halves
             if self._half_free[half] is not None:
+                waited = time.perf_counter()
                 self._half_free[half].synchronize()  # the host copy out of this half is done
+                self._add_stat("pool_load_dma_wait_seconds", time.perf_counter() - waited)
             base = half * chunk
+            stages = backend.stage_seconds()
             try:
                 ok = backend.batch_get(chunk_keys, [(base + i) * self.stride
                                                     for i in range(len(ids))],
@@ -200,6 +203,7 @@ class KVPoolConnectorWorker(KVConnectorWorker):
                 num_unreachable += len(ids)
                 continue
             self.client.health.succeeded()
+            self._add_stage_stats("pool_load", stages, backend.stage_seconds())
             picks = [i for i, good in enumerate(ok) if good]
             failed += [b for b, good in zip(ids, ok) if not good]
             self._add_stat("pool_errors.load.missing", len(ids) - len(picks))
@@ -285,6 +289,7 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         try:
             if backend is None:
                 raise _NoBackend
+            stages = backend.stage_seconds()
             present = backend.batch_exists(save.keys)
             todo = [i for i, found in enumerate(present) if not found]
             stored = backend.batch_put([save.keys[i] for i in todo],
@@ -299,6 +304,7 @@ class KVPoolConnectorWorker(KVConnectorWorker):
                 held_by = backend  # its native call may still read the slots
         else:
             self.client.health.succeeded()
+            self._add_stage_stats("pool_save", stages, backend.stage_seconds())
             num_stored = sum(stored)
             self._add_stat("pool_saves", 1)
             self._add_stat("pool_save_blocks", num_stored)
@@ -321,6 +327,13 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         with self._stats_lock:
             stats, self._stats = self._stats, {}
         return {name: value for name, value in stats.items() if value}
+
+    def _add_stage_stats(self, prefix: str, before: dict[str, float],
+                         after: dict[str, float]) -> None:
+        """The backend's host stages of one call as stats: pool_load_get_copy_seconds, ..."""
+        for stage, seconds in after.items():
+            self._add_stat(f"{prefix}_{stage.replace('.', '_')}_seconds",
+                           seconds - before.get(stage, 0.0))
 
     def _add_stat(self, name: str, value: float) -> None:
         with self._stats_lock:
