@@ -702,7 +702,7 @@ def main() -> None:
     if pd is not None:
         from sluice.testing.servers import mooncake_missing
 
-        # CUDA IPC (UNTESTED on a GPU when written): the same check over the shm backend.
+        # CUDA IPC: the same check over the shm backend.
         result.update(pd_equals_cpu(*pd, backend="shm"))
         if "pd" in only and mooncake_missing() is None:
             result.update(pd_equals_cpu(*pd))

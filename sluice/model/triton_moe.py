@@ -57,10 +57,12 @@ BLOCKWISE = tl.constexpr(2)
 
 # Up to this many (token, expert) pairs, the pair kernel (no alignment): batch 1 and 2 of a
 # model with 8 experts a token. Two pairs of one expert read its weight twice; at 16 pairs of 128
-# experts about one pair in 16 shares one. Not yet timed against the grouped GEMM on a GPU.
+# experts about one pair in 16 shares one. On an H200 Qwen3-30B-A3B's batch-1 step runs its
+# experts at 3.2 TB/s this way (benchmarks/journal/2026-12-02-moe-tiles-pd-ipc-pool-h200.md).
 PAIR_KERNEL_MAX_PAIRS = 16
 # Up to this many pairs the alignment is one program of ALIGN_CHUNK-pair chunks (batch 512 of 8
-# experts a token); more go through torch's sort. Not yet timed on a GPU.
+# experts a token); more go through torch's sort. On an H200 the chunked mode (ALIGN_MODES) beat
+# it from 64 tokens up: the tuned file names the mode per pair count.
 ALIGN_KERNEL_MAX_PAIRS = 4096
 ALIGN_CHUNK = 128
 # How align_by_expert runs: "kernel" (`_align_kernel`, one program: its chunks one after the

@@ -55,8 +55,7 @@ class CudaIpcLayer(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class CudaIpcExport(msgspec.Struct, tag="cuda_ipc", forbid_unknown_fields=True):
-    """A decode rank's GPU cache, one layer per entry (UNTESTED on a GPU: see
-    docs/kv-transfer.md)."""
+    """A decode rank's GPU cache, one layer per entry (docs/kv-transfer.md)."""
 
     host_id: str
     pid: int
