@@ -185,6 +185,23 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return sorted_ids, block_expert
 
 
+@triton.jit
+def _padding_and_block_experts(sorted_ptr, block_expert_ptr, padded_end, num_pairs, capacity,
+                               E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Every row of the sorted pairs marked padding (num_pairs), and each block's expert: the
+    first whose padded run ends past the block's first row (a searchsorted), -1 past the last."""
+    lanes = tl.arange(0, CHUNK)
+    for start in range(0, capacity, CHUNK):
+        tl.store(sorted_ptr + start + lanes, num_pairs, mask=start + lanes < capacity)
+    num_blocks = capacity // BLOCK_M
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + lanes
+        expert = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32),
+                        axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(expert < E, expert, -1),
+                 mask=blocks < num_blocks)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "capacity"])
 def _align_kernel(
     ids_ptr,  # [num_pairs] each pair's expert
@@ -210,16 +227,8 @@ def _align_kernel(
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, 0)  # experts past E: nothing, so the total
     padded_start = padded_end - padded
-    for start in range(0, capacity, CHUNK):
-        tl.store(sorted_ptr + start + lanes, num_pairs, mask=start + lanes < capacity)
-    num_blocks = capacity // BLOCK_M
-    for start in range(0, num_blocks, CHUNK):
-        blocks = start + lanes
-        # the first expert whose padded run ends past the block's first row (searchsorted)
-        expert = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32),
-                        axis=1)
-        tl.store(block_expert_ptr + blocks, tl.where(expert < E, expert, -1),
-                 mask=blocks < num_blocks)
+    _padding_and_block_experts(sorted_ptr, block_expert_ptr, padded_end, num_pairs, capacity,
+                               E, BLOCK_M, CHUNK)
     tl.debug_barrier()  # the padding is written before the pairs overwrite it
     seen = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -292,7 +301,6 @@ def _chunk_offsets_kernel(counts_ptr, sorted_ptr, block_expert_ptr, num_pairs, n
     """Per expert, its padded run's start; then counts[c, e] is overwritten with chunk c's first
     row of expert e (the run's start plus the pairs of e in chunks before c)."""
     experts = tl.arange(0, BLOCK_E)
-    lanes = tl.arange(0, CHUNK)
     total = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for c in range(0, num_chunks):
         total += tl.load(counts_ptr + c * BLOCK_E + experts)
@@ -303,15 +311,8 @@ def _chunk_offsets_kernel(counts_ptr, sorted_ptr, block_expert_ptr, num_pairs, n
         here = tl.load(counts_ptr + c * BLOCK_E + experts)
         tl.store(counts_ptr + c * BLOCK_E + experts, row)
         row += here
-    for start in range(0, capacity, CHUNK):
-        tl.store(sorted_ptr + start + lanes, num_pairs, mask=start + lanes < capacity)
-    num_blocks = capacity // BLOCK_M
-    for start in range(0, num_blocks, CHUNK):
-        blocks = start + lanes
-        expert = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32),
-                        axis=1)
-        tl.store(block_expert_ptr + blocks, tl.where(expert < E, expert, -1),
-                 mask=blocks < num_blocks)
+    _padding_and_block_experts(sorted_ptr, block_expert_ptr, padded_end, num_pairs, capacity,
+                               E, BLOCK_M, CHUNK)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
