@@ -171,6 +171,12 @@ class KVConnectorScheduler(ABC):
         kv_transfer_params for the client (or None)."""
         return False, None
 
+    def num_held(self) -> int:
+        """Waiting requests this connector holds back for now (get_num_new_matched_tokens
+        answered None for a reason a worker will report, in `ready_requests`): while every
+        waiting request is held or loading, the engine polls the workers instead of spinning."""
+        return 0
+
     def get_stats(self) -> dict[str, float]:
         """Cumulative counters for metrics (names without a prefix)."""
         return {}

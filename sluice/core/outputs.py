@@ -40,7 +40,8 @@ from sluice.sampling_params import SamplingParams
 # 12: SchedulerStats carries the KV cache's peaks and the blocks freed behind sliding windows.
 # 13: a hybrid model's other KV cache groups' block ids (NewRequestData.group_block_ids,
 #     CachedRequestData.new_group_block_ids).
-SCHEMA_VERSION = 13
+# 14: KVConnectorOutput.ready_requests (the PD prefill's bootstrap queue; PDMetadata.held).
+SCHEMA_VERSION = 14
 
 # A connector's per-step plan (its own msgspec struct type).
 ConnectorMetadataT = TypeVar("ConnectorMetadataT")
@@ -135,7 +136,10 @@ class KVConnectorOutput(msgspec.Struct, omit_defaults=True):
     are in invalid_block_ids); invalid_block_ids: blocks whose load failed this step or in a load
     that ended now; first_tokens: for loads in finished_recving that brought the whole prompt's
     KV and the first token sampled after it (see sluice/core/kv_connector.py); load_errors: why
-    loads failed; stats: counters since the last report (bytes, latencies, errors by kind)."""
+    loads failed; stats: counters since the last report (bytes, latencies, errors by kind);
+    ready_requests: of the requests the connector holds back while waiting
+    (get_num_new_matched_tokens -> None), those that may go now (merged across ranks: those
+    every rank reported in the step)."""
 
     finished_sending: set[str] = msgspec.field(default_factory=set)
     finished_recving: set[str] = msgspec.field(default_factory=set)
@@ -145,10 +149,12 @@ class KVConnectorOutput(msgspec.Struct, omit_defaults=True):
     # request's error message says so.
     load_errors: dict[str, str] = msgspec.field(default_factory=dict)
     stats: dict[str, float] = msgspec.field(default_factory=dict)
+    ready_requests: set[str] = msgspec.field(default_factory=set)
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
-                    or self.first_tokens or self.load_errors or self.stats)
+                    or self.first_tokens or self.load_errors or self.stats
+                    or self.ready_requests)
 
 
 class ModelRunnerOutput(msgspec.Struct):

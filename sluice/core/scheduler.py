@@ -150,7 +150,8 @@ class Scheduler:
     def has_requests_to_schedule(self) -> bool:
         """Whether a step could compute anything: False while every unfinished request waits
         for a remote load (the engine then polls the workers instead of spinning)."""
-        num_parked = 0 if self.kv_transfers is None else self.kv_transfers.num_parked()
+        num_parked = 0 if self.kv_transfers is None else (self.kv_transfers.num_parked()
+                                                          + self.connector.num_held())
         return bool(self.running) or len(self.waiting) > num_parked
 
     def get_num_unfinished_requests(self) -> int:

@@ -329,6 +329,10 @@ class MultiprocExecutor(Executor):
         if len(outputs) == 1 or not reports:
             return output
         merged = KVConnectorOutput()
+        # Every rank got the step's plan with the same held requests: one may go once all
+        # say so in the same step (what a rank says ready stays ready).
+        merged.ready_requests = set.intersection(*(r.ready_requests for r in reports)) if (
+            len(reports) == len(outputs)) else set()
         for report in reports:
             merged.invalid_block_ids |= report.invalid_block_ids
             for key, value in report.stats.items():

@@ -13,6 +13,7 @@ sluice/core/kv_connector.py. Per step the runner calls, in this order:
     get_block_ids_with_load_errors()   blocks whose load failed (their requests do not sample)
     get_first_tokens()                 first tokens that ended loads (see core/kv_connector.py)
     get_load_errors()                  why the failed loads failed
+    get_ready_requests()               held requests that may be scheduled now
     get_stats()                        counters since the last step, for metrics
     clear_connector_metadata()
 
@@ -121,6 +122,11 @@ class KVConnectorWorker(ABC):
         """For loads reported in the last get_finished that brought the whole prompt: the
         first output token the peer sampled, by request id."""
         return {}
+
+    def get_ready_requests(self) -> set[str]:
+        """Of the requests this step's plan says the scheduler holds back, those that may
+        go now (say each again while the plan still lists it)."""
+        return set()
 
     def get_stats(self) -> dict[str, float]:
         """Counters since the last call (bytes moved, latencies, errors)."""

@@ -340,7 +340,8 @@ class ModelRunner:
         output.kv_connector_output = KVConnectorOutput(
             finished_sending=set(finished_sending), finished_recving=set(finished_recving),
             invalid_block_ids=set(invalid), first_tokens=connector.get_first_tokens(),
-            load_errors=connector.get_load_errors(), stats=connector.get_stats())
+            load_errors=connector.get_load_errors(), stats=connector.get_stats(),
+            ready_requests=connector.get_ready_requests())
         connector.clear_connector_metadata()
         if not invalid or step is None:
             return set()

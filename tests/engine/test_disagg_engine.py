@@ -394,3 +394,59 @@ def test_layerwise_sends_every_block_during_the_prompts_steps_and_output_is_unch
         assert sent["worker_sent_blocks"] == num_blocks
         assert "worker_layer_writes" not in sent and "worker_rooms_streamed" not in sent
     pair.assert_all_blocks_back()
+
+
+def test_the_bootstrap_queue_holds_each_prompt_until_its_decode_asks_so_every_block_streams(
+        make_pair, reference: LLM) -> None:
+    """Both halves added at once, the prefill's first (as the router sends them): the prefill
+    holds each prompt until the decode asked for its room, so each is computed with its decode
+    known and every block goes out layer by layer; output equal colocated greedy's."""
+    batch = prompts(21, [40, 17, 33])
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = expected(reference, batch, [params] * len(batch))
+    pair = make_pair(max_num_batched_tokens=16)
+    run_and_check(pair, batch, params, want)
+    sent = pair.stats(pair.prefill)
+    assert sent["bootstrap_held"] == 3 and "bootstrap_wait_expired" not in sent
+    assert sent["bootstrap_holding"] == 0
+    assert sent["worker_rooms_streamed"] == 3 and sent.get("worker_sent_blocks", 0) == 0
+    pair.assert_all_blocks_back()
+
+
+@pytest.mark.parametrize("wait_s", [0.3, 0.0])
+def test_a_prompt_whose_decode_has_not_asked_computes_after_the_bootstrap_wait(
+        make_pair, reference: LLM, wait_s: float) -> None:
+    """No ask within bootstrap_wait_s (0: no wait at all): the prefill computes the prompt
+    anyway, after about that long and while another request computes at once, and when the
+    decode asks later the room's write sends every block; output unchanged."""
+    base, plain = prompts(22, [30, 12])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = expected(reference, [base], [params])
+    pair = make_pair(prefill_extra={"bootstrap_wait_s": wait_s})
+    engine = pair.prefill.llm_engine
+    started = time.monotonic()
+    engine.add_request("p-late", {"prompt_token_ids": base}, params,
+                       kv_transfer_params={"do_remote_decode": True, "bootstrap_room": 77})
+    engine.add_request("plain", {"prompt_token_ids": plain}, SamplingParams(max_tokens=2))
+    plain_done = None
+    while engine.scheduler.connector.get_stats().get("send_rooms", 0) < 1:
+        assert time.monotonic() - started < 10, "the held prompt never computed"
+        for output in engine.step():
+            if output.request_id == "plain" and output.finished:
+                plain_done = time.monotonic() - started
+        time.sleep(0.002)
+    held_s = time.monotonic() - started
+    if wait_s:
+        assert plain_done is not None and plain_done < held_s  # not held behind it
+    assert wait_s <= held_s < wait_s + 3
+    sent = pair.stats(pair.prefill)
+    assert sent.get("bootstrap_wait_expired", 0) == (1 if wait_s else 0)
+    pair.decode.llm_engine.add_request(
+        "late", {"prompt_token_ids": base}, params, kv_transfer_params={
+            "do_remote_prefill": True, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": pair.bootstrap_port, "bootstrap_room": 77})
+    assert pair.run()["late"].outputs[0].token_ids == want[0].token_ids
+    sent = pair.stats(pair.prefill)
+    assert sent["worker_sent_blocks"] == -(-len(base) // BLOCK)
+    assert "worker_rooms_streamed" not in sent
+    pair.assert_all_blocks_back()

@@ -56,6 +56,11 @@ class PDConfig:
     # rather than the whole prompt after it is done. The status still goes out only when every
     # block of every layer is there. On by default: benchmarks/journal/2026-12-02-pd-layerwise.md.
     layerwise: bool = True
+    # Prefill, layer-wise: hold a new request (it waits, others go ahead) until every rank of
+    # this instance has its decode's ask for the room, for at most this long, so its first
+    # step's layers already stream (SGLang's bootstrap queue); then it computes anyway and its
+    # blocks go in the room's whole write. 0: compute at once.
+    bootstrap_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -71,6 +76,10 @@ class PDConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"PDConnector {name} must be a number > 0, got {value!r}")
+        wait = self.bootstrap_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 60:
+            raise ValueError(f"PDConnector bootstrap_wait_s must be a number in [0, 60], got "
+                             f"{wait!r}")
         for name in ("heartbeat_misses", "max_batch_descriptors"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -15,6 +15,13 @@ Prefill (producer), per request with {"do_remote_decode": true, "bootstrap_room"
   out). A request that ends before its first token (aborted) plans an abort instead: decode's
   ask gets Failed. The scheduler half runs the instance's bootstrap server.
 
+Bootstrap queue (layer-wise, `bootstrap_wait_s` > 0): the router sends both halves at once,
+and a prefill that starts before its decode has asked streams nothing of the steps it computed
+meanwhile (all of a one-step prompt). So a new request is held (`get_num_new_matched_tokens`
+answers None: it waits, the others go ahead) and named in each step's plan (`held`) until
+every rank's worker has the decode's ask for its room (`ready_requests`), or for at most
+bootstrap_wait_s; then it computes anyway and the room's whole write sends what did not stream.
+
 Abort plans go out with delay_free, and the worker reports them in finished_sending as soon as
 its manager has them: the engine keeps stepping until then, so an abort made when nothing else
 is running still reaches the manager (and the peer).
@@ -45,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -109,8 +117,16 @@ class LayerSendPlan(msgspec.Struct):
     num_prompt_tokens: int
 
 
+class HeldRequest(msgspec.Struct):
+    """Prefill: a request held until its decode asks for the room (the bootstrap queue)."""
+
+    req_id: str
+    room: int
+
+
 class PDMetadata(msgspec.Struct):
     sends: list[SendPlan] = msgspec.field(default_factory=list)
+    held: list[HeldRequest] = msgspec.field(default_factory=list)
     layer_sends: list[LayerSendPlan] = msgspec.field(default_factory=list)
     recvs: list[RecvPlan] = msgspec.field(default_factory=list)
     aborts: list[AbortPlan] = msgspec.field(default_factory=list)
@@ -136,6 +152,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._first_tokens: dict[str, FirstToken] = {}  # prefill: sampled, not yet finished
         self._in_flight: dict[str, int] = {}  # req_id -> room (a send or a receive)
         self._attempted: set[str] = set()  # decode: requests that had their remote load
+        # Prefill, the bootstrap queue: held requests (-> room, monotonic deadline), and
+        # those that may go (their decode asked, or the wait ran out).
+        self._held: dict[str, tuple[int, float]] = {}
+        self._released: set[str] = set()
         self._stats: dict[str, float] = {}
 
     def _count(self, name: str, value: float = 1) -> None:
@@ -144,8 +164,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
     # ---- decode ----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
-        if self.is_prefill or request.request_id in self._attempted:
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.is_prefill:
+            return (None if self._holds(request) else 0), False
+        if request.request_id in self._attempted:
             return 0, False
         remote = pd_params.parse_or_none(request.kv_transfer_params)
         if not isinstance(remote, pd_params.RemotePrefill) or request.num_output_tokens:
@@ -171,6 +193,35 @@ class PDConnectorScheduler(KVConnectorScheduler):
 
     # ---- prefill ---------------------------------------------------------------------------
 
+    def _holds(self, request: Request) -> bool:
+        """Whether the bootstrap queue holds the request this step (see the module
+        docstring)."""
+        req_id = request.request_id
+        if (req_id in self._released or not self.pd.layerwise or self.pd.bootstrap_wait_s <= 0
+                or request.num_output_tokens):
+            return False
+        now = time.monotonic()
+        held = self._held.get(req_id)
+        if held is None:
+            remote = pd_params.parse_or_none(request.kv_transfer_params)
+            if not isinstance(remote, pd_params.RemoteDecode):
+                return False
+            self._held[req_id] = (remote.room, now + self.pd.bootstrap_wait_s)
+            self._count("bootstrap_held")
+            return True
+        if now < held[1]:
+            return True
+        self._release(req_id)
+        self._count("bootstrap_wait_expired")
+        return False
+
+    def _release(self, req_id: str) -> None:
+        if self._held.pop(req_id, None) is not None:
+            self._released.add(req_id)
+
+    def num_held(self) -> int:
+        return len(self._held)
+
     def update_request_output(self, request: Request, new_token_ids: list[int],
                               new_logprobs: list[PositionLogprobs] | None) -> None:
         if (self.is_prefill and new_token_ids and request.request_id not in self._first_tokens
@@ -182,6 +233,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         first_token = self._first_tokens.pop(req_id, None)
+        self._held.pop(req_id, None)
+        self._released.discard(req_id)
         if not self.is_prefill:
             room = self._in_flight.pop(req_id, None)
             attempted = req_id in self._attempted
@@ -225,6 +278,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         plan, self._plan = self._plan, PDMetadata()
         if self.is_prefill and self.pd.layerwise:
             plan.layer_sends = self._layer_sends(scheduler_output, scheduler)
+            plan.held = [HeldRequest(req_id, room) for req_id, (room, _) in self._held.items()]
         return plan
 
     def _layer_sends(self, scheduler_output: SchedulerOutput,
@@ -252,12 +306,15 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving | output.finished_sending:
             self._in_flight.pop(req_id, None)
+        for req_id in output.ready_requests:
+            self._release(req_id)
         for name, value in output.stats.items():
             self._count(f"worker_{name}", value)
 
     def get_stats(self) -> dict[str, float]:
         stats = dict(self._stats)
         stats["rooms_in_flight"] = len(self._in_flight)
+        stats["bootstrap_holding"] = len(self._held)
         if self.bootstrap_server is not None:
             stats["bootstrap_port"] = self.bootstrap_server.port
             stats["registered_ranks"] = self.bootstrap_server.num_registered()
@@ -284,6 +341,7 @@ class PDConnectorWorker(KVConnectorWorker):
         self._invalid: set[int] = set()
         self._first_tokens: dict[str, FirstToken] = {}
         self._errors: dict[str, str] = {}
+        self._ready: set[str] = set()  # held requests whose decode asked (this step)
         self._acknowledged: set[str] = set()  # requests whose abort plan the manager has
         self._arena: SharedKVArena | None = None
 
@@ -328,6 +386,9 @@ class PDConnectorWorker(KVConnectorWorker):
                                            send.first_token, send.first_logprobs, ready_event)
         if meta.layer_sends:
             manager.begin_layer_sends(meta.layer_sends)
+        if meta.held:
+            asked = manager.asked_rooms([held.room for held in meta.held])
+            self._ready = {held.req_id for held in meta.held if held.room in asked}
         for recv in meta.recvs:
             manager.receiver(recv.room).init(
                 recv.req_id, f"{recv.bootstrap_host}:{recv.bootstrap_port}", recv.block_ids,
@@ -395,6 +456,10 @@ class PDConnectorWorker(KVConnectorWorker):
     def get_load_errors(self) -> dict[str, str]:
         errors, self._errors = self._errors, {}
         return errors
+
+    def get_ready_requests(self) -> set[str]:
+        ready, self._ready = self._ready, set()
+        return ready
 
     def get_stats(self) -> dict[str, float]:
         return self.manager.take_stats() if self.manager is not None else {}

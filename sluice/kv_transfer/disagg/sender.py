@@ -217,6 +217,13 @@ class PrefillKVManager(KVManager):
             entry = self.rooms.get(room)
             return entry.state if entry is not None else KVPoll.Failed
 
+    def asked_rooms(self, rooms: list[int]) -> set[int]:
+        """Of `rooms` (requests the scheduler holds), those every decode rank that will ask
+        this rank has asked for, or that already failed (nothing to wait for)."""
+        with self.lock:
+            return {room for room in rooms if (entry := self.rooms.get(room)) is not None
+                    and (entry.failed is not None or not entry.missing_askers)}
+
     # ---- from the scheduler ----------------------------------------------------------------
 
     def add_send(self, room: int, req_id: str, block_ids: list[int], num_prompt_tokens: int,
