@@ -16,6 +16,9 @@ counters: KV bytes, seconds spent writing, hence the transfer bandwidth and its 
 TTFT seen by the client. It prints TTFT, TPOT and ITL (mean and P99) and goodput for both and
 their ratio (PD / colocated), and saves everything as JSON with the command and the machine.
 
+Two GPUs of one host: `--prefill-device cuda:0 --decode-device cuda:1` (run it with both GPUs
+in CUDA_VISIBLE_DEVICES; the colocated instance stays on `--device`), and memory 0.9 each.
+
 On a CPU with a tiny model it is a smoke test of the whole path (`--device cpu`, small loads):
     sluice bench pd --model PATH --device cpu --backend fake --workload 64:16 \\
         --request-rates inf --num-prompts 8 --transfer-prompt-lens 256 --dtype float32
@@ -158,7 +161,9 @@ def main(ns: argparse.Namespace) -> int:
     if ns.dtype:
         engine_flags += ["--dtype", ns.dtype]
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-pd-"))
-    result: dict[str, Any] = {"model": ns.model, "backend": ns.backend}
+    result: dict[str, Any] = {"model": ns.model, "backend": ns.backend,
+                              "prefill_device": ns.prefill_device or ns.device,
+                              "decode_device": ns.decode_device or ns.device}
 
     port = free_port()
     colocated = Instance("colocated", serve_argv(
@@ -174,8 +179,10 @@ def main(ns: argparse.Namespace) -> int:
         else {}
     cluster = start_cluster(
         ns.model, engine_flags, ns.backend, workdir=workdir, one_at_a_time=True,
-        prefill_flags=["--gpu-memory-utilization", str(ns.prefill_memory)],
-        decode_flags=["--gpu-memory-utilization", str(ns.decode_memory)],
+        prefill_flags=["--gpu-memory-utilization", str(ns.prefill_memory),
+                       "--device", ns.prefill_device or ns.device],
+        decode_flags=["--gpu-memory-utilization", str(ns.decode_memory),
+                      "--device", ns.decode_device or ns.device],
         prefill_extra=prefill_extra, decode_extra=dict(prefill_extra),
         timeout_s=ns.start_timeout)
     try:
@@ -206,6 +213,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="model folder or hub id")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--prefill-device", default=None,
+                        help="the prefill instance's device (default: --device), e.g. cuda:0")
+    parser.add_argument("--decode-device", default=None,
+                        help="the decode instance's device (default: --device), e.g. cuda:1")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--max-model-len", type=int, default=34816)
     parser.add_argument("--engine-args", default="", help="more `sluice serve` flags, quoted")

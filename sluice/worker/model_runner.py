@@ -95,6 +95,14 @@ class ModelRunner:
         self.kv_groups = (kv_groups if kv_groups is not None
                           else one_group(hf_config.num_hidden_layers, None))
         self.device = resolve_device(model_config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            if tp.size > 1:
+                raise ValueError(f"device {model_config.device!r} names one GPU, but tensor "
+                                 f"parallelism over {tp.size} ranks takes a GPU per rank: "
+                                 "give --device cuda and choose the GPUs with "
+                                 "CUDA_VISIBLE_DEVICES")
+            # cuda:N: streams, graphs and kernels of this process default to that GPU.
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(model_config.dtype, hf_config)
         self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.block_size = cache_config.block_size

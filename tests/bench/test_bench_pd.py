@@ -21,13 +21,15 @@ def test_bench_pd_runs_the_whole_comparison_on_the_cpu(qwen3_dir: str, tmp_path:
          "--dtype", "float32", "--max-model-len", "1024", "--backend", "fake",
          "--workload", "48:8", "--request-rates", "inf", "--num-prompts", "4",
          "--num-warmups", "0", "--transfer-prompt-lens", "200", "--transfer-repeats", "1",
-         "--goodput", "ttft:5000", "--output", str(output)],
+         "--goodput", "ttft:5000", "--prefill-device", "cpu", "--decode-device", "cpu",
+         "--output", str(output)],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "PD/coloc" in run.stdout and "transfer 200 tokens" in run.stdout
     record = json.loads(output.read_text())
     assert record["schema"] == "sluice.bench/1" and record["bench"] == "pd"
     result = record["results"]
+    assert result["prefill_device"] == result["decode_device"] == "cpu"
     for side in ("colocated", "pd"):
         assert result[side]["48:8@inf"]["completed"] == 4
     transfer = result["transfer"]["200"]

@@ -204,3 +204,16 @@ def test_shm_between_two_hosts_fails_the_room_naming_the_setting(
         assert "--disaggregation-transfer-backend" in received.error
         [sent] = pair.wait(pair.prefill)  # told by the decode: its blocks freed too
         assert not sent.ok
+
+
+def test_a_decode_gpu_is_found_by_uuid_under_this_process_index() -> None:
+    """Two GPUs of one host with other CUDA_VISIBLE_DEVICES per instance: the decode's cuda:0
+    is the prefill's cuda:1; a GPU the prefill does not see is an error naming it."""
+    from sluice.kv_transfer.disagg.shm import local_cuda_index
+
+    visible = ["GPU-aaaa", "GPU-bbbb"]
+    assert local_cuda_index("GPU-bbbb", 0, visible) == 1
+    assert local_cuda_index("GPU-aaaa", 3, visible) == 0
+    assert local_cuda_index("", 2, visible) == 2  # an export from before UUIDs
+    with pytest.raises(ValueError, match=r"GPU-cccc \(its cuda:0\).*CUDA_VISIBLE_DEVICES"):
+        local_cuda_index("GPU-cccc", 0, visible)

@@ -52,6 +52,9 @@ class CudaIpcLayer(msgspec.Struct, forbid_unknown_fields=True):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
+    # The GPU's UUID ("GPU-..."): `device` is the decode's index, which means another GPU (or
+    # none) in a process with other CUDA_VISIBLE_DEVICES; the prefill opens it by this.
+    device_uuid: str = ""
 
 
 class CudaIpcExport(msgspec.Struct, tag="cuda_ipc", forbid_unknown_fields=True):

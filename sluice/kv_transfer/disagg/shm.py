@@ -28,7 +28,10 @@ mooncake).
 GPU caches: CUDA IPC. The decode exports each layer's storage once (`_share_cuda_()`, its
 fields sent as typed bytes), the prefill opens each once and copies device to device on a side
 stream, then waits on one event per write (a room's target). scripts/gpu_check.py's `pd_shm`
-setting is the check (it passed on an H200 on 2026-12-02).
+setting is the check (it passed on an H200 on 2026-12-02). The decode's GPU may be another GPU
+of the host than the prefill's: the export names it by UUID, the prefill opens it under its own
+index for that GPU (so the prefill process must see both: CUDA_VISIBLE_DEVICES) and its copies
+go device to device over peer access (torch's copy_ between devices; not yet run on two GPUs).
 """
 
 from __future__ import annotations
@@ -197,6 +200,26 @@ class _Peer:
     storages: list[Any] = field(default_factory=list)  # GPU: the opened IPC storages
 
 
+def cuda_uuid(index: int) -> str:
+    import torch
+
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+
+
+def local_cuda_index(uuid: str, index: int, visible: Sequence[str]) -> int:
+    """This process's index of the GPU the peer calls `index` and names `uuid` (`visible`:
+    the UUIDs of this process's GPUs, by index); ValueError naming it when not visible. An
+    export without a UUID (an older peer) keeps the peer's index."""
+    if not uuid:
+        return index
+    if uuid in visible:
+        return list(visible).index(uuid)
+    raise ValueError(f"the decode's cache is on GPU {uuid} (its cuda:{index}), which this "
+                     f"prefill process does not see (its GPUs: {list(visible)}): run both "
+                     "instances with both GPUs in CUDA_VISIBLE_DEVICES and pick each one's GPU "
+                     "with --device cuda:N")
+
+
 def export_cuda(tensors: Sequence[Any]) -> CudaIpcExport:
     """Each layer's CUDA storage as IPC fields."""
     layers = []
@@ -208,7 +231,8 @@ def export_cuda(tensors: Sequence[Any]) -> CudaIpcExport:
             tensor_offset=tensor.storage_offset() * tensor.element_size(), device=device,
             handle=bytes(handle), storage_nbytes=storage_nbytes, storage_offset=storage_offset,
             ref_counter_handle=bytes(ref_handle), ref_counter_offset=ref_offset,
-            event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync)))
+            event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync),
+            device_uuid=cuda_uuid(device)))
     pid = os.getpid()
     return CudaIpcExport(host_id=host_id(), pid=pid, pid_start=process_start(pid) or 0,
                          layers=layers)
@@ -294,14 +318,16 @@ class ShmBackend(TransferBackend):
         import torch
 
         torch.cuda._lazy_init()
+        visible = [cuda_uuid(i) for i in range(torch.cuda.device_count())]
         regions = _Regions()
         storages = []
         for layer in export.layers:
+            device = local_cuda_index(layer.device_uuid, layer.device, visible)
             storage = torch.UntypedStorage._new_shared_cuda(
-                layer.device, layer.handle, layer.storage_nbytes, layer.storage_offset,
+                device, layer.handle, layer.storage_nbytes, layer.storage_offset,
                 layer.ref_counter_handle, layer.ref_counter_offset, layer.event_handle,
                 layer.event_sync_required)
-            flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{layer.device}")
+            flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
             flat.set_(storage, 0, (layer.storage_nbytes,), (1,))
             storages.append(storage)
             regions.add(flat[layer.tensor_offset:layer.tensor_offset + layer.nbytes],
