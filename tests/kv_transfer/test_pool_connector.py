@@ -181,8 +181,8 @@ def test_keys_name_every_property_of_the_bytes() -> None:
     # model_id names the model instead of its path: instances with other paths share.
     assert key_prefix(base, "qwen3-8b") == key_prefix(
         KVCacheSpec("/elsewhere/q", "bfloat16", 16, 8, 128, base.layer_names), "qwen3-8b")
-    # A slot holds one value (payload + 8-byte trailer), aligned to 256 bytes.
-    assert slot_stride(base) == -(-(base.bytes_per_block + 8) // 256) * 256
+    # A slot holds one value (payload + 16-byte trailer), aligned to 256 bytes.
+    assert slot_stride(base) == -(-(base.bytes_per_block + 16) // 256) * 256
 
 
 def test_slots_of_a_timed_out_put_stay_out_of_use_until_the_backend_is_idle() -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from sluice.kv_transfer.pool import PoolTimeout, PoolUnavailable, create_backend, value_size
+from sluice.kv_transfer.pool.framing import TRAILER_SIZE
 from sluice.kv_transfer.pool.shm_store import ShmPoolBackend
 from sluice.testing import servers
 from tests.kv_transfer.conftest import Staged, require, staging_buffer
@@ -24,7 +25,7 @@ from tests.kv_transfer.conftest import payloads as make_payloads
 pytestmark = pytest.mark.serial
 
 SLOT_BYTES = 64 << 10
-SIZE = SLOT_BYTES - 8  # a payload whose value fills a slot
+SIZE = SLOT_BYTES - TRAILER_SIZE  # a payload whose value fills a slot
 SLOT = value_size(SIZE)
 
 # A client speaking the raw protocol that stops half way through a call and waits to be killed:
@@ -193,7 +194,7 @@ def test_an_engine_whose_blocks_do_not_fit_a_slot_is_a_clear_error(qwen3_dir: st
                                                 "staging_bytes": 1 << 20}}
         # A block of the test model: 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes.
         with pytest.raises(ValueError, match=r"at most 4096 bytes; a KV block of this model is "
-                                             r"8200 .*--slot-bytes >= 8200"):
+                                             r"8208 .*--slot-bytes >= 8208"):
             LLM(model=qwen3_dir, dtype="float32", block_size=16, max_model_len=64,
                 kv_transfer_config=config)
 
