@@ -274,6 +274,27 @@ def test_a_tier_down_leaves_the_other_serving_and_far_hits_are_promoted_near() -
         backend.close()
 
 
+def test_a_tiered_put_sends_far_sealed_values_of_keys_the_near_tier_already_held() -> None:
+    """The near tier seals each slot in its copy's task, also the slots of keys it holds (not
+    copied): the far put stores every slot as it is, so an unsealed one would be stored bad."""
+    require("tiered")
+    with servers.start_shm_pool(capacity_bytes=8 * SLOT_BYTES, slot_bytes=SLOT_BYTES) as near, \
+            servers.start_redis() as far:
+        backend = create_backend(near.url, remote_url=far.url, timeout_s=TIER_TIMEOUT_S)
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        data = make_payloads(2, SIZE, seed=7)
+        staged.write(0, data[0])
+        assert backend.near.batch_put(["k0"], [0], [SIZE]) == [True]  # near only
+        staged.bytes[SIZE:SLOT] = 0  # its trailer gone from the staging slot
+        assert put(staged, ["k0", "k1"], data) == [True, True]
+        assert backend.far.count_keys() == 2
+        ok = backend.far.batch_get(["k0", "k1"], [8 * SLOT, 9 * SLOT], [SIZE, SIZE])
+        assert ok == [True, True] and backend.far.rejections() == {}
+        assert np.array_equal(staged.read(8 * SLOT, SIZE), data[0])
+        assert np.array_equal(staged.read(9 * SLOT, SIZE), data[1])
+        backend.close()
+
+
 def test_tiered_settings_are_validated() -> None:
     from tests.kv_transfer.test_pool_connector import settings
 
