@@ -15,10 +15,10 @@ writes fresh values rather than finding the old ones under its keys.
 
 Backends move whole values (`value_size(n)` bytes) between the store and the registered staging
 buffer, so the caller leaves `TRAILER_SIZE` bytes after each payload: `seal` writes the trailer
-there before a put, `verify` checks it after a get. xxh3_64 runs at memory speed (6-7x zlib's
-crc32 on one core; both release the GIL): benchmarks/journal/2026-12-02-pool-checksum-xxh3.md.
-Values are sealed and checked on several threads (`parallel_map`), by the shm tier in the same
-task as each value's copy.
+there before a put, `verify` checks it after a get. xxh3_64 runs at about twice memcpy's rate
+(6-9x zlib's crc32 on one core; both release the GIL: the note
+benchmarks/journal/2026-12-02-pool-checksum-xxh3.md). Values are sealed and checked on several
+threads (`parallel_map`), by the shm tier in the same task as each value's copy.
 """
 
 from __future__ import annotations
@@ -90,10 +90,6 @@ def verify(view: memoryview, offset: int, size: int, key: str, received: int) ->
                                                 zlib.crc32(key.encode())):
             return Verdict.OTHER_FORMAT
     return Verdict.WRONG_SIZE
-
-
-def is_intact(view: memoryview, offset: int, size: int, key: str, received: int) -> bool:
-    return verify(view, offset, size, key, received) is Verdict.INTACT
 
 
 def frame(key: str, payload: bytes) -> bytes:

@@ -116,7 +116,7 @@ class ShmPoolBackend(PoolBackend):
 
     def _put(self, keys: list[str], offsets: list[int], sizes: list[int],
              deadline: float) -> list[bool]:
-        return self._write(keys, offsets, sizes, None, deadline)
+        return self._write(keys, offsets, sizes, None, deadline)[0]
 
     # One task per value on framing's threads (memmove and xxh3 release the GIL): one core's
     # memcpy bandwidth is well below the memory's (benchmarks/journal, 2026-12-02), and a
@@ -134,12 +134,12 @@ class ShmPoolBackend(PoolBackend):
 
     def _put_sealing(self, keys: list[str], offsets: list[int], sizes: list[int],
                      value_sizes: list[int], deadline: float) -> list[bool]:
-        start = time.perf_counter()
-        hashing: list[float] = []
+        start, hashed = time.perf_counter(), 0.0
         try:
-            return self._write(keys, offsets, value_sizes, sizes, deadline, hashing)
+            stored, hashed = self._write(keys, offsets, value_sizes, sizes, deadline)
+            return stored
         finally:
-            self._add_stage_seconds(("put.checksum", sum(hashing)),
+            self._add_stage_seconds(("put.checksum", hashed),
                                     ("put.copy", time.perf_counter() - start))
 
     def _read(self, keys: list[str], offsets: list[int], value_sizes: list[int],
@@ -175,10 +175,10 @@ class ShmPoolBackend(PoolBackend):
         return results
 
     def _write(self, keys: list[str], offsets: list[int], value_sizes: list[int],
-               payload_sizes: list[int] | None, deadline: float,
-               hashing: list[float] | None = None) -> list[bool]:
-        """Copy each slot's value into the arena slot granted for it and commit them; with
-        `payload_sizes`, seal every slot first in the same task (the seconds into `hashing`)."""
+               payload_sizes: list[int] | None, deadline: float) -> tuple[list[bool], float]:
+        """Copy each slot's value into the arena slot granted for it and commit them: whether
+        each key holds a value now, and the threads' seconds of sealing (with `payload_sizes`,
+        every slot is sealed first, in the same task as its copy)."""
         view = self._buffer
         assert view is not None
         with self._connected(deadline) as (conn, arena):
@@ -198,13 +198,11 @@ class ShmPoolBackend(PoolBackend):
 
             seconds = framing.parallel_map(write_one, keys, offsets, grant.slots, value_sizes,
                                            payload_sizes or [None] * len(keys))
-            if hashing is not None:
-                hashing += seconds
             reserved = [slot for slot in grant.slots if slot >= 0]
             stored = iter(self._ask(conn, PutCommit(slots=reserved), Committed,
                                     deadline).stored if reserved else [])
             # PRESENT (-1): the key holds its value already, a success; NO_ROOM (-2): refused.
-            return [next(stored) if slot >= 0 else slot == -1 for slot in grant.slots]
+            return [next(stored) if slot >= 0 else slot == -1 for slot in grant.slots], sum(seconds)
 
     def count_keys(self, prefix: str = "") -> int:
         self._check_open()
