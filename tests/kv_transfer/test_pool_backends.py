@@ -4,6 +4,7 @@ each backend fails when its server dies, stalls or fills up."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import struct
 import subprocess
@@ -131,7 +132,8 @@ def format1_value(key: str, payload: bytes) -> bytes:
     return payload + struct.pack("<II", crc, len(payload))
 
 
-def test_corrupted_values_are_misses(staged: Staged, prefix: str) -> None:
+def test_corrupted_values_are_misses(staged: Staged, prefix: str,
+                                     caplog: pytest.LogCaptureFixture) -> None:
     good = payloads(1, seed=3)[0].tobytes()
     flipped = bytearray(frame(f"{prefix}flipped", good))
     flipped[1234] ^= 0x01
@@ -151,12 +153,15 @@ def test_corrupted_values_are_misses(staged: Staged, prefix: str) -> None:
     native_put(staged.backend, f"{prefix}good", frame(f"{prefix}good", good))
     keys = [f"{prefix}{name}" for name in values] + [f"{prefix}good"]
     before = staged.backend.rejections()
-    ok, got = get_all(staged, keys)
+    with caplog.at_level(logging.WARNING, logger="sluice"):
+        ok, got = get_all(staged, keys)
     assert ok == [False] * len(values) + [True]
     assert got[-1].tobytes() == good
     after = staged.backend.rejections()
     counted = {kind: after.get(kind, 0) - before.get(kind, 0) for kind in after}
     assert counted == {"corrupt": 5, "wrong_size": 1, "other_format": 1}
+    if not before.get("other_format"):  # logged once per backend: the first one
+        assert f"another format version under '{prefix}format-1'" in caplog.text
 
 
 def test_batches_beyond_the_per_call_limit(staged: Staged, prefix: str) -> None:
