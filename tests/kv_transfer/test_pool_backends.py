@@ -4,10 +4,13 @@ each backend fails when its server dies, stalls or fills up."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -123,12 +126,19 @@ def test_a_value_of_another_size_is_a_miss(staged: Staged, prefix: str) -> None:
     assert ok == [True] and np.array_equal(got[0], data[0])
 
 
-def test_corrupted_values_are_misses(staged: Staged, prefix: str) -> None:
+def format1_value(key: str, payload: bytes) -> bytes:
+    """A value as sluice wrote it before 2026-12-02: payload | crc32(key, payload) | n."""
+    crc = zlib.crc32(payload, zlib.crc32(key.encode()))
+    return payload + struct.pack("<II", crc, len(payload))
+
+
+def test_corrupted_values_are_misses(staged: Staged, prefix: str,
+                                     caplog: pytest.LogCaptureFixture) -> None:
     good = payloads(1, seed=3)[0].tobytes()
     flipped = bytearray(frame(f"{prefix}flipped", good))
     flipped[1234] ^= 0x01
     bad_trailer = bytearray(frame(f"{prefix}bad-trailer", good))
-    bad_trailer[-1] ^= 0x80  # the length field
+    bad_trailer[-5] ^= 0x80  # the length field
     values = {
         "flipped": bytes(flipped),                                # one payload bit
         "bad-trailer": bytes(bad_trailer),
@@ -136,14 +146,22 @@ def test_corrupted_values_are_misses(staged: Staged, prefix: str) -> None:
         "unframed": good + bytes(TRAILER_SIZE),                   # right size, no trailer
         "zeros": bytes(SLOT),                                     # an untouched buffer
         "truncated": frame(f"{prefix}truncated", good)[:-1],
+        "format-1": format1_value(f"{prefix}format-1", good),     # the old crc32 trailer
     }
     for name, value in values.items():
         native_put(staged.backend, f"{prefix}{name}", value)
     native_put(staged.backend, f"{prefix}good", frame(f"{prefix}good", good))
     keys = [f"{prefix}{name}" for name in values] + [f"{prefix}good"]
-    ok, got = get_all(staged, keys)
+    before = staged.backend.rejections()
+    with caplog.at_level(logging.WARNING, logger="sluice"):
+        ok, got = get_all(staged, keys)
     assert ok == [False] * len(values) + [True]
     assert got[-1].tobytes() == good
+    after = staged.backend.rejections()
+    counted = {kind: after.get(kind, 0) - before.get(kind, 0) for kind in after}
+    assert counted == {"corrupt": 5, "wrong_size": 1, "other_format": 1}
+    if not before.get("other_format"):  # logged once per backend: the first one
+        assert f"another format version under '{prefix}format-1'" in caplog.text
 
 
 def test_batches_beyond_the_per_call_limit(staged: Staged, prefix: str) -> None:

@@ -9,10 +9,12 @@ import json
 import logging
 import os
 import random
+import struct
 import subprocess
 import sys
 import time
 import uuid
+import zlib
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from sluice import LLM, SamplingParams
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.engine.stats import SchedulerStats, StatsLogger
 from sluice.entrypoints.openai.metrics import PrometheusStatsListener
+from sluice.kv_transfer.pool.framing import TRAILER_SIZE
 from sluice.kv_transfer.pool.settings import PoolSettings, key_prefix, slot_stride
 from sluice.kv_transfer.pool.worker import SlotAllocator
 from sluice.testing import servers
@@ -181,8 +184,8 @@ def test_keys_name_every_property_of_the_bytes() -> None:
     # model_id names the model instead of its path: instances with other paths share.
     assert key_prefix(base, "qwen3-8b") == key_prefix(
         KVCacheSpec("/elsewhere/q", "bfloat16", 16, 8, 128, base.layer_names), "qwen3-8b")
-    # A slot holds one value (payload + 8-byte trailer), aligned to 256 bytes.
-    assert slot_stride(base) == -(-(base.bytes_per_block + 8) // 256) * 256
+    # A slot holds one value (payload + 16-byte trailer), aligned to 256 bytes.
+    assert slot_stride(base) == -(-(base.bytes_per_block + 16) // 256) * 256
 
 
 def test_slots_of_a_timed_out_put_stay_out_of_use_until_the_backend_is_idle() -> None:
@@ -339,8 +342,9 @@ def test_workers_in_processes_of_their_own_save_and_load(
 def test_a_block_gone_between_lookup_and_load_is_recomputed(
         kind: str, qwen3_dir: str, reference: LLM, request: pytest.FixtureRequest) -> None:
     """The pool loses block 3 of the prompt after the scheduler found it and before the worker
-    reads it (evicted; for `local`, overwritten with a value that fails its checksum): blocks
-    0-2 load, the rest is recomputed, the output is unchanged."""
+    reads it (evicted; for `local`, overwritten with the same payload in format 1, the crc32
+    trailer of an older sluice): blocks 0-2 load, the rest is recomputed, the output is
+    unchanged, and the old-format value is counted as such."""
     if kind != "local":
         require(kind)
     batch = prompts(seed=3, count=1)
@@ -357,7 +361,9 @@ def test_a_block_gone_between_lookup_and_load_is_recomputed(
         assert num_external_tokens == FULL  # found at lookup
         key = scheduler.prefix + request_.block_hashes[3].hash_value.hex()
         if kind == "local":
-            backend.store.set(key, b"\0" * 64)
+            payload = backend.store.get(key)[:-TRAILER_SIZE]
+            crc = zlib.crc32(payload, zlib.crc32(key.encode()))
+            backend.store.set(key, payload + struct.pack("<II", crc, len(payload)))
         elif kind == "redis":
             assert backend._client.delete(key) == 1
         else:
@@ -371,6 +377,7 @@ def test_a_block_gone_between_lookup_and_load_is_recomputed(
     assert outputs[0].num_cached_tokens == 3 * BLOCK
     counters = stats(llm)
     assert counters["pool_errors.load.missing"] == 1
+    assert counters.get("pool_errors.load.other_format") == (1 if kind == "local" else None)
     assert counters["pool_load_blocks"] == FULL // BLOCK - 1
     assert_all_blocks_back(llm)
 

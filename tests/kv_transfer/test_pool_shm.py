@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from sluice.kv_transfer.pool import PoolTimeout, PoolUnavailable, create_backend, value_size
+from sluice.kv_transfer.pool.framing import TRAILER_SIZE
 from sluice.kv_transfer.pool.shm_store import ShmPoolBackend
 from sluice.testing import servers
 from tests.kv_transfer.conftest import Staged, require, staging_buffer
@@ -24,7 +25,7 @@ from tests.kv_transfer.conftest import payloads as make_payloads
 pytestmark = pytest.mark.serial
 
 SLOT_BYTES = 64 << 10
-SIZE = SLOT_BYTES - 8  # a payload whose value fills a slot
+SIZE = SLOT_BYTES - TRAILER_SIZE  # a payload whose value fills a slot
 SLOT = value_size(SIZE)
 
 # A client speaking the raw protocol that stops half way through a call and waits to be killed:
@@ -193,7 +194,7 @@ def test_an_engine_whose_blocks_do_not_fit_a_slot_is_a_clear_error(qwen3_dir: st
                                                 "staging_bytes": 1 << 20}}
         # A block of the test model: 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes.
         with pytest.raises(ValueError, match=r"at most 4096 bytes; a KV block of this model is "
-                                             r"8200 .*--slot-bytes >= 8200"):
+                                             r"8208 .*--slot-bytes >= 8208"):
             LLM(model=qwen3_dir, dtype="float32", block_size=16, max_model_len=64,
                 kv_transfer_config=config)
 
@@ -270,6 +271,27 @@ def test_a_tier_down_leaves_the_other_serving_and_far_hits_are_promoted_near() -
             with pytest.raises(PoolUnavailable, match=f"redis pool at {far.address}"):
                 call()
             assert time.monotonic() - start < TIER_TIMEOUT_S + 0.5
+        backend.close()
+
+
+def test_a_tiered_put_sends_far_sealed_values_of_keys_the_near_tier_already_held() -> None:
+    """The near tier seals each slot in its copy's task, also the slots of keys it holds (not
+    copied): the far put stores every slot as it is, so an unsealed one would be stored bad."""
+    require("tiered")
+    with servers.start_shm_pool(capacity_bytes=8 * SLOT_BYTES, slot_bytes=SLOT_BYTES) as near, \
+            servers.start_redis() as far:
+        backend = create_backend(near.url, remote_url=far.url, timeout_s=TIER_TIMEOUT_S)
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        data = make_payloads(2, SIZE, seed=7)
+        staged.write(0, data[0])
+        assert backend.near.batch_put(["k0"], [0], [SIZE]) == [True]  # near only
+        staged.bytes[SIZE:SLOT] = 0  # its trailer gone from the staging slot
+        assert put(staged, ["k0", "k1"], data) == [True, True]
+        assert backend.far.count_keys() == 2
+        ok = backend.far.batch_get(["k0", "k1"], [8 * SLOT, 9 * SLOT], [SIZE, SIZE])
+        assert ok == [True, True] and backend.far.rejections() == {}
+        assert np.array_equal(staged.read(8 * SLOT, SIZE), data[0])
+        assert np.array_equal(staged.read(9 * SLOT, SIZE), data[1])
         backend.close()
 
 

@@ -230,7 +230,9 @@ class _KVPoolMetrics:
             for key, (name, doc) in _KV_POOL_COUNTERS.items()}
         self._errors = Counter("sluice:kv_pool_errors",
                                "KV pool errors by operation (lookup: calls; load, save: blocks) "
-                               "and kind (unavailable, timeout, missing, failed, dropped).",
+                               "and kind (unavailable, timeout, missing, failed, dropped; of "
+                               "the missing, the values read and refused: wrong_size, corrupt, "
+                               "other_format).",
                                ["model_name", "op", "kind"], registry=registry)
         self._model_name = model_name
         self.available = Gauge("sluice:kv_pool_available",

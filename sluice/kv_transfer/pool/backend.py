@@ -13,12 +13,14 @@ Lifecycle of a backend (the engine's pool connector drives it):
 Slots. `sizes[i]` is a payload size; the slot at `offsets[i]` spans `value_size(sizes[i])` bytes of
 the staging buffer: the payload, then `TRAILER_SIZE` bytes the backend uses for the value's
 trailer (`framing.py`). A put writes the trailer there, then stores the whole slot; a get reads
-the whole stored value into the slot and checks the trailer. Slots of one call must not overlap.
+the whole stored value into the slot and checks the trailer (on the shm tier, in the same task
+as the value's copy). Slots of one call must not overlap.
 
 Results. Keys are content-addressed (same key, same content): a put of a key that exists stores
 nothing and reports success. Per-key outcomes are booleans: a put is False when the store did not
 take the value (full, a transfer failed); a get is False for a missing key (never stored, evicted,
-its owner gone), a value of another size, or one failing its checksum. None of these raise.
+its owner gone), a value of another size or format version, or one failing its checksum. None
+of these raise; `rejections()` counts the values read and refused.
 
 Errors. A call raises only when the backend as a whole cannot answer: `PoolUnavailable` (cannot
 connect, connection lost, closed server), `PoolTimeout` (no answer within `timeout_s`). Each
@@ -36,6 +38,7 @@ a late get landing in a slot refilled for a put would be sealed and stored as th
 from __future__ import annotations
 
 import ctypes
+import logging
 import operator
 import threading
 import time
@@ -44,6 +47,8 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from sluice.kv_transfer.pool import framing
+
+logger = logging.getLogger("sluice")
 
 
 class PoolError(RuntimeError):
@@ -88,7 +93,11 @@ class PoolBackend(ABC):
         self._closed = False
         # Seconds spent so far in each host stage of the calls moving values ("get.copy",
         # "get.checksum", "put.checksum", "put.copy"): benchmarks split a load's time by them.
+        # On the shm tier a value's checksum runs in its copy's task: there "get.copy" and
+        # "put.copy" are the wall time of both, and the checksum stages the threads' seconds of
+        # hashing inside it (overlapping the copies, not added to them).
         self._stage_seconds: dict[str, float] = {}
+        self._rejections: dict[str, int] = {}
         self._stage_lock = threading.Lock()
 
     # ---- what a backend implements ----
@@ -184,35 +193,77 @@ class PoolBackend(ABC):
 
     def batch_put(self, keys: Sequence[str], offsets: Sequence[int],
                   sizes: Sequence[int]) -> list[bool]:
-        """Store each payload buffer[offsets[i]:offsets[i]+sizes[i]] under keys[i]."""
+        """Store each payload buffer[offsets[i]:offsets[i]+sizes[i]] under keys[i]. Every slot
+        is sealed afterwards, stored or not (the tiered backend's far put reuses the trailers)."""
         keys, offsets, sizes, value_sizes = self._check_slots(keys, offsets, sizes)
+        return self._chunked(self._put_sealing, keys, offsets, sizes, value_sizes)
+
+    def batch_get(self, keys: Sequence[str], offsets: Sequence[int],
+                  sizes: Sequence[int]) -> list[bool]:
+        """Read each key's payload into buffer[offsets[i]:offsets[i]+sizes[i]]; False where it
+        is missing, of another size or format, or corrupt (the slot's bytes are then
+        unspecified). `rejections` counts the values read and refused, by kind."""
+        keys, offsets, sizes, value_sizes = self._check_slots(keys, offsets, sizes)
+        return self._chunked(self._get_checking, keys, offsets, sizes, value_sizes)
+
+    # ---- sealing and checking, around the store's copies ----
+
+    def _put_sealing(self, keys: list[str], offsets: list[int], sizes: list[int],
+                     value_sizes: list[int], deadline: float) -> list[bool]:
+        """Seal one chunk's payloads, then `_put` them: two passes over each value. A backend
+        whose copies run on framing's threads overrides this to seal in each value's copy task
+        (one pass over cache-hot data)."""
         view = self._buffer
         assert view is not None
         start = time.perf_counter()
         framing.seal_all(view, offsets, sizes, keys)
         sealed = time.perf_counter()
         try:
-            return self._chunked(self._put, keys, offsets, value_sizes)
+            return self._put(keys, offsets, value_sizes, deadline)
         finally:
             self._add_stage_seconds(("put.checksum", sealed - start),
                                     ("put.copy", time.perf_counter() - sealed))
 
-    def batch_get(self, keys: Sequence[str], offsets: Sequence[int],
-                  sizes: Sequence[int]) -> list[bool]:
-        """Read each key's payload into buffer[offsets[i]:offsets[i]+sizes[i]]; False where it
-        is missing, of another size, or corrupt (the slot's bytes are then unspecified)."""
-        keys, offsets, sizes, value_sizes = self._check_slots(keys, offsets, sizes)
+    def _get_checking(self, keys: list[str], offsets: list[int], sizes: list[int],
+                      value_sizes: list[int], deadline: float) -> list[bool]:
+        """`_get` one chunk, then check its values on framing's threads. A backend whose copies
+        run on those threads overrides this to check each value in its copy task
+        (`_check_value`), so values are hashed while others are still copied."""
         start = time.perf_counter()
         try:
-            received = self._chunked(self._get, keys, offsets, value_sizes)
+            received = self._get(keys, offsets, value_sizes, deadline)
         finally:
             copied = time.perf_counter()
             self._add_stage_seconds(("get.copy", copied - start))
-        view = self._buffer
-        assert view is not None
-        intact = framing.intact_all(view, offsets, sizes, keys, received)
+        intact = framing.parallel_map(self._check_value, keys, offsets, sizes, received)
         self._add_stage_seconds(("get.checksum", time.perf_counter() - copied))
         return intact
+
+    def _check_value(self, key: str, offset: int, size: int, received: int) -> bool:
+        """(On a copy thread.) Whether the value read into a slot is intact; a value read and
+        refused is counted by kind (an old format's is also logged, once per backend)."""
+        view = self._buffer
+        assert view is not None
+        verdict = framing.verify(view, offset, size, key, received)
+        if verdict is framing.Verdict.INTACT:
+            return True
+        if verdict is not framing.Verdict.MISSING:
+            with self._stage_lock:
+                first = verdict.value not in self._rejections
+                self._rejections[verdict.value] = self._rejections.get(verdict.value, 0) + 1
+            if first and verdict is framing.Verdict.OTHER_FORMAT:
+                logger.warning(
+                    "%s: a value of another format version under %r (format %d reads only its "
+                    "own; format 1 was the crc32 trailer): read as a miss, counted in "
+                    "rejections()['other_format']", self._describe(), key,
+                    framing.FORMAT_VERSION)
+        return False
+
+    def rejections(self) -> dict[str, int]:
+        """Values read so far and refused, by kind (framing.Verdict's values other than intact
+        and missing): wrong_size, corrupt, other_format."""
+        with self._stage_lock:
+            return dict(self._rejections)
 
     def stage_seconds(self) -> dict[str, float]:
         """Seconds spent so far in each host stage of `batch_get` / `batch_put` (the copy is
@@ -261,14 +312,15 @@ class PoolBackend(ABC):
         if self._closed:
             raise RuntimeError(f"{self._describe()}: backend is closed")
 
-    def _chunked(self, op, keys: list[str], offsets: list[int], sizes: list[int]) -> list:
+    def _chunked(self, op, *columns: list) -> list:
+        """op(*chunk_of_each_column, deadline) over chunks of `max_keys_per_call` rows, within
+        one deadline; the results concatenated."""
         deadline = time.monotonic() + self.timeout_s
         out: list = []
         step = self.max_keys_per_call
-        for start in range(0, len(keys), step):
+        for start in range(0, len(columns[0]), step):
             self._check_deadline(deadline)
-            end = start + step
-            out += op(keys[start:end], offsets[start:end], sizes[start:end], deadline)
+            out += op(*(column[start:start + step] for column in columns), deadline)
         return out
 
     def _check_slots(self, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int]

@@ -26,7 +26,7 @@ from typing import Any
 from sluice.config import KVTransferConfig
 from sluice.core.kv_connector import KVCacheSpec
 from sluice.kv_transfer.pool import BACKENDS, PoolTimeout, backend_class, parse_url
-from sluice.kv_transfer.pool.framing import value_size
+from sluice.kv_transfer.pool.framing import FORMAT_VERSION, value_size
 from sluice.kv_transfer.pool.rates import LOAD_POLICIES
 
 logger = logging.getLogger("sluice")
@@ -164,8 +164,10 @@ def slot_stride(spec: KVCacheSpec) -> int:
 def key_prefix(spec: KVCacheSpec, model_id: str | None = None) -> str:
     """What every key of this rank's values starts with; the chained block hash (hex) follows."""
     model = model_id or spec.model
+    # The framing's version too: values of another format are never found under these keys,
+    # so a content-addressed put (which keeps a key's value) never leaves them in the way.
     identity = (f"{model}|{spec.dtype}|bs{spec.block_size}|{spec.layout}|{VALUE_LAYOUT}"
-                f"|L{spec.num_layers}|h{spec.num_kv_heads}x{spec.head_dim}")
+                f"|L{spec.num_layers}|h{spec.num_kv_heads}x{spec.head_dim}|f{FORMAT_VERSION}")
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     tag = re.sub(r"[^A-Za-z0-9._-]+", "_", model.rstrip("/").rsplit("/", 1)[-1])[:48] or "model"
     return f"sluice/{tag}/{digest}/tp{spec.tp_rank}-{spec.tp_size}/"

@@ -1,7 +1,8 @@
 """The shared host tier's pool backend (`shm://HOST:PORT`): a client of `sluice pool-server`
 (shm_server.py) on this host. It maps the server's arena once per server life and copies each
-value with one memcpy (GIL released) between its staging buffer and the arena; the socket
-carries only the index operations (two round trips a get or put chunk, one an exists).
+value with one memcpy (GIL released) between its staging buffer and the arena, sealing or
+checking it in the same task (framing.py); the socket carries only the index operations (two
+round trips a get or put chunk, one an exists).
 
 - Threads: each calling thread has its own connection (kept until `close`: the engine's
   threads are few and long-lived), so a worker's load never waits behind its save thread's
@@ -111,44 +112,97 @@ class ShmPoolBackend(PoolBackend):
 
     def _get(self, keys: list[str], offsets: list[int], sizes: list[int],
              deadline: float) -> list[int]:
+        return self._read(keys, offsets, sizes, None, deadline)
+
+    def _put(self, keys: list[str], offsets: list[int], sizes: list[int],
+             deadline: float) -> list[bool]:
+        return self._write(keys, offsets, sizes, None, deadline)[0]
+
+    # One task per value on framing's threads (memmove and xxh3 release the GIL): one core's
+    # memcpy bandwidth is well below the memory's (benchmarks/journal, 2026-12-02), and a
+    # value's check runs in its copy's task, so values are hashed while others are copied.
+
+    def _get_checking(self, keys: list[str], offsets: list[int], sizes: list[int],
+                      value_sizes: list[int], deadline: float) -> list[bool]:
+        start = time.perf_counter()
+        try:
+            checked = self._read(keys, offsets, value_sizes, sizes, deadline)
+        finally:
+            self._add_stage_seconds(("get.copy", time.perf_counter() - start))
+        self._add_stage_seconds(("get.checksum", sum(seconds for _, seconds in checked)))
+        return [ok for ok, _ in checked]
+
+    def _put_sealing(self, keys: list[str], offsets: list[int], sizes: list[int],
+                     value_sizes: list[int], deadline: float) -> list[bool]:
+        start, hashed = time.perf_counter(), 0.0
+        try:
+            stored, hashed = self._write(keys, offsets, value_sizes, sizes, deadline)
+            return stored
+        finally:
+            self._add_stage_seconds(("put.checksum", hashed),
+                                    ("put.copy", time.perf_counter() - start))
+
+    def _read(self, keys: list[str], offsets: list[int], value_sizes: list[int],
+              payload_sizes: list[int] | None, deadline: float) -> list:
+        """Copy each key's value into its slot: its size, or -1 where none was granted; with
+        `payload_sizes`, (intact, seconds of hashing) of each value instead."""
         with self._connected(deadline) as (conn, arena):
-            grant = self._ask(conn, GetBegin(keys=keys, max_sizes=sizes), GetGrant, deadline)
+            grant = self._ask(conn, GetBegin(keys=keys, max_sizes=value_sizes), GetGrant,
+                              deadline)
             slot_bytes = arena.welcome.slot_bytes
 
-            def copy_in(offset: int, slot: int, size: int) -> int:
-                if slot < 0:
-                    return -1
-                ctypes.memmove(self._buffer_address + offset, arena.address + slot * slot_bytes,
-                               size)
-                return size
+            def read_one(key: str, offset: int, slot: int, stored: int,
+                         payload_size: int | None) -> int | tuple[bool, float]:
+                received = -1
+                if slot >= 0:
+                    ctypes.memmove(self._buffer_address + offset,
+                                   arena.address + slot * slot_bytes, stored)
+                    received = stored
+                if payload_size is None:
+                    return received
+                copied = time.perf_counter()
+                intact = self._check_value(key, offset, payload_size, received)
+                return intact, time.perf_counter() - copied
 
-            # One copy per value, on framing's threads (memmove releases the GIL): one core's
-            # memcpy bandwidth is well below the memory's (benchmarks/journal, 2026-12-02).
-            received = framing.parallel_map(copy_in, offsets, grant.slots, grant.sizes)
+            results = framing.parallel_map(read_one, keys, offsets, grant.slots, grant.sizes,
+                                           payload_sizes or [None] * len(keys))
             pinned = [slot for slot in grant.slots if slot >= 0]
             if pinned:
                 try:
                     send_frame(conn.sock, conn.encoder, GetEnd(slots=pinned))
                 except OSError:
                     self._drop(conn)  # the copies are done: the values stand
-        return received
+        return results
 
-    def _put(self, keys: list[str], offsets: list[int], sizes: list[int],
-             deadline: float) -> list[bool]:
+    def _write(self, keys: list[str], offsets: list[int], value_sizes: list[int],
+               payload_sizes: list[int] | None, deadline: float) -> tuple[list[bool], float]:
+        """Copy each slot's value into the arena slot granted for it and commit them: whether
+        each key holds a value now, and the threads' seconds of sealing (with `payload_sizes`,
+        every slot is sealed first, in the same task as its copy)."""
+        view = self._buffer
+        assert view is not None
         with self._connected(deadline) as (conn, arena):
-            grant = self._ask(conn, PutBegin(keys=keys, sizes=sizes), PutGrant, deadline)
+            grant = self._ask(conn, PutBegin(keys=keys, sizes=value_sizes), PutGrant, deadline)
             slot_bytes = arena.welcome.slot_bytes
-            copies = [(offset, slot, size) for offset, slot, size
-                      in zip(offsets, grant.slots, sizes) if slot >= 0]
-            framing.parallel_map(
-                lambda offset, slot, size: ctypes.memmove(
-                    arena.address + slot * slot_bytes, self._buffer_address + offset, size),
-                *zip(*copies))
-            reserved = [slot for _, slot, _ in copies]
+
+            def write_one(key: str, offset: int, slot: int, value_size: int,
+                          payload_size: int | None) -> float:
+                start = time.perf_counter()
+                if payload_size is not None:  # every slot, stored or not (backend.batch_put)
+                    framing.seal(view, offset, payload_size, key)
+                sealed = time.perf_counter()
+                if slot >= 0:
+                    ctypes.memmove(arena.address + slot * slot_bytes,
+                                   self._buffer_address + offset, value_size)
+                return sealed - start
+
+            seconds = framing.parallel_map(write_one, keys, offsets, grant.slots, value_sizes,
+                                           payload_sizes or [None] * len(keys))
+            reserved = [slot for slot in grant.slots if slot >= 0]
             stored = iter(self._ask(conn, PutCommit(slots=reserved), Committed,
                                     deadline).stored if reserved else [])
             # PRESENT (-1): the key holds its value already, a success; NO_ROOM (-2): refused.
-            return [next(stored) if slot >= 0 else slot == -1 for slot in grant.slots]
+            return [next(stored) if slot >= 0 else slot == -1 for slot in grant.slots], sum(seconds)
 
     def count_keys(self, prefix: str = "") -> int:
         self._check_open()

@@ -104,6 +104,13 @@ class TieredBackend(PoolBackend):
             out[name] = out.get(name, 0.0) + seconds
         return out
 
+    def rejections(self) -> dict[str, int]:
+        """Both tiers' refused values, summed."""
+        out = self.near.rejections()
+        for kind, count in self.far.rejections().items():
+            out[kind] = out.get(kind, 0) + count
+        return out
+
     def batch_get(self, keys: Sequence[str], offsets: Sequence[int],
                   sizes: Sequence[int]) -> list[bool]:
         self._check_open()

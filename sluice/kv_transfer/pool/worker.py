@@ -192,7 +192,7 @@ class KVPoolConnectorWorker(KVConnectorWorker):
                 self._half_free[half].synchronize()  # the host copy out of this half is done
                 self._add_stat("pool_load_dma_wait_seconds", time.perf_counter() - waited)
             base = half * chunk
-            stages = backend.stage_seconds()
+            stages, rejections = backend.stage_seconds(), backend.rejections()
             try:
                 ok = backend.batch_get(chunk_keys, [(base + i) * self.stride
                                                     for i in range(len(ids))],
@@ -207,6 +207,9 @@ class KVPoolConnectorWorker(KVConnectorWorker):
             picks = [i for i, good in enumerate(ok) if good]
             failed += [b for b, good in zip(ids, ok) if not good]
             self._add_stat("pool_errors.load.missing", len(ids) - len(picks))
+            # Of those, the values read and refused: wrong_size, corrupt, other_format.
+            for kind, count in backend.rejections().items():
+                self._add_stat(f"pool_errors.load.{kind}", count - rejections.get(kind, 0))
             # Each chunk's events come after the earlier chunks' (one load stream).
             events = self.mover.load(base, len(ids), picks, [ids[i] for i in picks],
                                      after) or events
