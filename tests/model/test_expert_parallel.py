@@ -1,17 +1,20 @@
 """Expert parallelism in one process (sluice.model.moe, TPGroup.expert_parallel): each of two
-ranks built as rank r of 2 holds E / 2 whole experts of every MoE layer, read from the
-checkpoint, and never reads the other rank's; the two ranks' outputs of a layer sum to the
+ranks built as rank r of 2 holds E / 2 whole experts of every MoE layer, read from a sharded
+checkpoint (the second half's experts in a shard of their own), and never reads the other
+rank's; the two ranks' outputs of a layer sum to the
 whole layer's, for routing that sends tokens to both ranks' experts. The engine at TP 2 + EP
 against transformers: tests/distributed/test_tp_engine.py; FP8 experts: tests/model/
 test_fp8_moe.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from sluice.attention.torch_ref import TorchRefBackend
 from sluice.distributed.tp import SINGLE_RANK, TPGroup
@@ -21,6 +24,32 @@ from sluice.model.loader import load_model
 from sluice.model.moe import FusedMoE
 from sluice.model.weights import CheckpointTensor
 from tests.tiny_models import save_hf_model
+
+
+def expert_of(name: str) -> int | None:
+    """'...experts.5.up_proj.weight' (Mixtral's '...experts.5.w3.weight') -> 5."""
+    head, sep, tail = name.partition(".experts.")
+    return int(tail.split(".")[0]) if sep else None
+
+
+def shard_by_expert_half(folder: str, num_experts: int) -> None:
+    """Rewrite the folder's model.safetensors as two shards and an index, the experts of the
+    second half (rank 1's) alone in the second shard."""
+    path = Path(folder) / "model.safetensors"
+    tensors = load_file(str(path))
+    path.unlink()
+    shards: dict[str, dict[str, torch.Tensor]] = {"model-00001-of-00002.safetensors": {},
+                                                  "model-00002-of-00002.safetensors": {}}
+    for name, tensor in tensors.items():
+        expert = expert_of(name)
+        second = expert is not None and expert >= num_experts // 2
+        shards[f"model-0000{1 + second}-of-00002.safetensors"][name] = tensor
+    weight_map = {}
+    for shard, part in shards.items():
+        save_file(part, str(Path(folder) / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    (Path(folder) / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def moe_layers(model: torch.nn.Module) -> list[FusedMoE]:
@@ -36,6 +65,7 @@ def load(folder: str, tp: TPGroup) -> torch.nn.Module:
 def test_each_rank_holds_its_whole_experts_and_the_ranks_sum_to_the_layer(
         arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = save_hf_model(str(tmp_path / arch), arch)
+    shard_by_expert_half(folder, load_hf_config(folder).moe.num_experts)
     whole = moe_layers(load(folder, SINGLE_RANK))
     read: list[str] = []
     narrow = CheckpointTensor.narrow
@@ -49,8 +79,7 @@ def test_each_rank_holds_its_whole_experts_and_the_ranks_sum_to_the_layer(
     for rank in range(2):
         read.clear()
         ranks.append(moe_layers(load(folder, TPGroup(rank=rank, size=2, expert_parallel=True))))
-        experts = {int(name.split(".experts.")[1].split(".")[0])
-                   for name in read if ".experts." in name}
+        experts = {expert_of(name) for name in read if expert_of(name) is not None}
         num_experts = whole[0].num_experts
         assert experts == set(range(rank * num_experts // 2, (rank + 1) * num_experts // 2))
     torch.manual_seed(0)
