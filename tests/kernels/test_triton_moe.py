@@ -280,3 +280,41 @@ def test_cpu_calls_and_fp8_experts_keep_the_heuristic_tiles() -> None:
     got = triton_moe.moe_tiles(x.cpu(), w13.cpu(), w2.cpu(), 3, None)
     assert got == triton_moe._heuristic_config(120, 8, 96, 64, 48, None)
     assert got.gate_up == triton_moe.GemmTiles(64, 64, 4, 3) and got.block_m == 16
+
+
+@pytest.mark.parametrize("path", ["pairs", "grouped"])
+@pytest.mark.parametrize("block", ["16-bit", None, (16, 16)])
+def test_expert_parallel_shares_through_the_kernels_sum_to_the_layer(
+        block: tuple[int, int] | None | str, path: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expert parallelism's static shapes (FusedMoE.local_pairs): each of 2 ranks runs all
+    the pairs through its 4 experts, the other rank's sent to its expert 0 at weight 0; the
+    kernels' two shares, 16-bit or FP8, sum to the whole layer's product."""
+    from sluice.distributed.tp import TPGroup
+    from sluice.model.hf_config import MoeConfig
+    from sluice.model.moe import FusedMoE
+
+    monkeypatch.setattr(triton_moe, "PAIR_KERNEL_MAX_PAIRS", 10**6 if path == "pairs" else 0)
+    t = 5 if path == "pairs" else 33
+    x, w13, w2, weights, ids = case(t, 8, 2 if path == "pairs" else 3, 64, 32, torch.float32,
+                                    t)
+    assert (ids < 4).any() and (ids >= 4).any()  # both ranks' experts are routed to
+    scales = None
+    if block != "16-bit":
+        w13, w2, scales = fp8_experts(w13.cpu(), w2.cpu(), block)
+    want = (experts_reference(x, w13, w2, weights, ids) if scales is None
+            else fp8_experts_reference(x, w13, w2, weights, ids, scales))
+    moe = MoeConfig(num_experts=8, top_k=ids.shape[1], intermediate_size=32,
+                    norm_topk_prob=True, dense_layers=())
+    got = torch.zeros_like(want)
+    for rank in range(2):
+        share = FusedMoE(64, moe, TPGroup(rank=rank, size=2, expert_parallel=True)).to(DEVICE)
+        local_weights, local_ids = share.local_pairs(weights, ids)
+        assert local_ids.shape == ids.shape and int(local_ids.max()) < 4
+        mine = slice(4 * rank, 4 * rank + 4)
+        if scales is None:
+            got += fused_experts(x, w13[mine], w2[mine], local_weights, local_ids)
+        else:
+            got += fused_experts(x, w13[mine], w2[mine], local_weights, local_ids, ExpertScales(
+                scales.w13[mine], scales.w2[mine], scales.block))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
