@@ -162,7 +162,7 @@ class FusedMoE(nn.Module):
         for loading an FP8 checkpoint's experts as they are. Call before loading, after
         fp8_fits. ValueError naming the sizes where this rank's slice of the intermediate
         dimension does not start and end on the scale blocks (it would split a block's scale
-        between ranks)."""
+        between ranks); never under expert parallelism, whose ranks hold whole experts."""
         e, two_rows, hidden = self.w13.shape
         rows, start, full = self.inter_rows, self.inter_start, self.full_intermediate
         if block is not None:
