@@ -10,9 +10,10 @@ With expert parallelism (`TPGroup.expert_parallel`, --enable-expert-parallel) ra
 instead E_r = E / N whole experts, [r E_r, (r + 1) E_r): every rank routes every token (the
 hidden states and the router are replicated), keeps the (token, expert) pairs of its experts
 (`expert_map`, global -> local id, -1 elsewhere), runs them, and the same all-reduce sums the
-ranks' partial outputs; no all-to-all (docs/architecture.md). The other ranks' pairs go to
-local expert 0 at weight 0, so the pair count and every shape stay those of TP and the
-kernels run unchanged (capturable), at the price of computing those pairs.
+ranks' partial outputs; no all-to-all (docs/architecture.md). The other ranks' pairs keep
+their place as id -1 at weight 0, so the pair count and every shape stay those of TP
+(capturable): experts_reference skips them, triton_moe.fused_experts (local_only) aligns them
+into blocks its grouped GEMM skips, or, at 16 pairs or fewer, runs them through expert 0.
 
 `experts_op(x, w13, w2, topk_weights, topk_ids)` computes the experts: `experts_reference` here
 (per expert, its tokens gathered; data-dependent shapes, so eager only: the CPU and
@@ -60,10 +61,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """sum over a token's experts e of weight * down_e(silu(gate_e(x)) * up_e(x)): expert by
-    expert over the tokens routed to it (as transformers computes it)."""
+    expert over the tokens routed to it (as transformers computes it); an id -1 is skipped."""
     out = torch.zeros_like(x)
     inter = w13.shape[1] // 2
     for expert in torch.unique(topk_ids).tolist():
+        if expert < 0:  # another rank's pair (expert parallelism: FusedMoE.local_pairs)
+            continue
         tokens, slots = torch.where(topk_ids == expert)
         h = F.linear(x[tokens], w13[expert])
         h = F.silu(h[:, :inter]) * h[:, inter:]
@@ -228,12 +231,11 @@ class FusedMoE(nn.Module):
     def local_pairs(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert parallelism: the routing (weights, global ids [T, top_k]) as this rank's
-        experts see it: local ids, another rank's pairs sent to local expert 0 at weight 0
-        (same shapes, so the kernels and CUDA graphs are those of TP; those pairs add 0)."""
+        experts see it: local ids, -1 and weight 0 for another rank's pair (the same shapes:
+        the experts ops skip those, triton_moe.fused_experts with local_only)."""
         local = self.expert_map[topk_ids]
-        mine = local >= 0
-        return (torch.where(mine, topk_weights, torch.zeros_like(topk_weights)),
-                local.clamp_min(0).to(topk_ids.dtype))
+        return (torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights)),
+                local.to(topk_ids.dtype))
 
     def rank_output(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (the same on every rank) -> this rank's share of the block's output [T, H]:
