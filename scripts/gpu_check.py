@@ -499,8 +499,8 @@ FAMILIES = {
 def families_check(work: str) -> dict[str, object]:
     """Mistral, Phi-3 (fused q/k/v and gate/up), Gemma 3, Qwen3-MoE, Qwen2-MoE and Mixtral (the
     fused expert kernels of sluice.model.triton_moe in the CUDA graphs) in float32 on the GPU,
-    by default and eager, against the CPU's float32 engine: greedy ids equal (`--only
-    families`)."""
+    by default and eager, and the MoE models at TP 2 with expert parallelism where there are
+    two GPUs, against the CPU's float32 engine: greedy ids equal (`--only families`)."""
     import transformers
 
     from sluice.model.tiny import build_tokenizer
@@ -522,7 +522,14 @@ def families_check(work: str) -> dict[str, object]:
         cpu = LLM(model=folder, dtype="float32", device="cpu", max_model_len=512)
         reference = greedy_ids(cpu, prompts)
         cpu.shutdown()
-        for name, kwargs in (("default", {}), ("enforce_eager", {"enforce_eager": True})):
+        runs = [("default", {}), ("enforce_eager", {"enforce_eager": True})]
+        if "_moe" in arch or arch == "mixtral":
+            if torch.cuda.device_count() >= 2:  # expert parallelism: two GPUs, else skipped
+                runs.append(("tp2_ep", {"tensor_parallel_size": 2,
+                                        "enable_expert_parallel": True}))
+            else:
+                result[f"{arch}_tp2_ep_equals_cpu"] = "skipped: fewer than 2 GPUs"
+        for name, kwargs in runs:
             llm = LLM(model=folder, dtype="float32", device="cuda", max_model_len=512, **kwargs)
             result[f"{arch}_{name}_equals_cpu"] = greedy_ids(llm, prompts) == reference
             llm.shutdown()

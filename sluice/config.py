@@ -72,6 +72,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # "uni": the model runs in the engine's process; "mp": one worker process per rank.
     distributed_executor_backend: str = "uni"
+    # The MoE layers' experts partitioned whole over the tensor-parallel ranks (E / N each)
+    # instead of each expert sliced N ways; the attention stays tensor-parallel.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         verify_positive("tensor_parallel_size", self.tensor_parallel_size)

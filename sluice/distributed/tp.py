@@ -34,11 +34,15 @@ TP_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True)
 class TPGroup:
-    """rank in [0, size); `group`: the torch.distributed process group (None at size 1)."""
+    """rank in [0, size); `group`: the torch.distributed process group (None at size 1).
+    `expert_parallel` (--enable-expert-parallel): the mixture-of-experts layers partition
+    whole experts over these ranks instead of slicing every expert (sluice.model.moe; vLLM's
+    expert parallelism at data-parallel size 1, where the expert group is the TP group)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    expert_parallel: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; every rank gets the same bits. Returns x."""
@@ -70,7 +74,7 @@ def host_store(world_size: int, timeout_s: float = TP_TIMEOUT_S) -> dist.TCPStor
 
 
 def init_tp_group(rank: int, size: int, store_port: int, device: torch.device,
-                  timeout_s: float = TP_TIMEOUT_S) -> TPGroup:
+                  timeout_s: float = TP_TIMEOUT_S, expert_parallel: bool = False) -> TPGroup:
     """Join the executor's store on `store_port` and create this process's group (NCCL for a
     CUDA device, else gloo); one all-reduce checks every rank is there."""
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -81,7 +85,8 @@ def init_tp_group(rank: int, size: int, store_port: int, device: torch.device,
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
                                 timeout=timeout)
-    group = TPGroup(rank=rank, size=size, group=dist.group.WORLD)
+    group = TPGroup(rank=rank, size=size, group=dist.group.WORLD,
+                    expert_parallel=expert_parallel)
     ready = torch.ones(1, device=device)
     group.all_reduce(ready)
     if int(ready.item()) != size:

@@ -3,6 +3,7 @@ turned into the frozen configs."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 
 from sluice.config import (
@@ -19,6 +20,8 @@ from sluice.model.hf_config import HFModelConfig, load_hf_config
 from sluice.model.hub import resolve_model_path, sluice_cache_dir
 from sluice.spec_decode.config import SpeculativeConfig
 from sluice.validation import verify_positive
+
+logger = logging.getLogger("sluice")
 
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -54,6 +57,10 @@ class EngineArgs:
     # string, or a SpeculativeConfig; None: no speculative decoding.
     speculative_config: dict | str | SpeculativeConfig | None = None
     tensor_parallel_size: int = 1
+    # --enable-expert-parallel: a mixture of experts' experts partitioned whole over the
+    # tensor-parallel ranks (E / N each, no slicing); ignored, with a logged note, for a
+    # dense model or at tensor_parallel_size 1.
+    enable_expert_parallel: bool = False
     # "uni" (the model in the engine's process) | "mp" (a worker process per rank); None: "uni"
     # at tensor_parallel_size 1, else "mp".
     distributed_executor_backend: str | None = None
@@ -101,6 +108,7 @@ class EngineArgs:
         self._check_tensor_parallel_size(hf_config)
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self._expert_parallel(hf_config),
             distributed_executor_backend=self.distributed_executor_backend or (
                 "uni" if self.tensor_parallel_size == 1 else "mp"))
         kv_transfer_config = self._kv_transfer_config()
@@ -228,6 +236,26 @@ class EngineArgs:
             if tp_size > num_gpus:
                 raise ValueError(f"tensor_parallel_size ({tp_size}) exceeds the visible GPUs "
                                  f"({num_gpus}): one GPU per rank")
+
+    def _expert_parallel(self, hf_config: HFModelConfig) -> bool:
+        """enable_expert_parallel where it means something: a mixture of experts at
+        tensor_parallel_size N > 1 whose expert count N divides (else a ValueError naming both
+        numbers). Elsewhere ignored with a logged note, as vLLM ignores it."""
+        if not self.enable_expert_parallel:
+            return False
+        tp_size, moe = self.tensor_parallel_size, hf_config.moe
+        if moe is None or tp_size == 1:
+            why = "the model has no experts" if moe is None else "tensor_parallel_size is 1"
+            logger.info("enable_expert_parallel ignored: %s", why)
+            return False
+        if moe.num_experts % tp_size:
+            raise ValueError(f"enable_expert_parallel: tensor_parallel_size ({tp_size}) must "
+                             f"divide the model's num_experts ({moe.num_experts}), each rank "
+                             f"holding num_experts / tensor_parallel_size whole experts")
+        logger.info("expert parallelism: %d experts a layer over %d ranks, %d whole experts "
+                    "each; the attention tensor-parallel", moe.num_experts, tp_size,
+                    moe.num_experts // tp_size)
+        return True
 
     def _on_cuda(self) -> bool:
         if self.device == "auto":

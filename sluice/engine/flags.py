@@ -70,6 +70,9 @@ ENGINE_FLAGS: list[tuple[str, type | Callable[[str], Any], str]] = [
      "(methods: ngram | draft_model | eagle; drafting policy: disable_by_batch_size, "
      "min_accepted_tokens_per_step, probe_interval)"),
     ("tensor-parallel-size", int, "ranks (worker processes, one GPU each) the model is split over"),
+    ("enable-expert-parallel", bool, "a mixture of experts' experts split whole over the "
+                                     "tensor-parallel ranks (E / N each) instead of each "
+                                     "expert sliced; the attention stays tensor-parallel"),
     ("distributed-executor-backend", str, "uni (the model in the engine's process) | mp (a "
                                           "worker process per rank); default: uni at TP 1"),
     ("kv-transfer-config", kv_transfer_config_arg,

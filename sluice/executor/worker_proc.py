@@ -95,7 +95,9 @@ class WorkerProc:
         self.decoder = worker_request_decoder(metadata_type(config.kv_transfer_config))
         tp = SINGLE_RANK
         if startup.tp_store_port:
-            tp = init_tp_group(self.rank, startup.world_size, startup.tp_store_port, device)
+            tp = init_tp_group(
+                self.rank, startup.world_size, startup.tp_store_port, device,
+                expert_parallel=config.parallel_config.enable_expert_parallel)
         self.worker = Worker(config, rank=self.rank,
                              connector_factory=worker_connector_factory(config), tp=tp)
         self._reply(WorkerReady(rank=self.rank, pid=os.getpid()))

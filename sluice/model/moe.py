@@ -5,8 +5,15 @@ Each layer's experts are two stacked parameters, `w13` [E, 2 I_r, H] (each exper
 up rows) and `w2` [E, H, I_r], filled from the checkpoint's per-expert tensors
 (`mlp.experts.{e}.{gate,up,down}_proj.weight`). Under tensor parallelism each rank holds every
 expert's slice I_r = I / N of the intermediate dimension (gate/up rows, down columns), so a
-rank's output is a partial sum and one all-reduce completes the block, as for a dense MLP;
-expert parallelism (ranks holding whole experts) is not built: docs/architecture.md.
+rank's output is a partial sum and one all-reduce completes the block, as for a dense MLP.
+With expert parallelism (`TPGroup.expert_parallel`, --enable-expert-parallel) rank r holds
+instead E_r = E / N whole experts, [r E_r, (r + 1) E_r): every rank routes every token (the
+hidden states and the router are replicated), keeps the (token, expert) pairs of its experts
+(`expert_map`, global -> local id, -1 elsewhere), runs them, and the same all-reduce sums the
+ranks' partial outputs; no all-to-all (docs/architecture.md). The other ranks' pairs keep
+their place as id -1 at weight 0, so the pair count and every shape stay those of TP
+(capturable): experts_reference skips them, triton_moe.fused_experts (local_only) aligns them
+into blocks its grouped GEMM skips, or, at 16 pairs or fewer, runs them through expert 0.
 
 `experts_op(x, w13, w2, topk_weights, topk_ids)` computes the experts: `experts_reference` here
 (per expert, its tokens gathered; data-dependent shapes, so eager only: the CPU and
@@ -54,10 +61,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """sum over a token's experts e of weight * down_e(silu(gate_e(x)) * up_e(x)): expert by
-    expert over the tokens routed to it (as transformers computes it)."""
+    expert over the tokens routed to it (as transformers computes it); an id -1 is skipped."""
     out = torch.zeros_like(x)
     inter = w13.shape[1] // 2
     for expert in torch.unique(topk_ids).tolist():
+        if expert < 0:  # another rank's pair (expert parallelism: FusedMoE.local_pairs)
+            continue
         tokens, slots = torch.where(topk_ids == expert)
         h = F.linear(x[tokens], w13[expert])
         h = F.silu(h[:, :inter]) * h[:, inter:]
@@ -104,19 +113,33 @@ def fp8_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 class FusedMoE(nn.Module):
     """The sparse MLP block: router (`gate`, replicated), experts (`w13`, `w2`: this rank's slice
-    of every expert's intermediate dimension). forward: x [T, H] -> [T, H], summed over ranks."""
+    of every expert's intermediate dimension, or under expert parallelism its whole experts
+    [expert_start, expert_start + num_local_experts)). forward: x [T, H] -> [T, H], summed
+    over ranks."""
 
     def __init__(self, hidden_size: int, moe: MoeConfig, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.tp = tp
-        self.num_experts = moe.num_experts
+        self.num_experts = moe.num_experts  # routed over: every expert of the layer
         self.top_k = moe.top_k
         self.renormalize = moe.norm_topk_prob
         self.full_intermediate = moe.intermediate_size
-        self.inter_start, self.inter_rows = tp.shard(moe.intermediate_size,
-                                                     "moe_intermediate_size")
+        # expert_map [E] int64: global expert id -> this rank's index, -1 for another rank's
+        # (None without expert parallelism: every expert is local)
+        if tp.expert_parallel and tp.size > 1:
+            self.expert_start, self.num_local_experts = tp.shard(moe.num_experts, "num_experts")
+            self.inter_start, self.inter_rows = 0, moe.intermediate_size
+            expert_map = torch.full((moe.num_experts,), -1, dtype=torch.int64)
+            expert_map[self.expert_start : self.expert_start + self.num_local_experts] = (
+                torch.arange(self.num_local_experts))
+            self.register_buffer("expert_map", expert_map, persistent=False)
+        else:
+            self.expert_start, self.num_local_experts = 0, moe.num_experts
+            self.inter_start, self.inter_rows = tp.shard(moe.intermediate_size,
+                                                         "moe_intermediate_size")
+            self.register_buffer("expert_map", None)
         self.gate = Linear(hidden_size, moe.num_experts)
-        e, rows = moe.num_experts, self.inter_rows
+        e, rows = self.num_local_experts, self.inter_rows
         self.w13 = nn.Parameter(torch.empty(e, 2 * rows, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, rows), requires_grad=False)
         self.experts_op = experts_reference
@@ -142,7 +165,7 @@ class FusedMoE(nn.Module):
         for loading an FP8 checkpoint's experts as they are. Call before loading, after
         fp8_fits. ValueError naming the sizes where this rank's slice of the intermediate
         dimension does not start and end on the scale blocks (it would split a block's scale
-        between ranks)."""
+        between ranks); never under expert parallelism, whose ranks hold whole experts."""
         e, two_rows, hidden = self.w13.shape
         rows, start, full = self.inter_rows, self.inter_start, self.full_intermediate
         if block is not None:
@@ -173,7 +196,8 @@ class FusedMoE(nn.Module):
         self.fp8_block = block
 
     def load_expert(self, expert: int, part: str, loaded_weight: LoadedWeight) -> None:
-        """One checkpoint tensor of one expert: part "gate", "up" or "down"."""
+        """One checkpoint tensor of one expert (its global id): part "gate", "up" or "down".
+        Another rank's expert (expert parallelism) is checked by shape and not read."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} of a layer of {self.num_experts} experts")
         hidden, start, rows = self.w2.shape[1], self.inter_start, self.inter_rows
@@ -182,6 +206,9 @@ class FusedMoE(nn.Module):
         down = part == "down"
         shape = (hidden, self.full_intermediate) if down else (self.full_intermediate, hidden)
         check_shape(shape, loaded_weight, f"expert {part}_proj")
+        expert -= self.expert_start
+        if not 0 <= expert < self.num_local_experts:
+            return
         if self.is_fp8:
             if not isinstance(loaded_weight, Fp8CheckpointTensor):
                 raise ValueError("the layer holds FP8 experts but the checkpoint tensor is not "
@@ -201,13 +228,28 @@ class FusedMoE(nn.Module):
             first = offset if self.fp8_block is None else offset // rows * scale.shape[0]
             self.w13_scale[expert, first : first + scale.shape[0]].copy_(scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def local_pairs(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism: the routing (weights, global ids [T, top_k]) as this rank's
+        experts see it: local ids, -1 and weight 0 for another rank's pair (the same shapes:
+        the experts ops skip those, triton_moe.fused_experts with local_only)."""
+        local = self.expert_map[topk_ids]
+        return (torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights)),
+                local.to(topk_ids.dtype))
+
+    def rank_output(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (the same on every rank) -> this rank's share of the block's output [T, H]:
+        every expert's slice (TP) or its whole experts (EP); the sum over ranks is the block."""
         weights, ids = self.route_op(self.gate(x), self.top_k, self.renormalize)
+        if self.expert_map is not None:
+            weights, ids = self.local_pairs(weights, ids)
         if self.is_fp8:
-            out = self.fp8_experts_op(x, self.w13, self.w2, weights, ids, ExpertScales(
+            return self.fp8_experts_op(x, self.w13, self.w2, weights, ids, ExpertScales(
                 self.w13_scale, self.w2_scale, self.fp8_block))
-        else:
-            out = self.experts_op(x, self.w13, self.w2, weights, ids)
+        return self.experts_op(x, self.w13, self.w2, weights, ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.rank_output(x)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 

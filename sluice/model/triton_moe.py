@@ -644,12 +644,17 @@ def _pair_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: tor
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  scales: ExpertScales | None = None, tiles: MoeTiles | None = None
-                  ) -> torch.Tensor:
+                  scales: ExpertScales | None = None, tiles: MoeTiles | None = None,
+                  local_only: bool = False) -> torch.Tensor:
     """sluice.model.moe.experts_reference in two grouped GEMM launches (the module's
     docstring): x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]. With `scales`
     the weights are float8_e4m3fn (sluice.model.moe.fp8_experts_reference's product): W8A16,
-    each FP8 tile widened to x's dtype in registers and its scale applied in the kernel."""
+    each FP8 tile widened to x's dtype in registers and its scale applied in the kernel.
+
+    `local_only` (expert parallelism, FusedMoE.local_pairs): an id -1 is another rank's pair,
+    at weight 0. The pair kernel runs it through expert 0 (it adds 0); the grouped path aligns
+    it into one bucket past the last expert whose blocks are marked -1, so the GEMMs skip it
+    and its output row stays 0. The shapes stay static (one more bucket's padding)."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
@@ -666,6 +671,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         s2 = WeightScales(scales.w2, scales.block, 1)
     if t * top_k <= PAIR_KERNEL_MAX_PAIRS:
         ids = topk_ids.reshape(-1).contiguous()
+        if local_only:
+            ids = ids.clamp_min(0)
         _pair_gemm(x, w13, inter, weights, ids, top_k, a_row_per_pair=False, silu_mul=False,
                    mul_weight=False, scales=s13)
         _pair_gemm(inter, w2, out, weights, ids, top_k, a_row_per_pair=True, silu_mul=True,
@@ -673,8 +680,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return out.view(t, top_k, hidden).sum(dim=1)
     if tiles is None:  # (`tiles`: benchmarks/tools/moe_sweep.py's candidates)
         tiles = moe_tiles(x, w13, w2, top_k, s13)
-    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, tiles.block_m,
-                                               tiles.align)
+    if local_only:
+        topk_ids = torch.where(topk_ids < 0, num_experts, topk_ids)
+        sorted_ids, block_expert = align_by_expert(topk_ids, num_experts + 1, tiles.block_m,
+                                                   tiles.align)
+        block_expert = torch.where(block_expert == num_experts, -1, block_expert)
+        out.zero_()
+    else:
+        sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, tiles.block_m,
+                                                   tiles.align)
     _gemm(x, w13, inter, weights, sorted_ids, block_expert, top_k, tiles.block_m,
           a_row_per_pair=False, silu_mul=False, mul_weight=False, scales=s13,
           tiles=tiles.gate_up)

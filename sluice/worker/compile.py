@@ -41,6 +41,9 @@ def install_fp8_ops(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FusedMoE) and module.is_fp8:
             module.fp8_experts_op = triton_moe.fused_experts
+            if module.expert_map is not None:  # expert parallelism: ids -1 for other ranks'
+                module.fp8_experts_op = functools.partial(triton_moe.fused_experts,
+                                                          local_only=True)
         if isinstance(module, Linear) and module.is_fp8:
             module.fp8_op = fp8_gemm.fp8_linear
             if module.fp8_block == (128, 128):  # probed now, never inside a graph's capture
@@ -55,6 +58,9 @@ def install_fused_ops(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FusedMoE):  # static shapes: capturable in the CUDA graphs
             module.experts_op = triton_moe.fused_experts
+            if module.expert_map is not None:  # expert parallelism: ids -1 for other ranks'
+                module.experts_op = functools.partial(triton_moe.fused_experts,
+                                                      local_only=True)
             module.route_op = triton_moe.fused_route
         if isinstance(module, Linear):
             module.gemm_op = triton_gemm.linear  # FP8 layers: install_fp8_ops

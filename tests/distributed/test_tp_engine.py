@@ -1,6 +1,7 @@
 """Tensor parallelism end to end on the CPU (gloo): greedy ids at TP = 2 and 4 equal TP = 1 for
 Qwen3, Llama, Qwen2, Mistral, Phi-3 (its fused q/k/v and gate/up split per rank), Qwen3-MoE
-(every expert's intermediate slice per rank), Gemma 3 and a model with one KV head (replicated
+(every expert's intermediate slice per rank; with expert parallelism, half the experts whole
+per rank, against transformers too), Gemma 3 and a model with one KV head (replicated
 on every rank), with prefix caching, chunked prefill and preemption on, sync and async
 scheduling; seeded sampling and logprobs; speculative decoding; every block back afterwards; a
 rank killed mid-run ends the engine within 5 s naming it, and leaves no worker behind; sizes
@@ -111,6 +112,29 @@ def test_greedy_ids_equal_tp1_with_prefix_caching_chunks_and_preemption(
     while any(alive(pid) for pid in pids):
         assert time.monotonic() < deadline, "ranks outlived shutdown"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_expert_parallel_at_tp2_gives_transformers_greedy_ids(
+        tp_model_dirs: dict[str, str], model: str) -> None:
+    """--enable-expert-parallel: each rank holds half of every MoE layer's experts whole (8 or
+    6, 2 a token), routes every token over all of them and runs its own; the all-reduce sums
+    the halves. Greedy ids, preempting, equal transformers' and TP 1's (which TP 2 without EP
+    equals: the test above)."""
+    from tests.engine.test_generate_matches_hf import hf_greedy
+
+    model_dir = tp_model_dirs[model]
+    llm = LLM(model=model_dir, tensor_parallel_size=2, enable_expert_parallel=True, **BASE,
+              **PREEMPTING)
+    try:
+        assert llm.llm_engine.config.parallel_config.enable_expert_parallel
+        got = greedy(llm)
+        assert llm.llm_engine.scheduler.num_preemptions_total > 0
+        assert_all_blocks_back(llm)
+    finally:
+        llm.shutdown()
+    assert got == reference(model_dir)
+    assert got == [hf_greedy(model_dir, tuple(p), MAX_TOKENS) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -280,3 +280,78 @@ def test_cpu_calls_and_fp8_experts_keep_the_heuristic_tiles() -> None:
     got = triton_moe.moe_tiles(x.cpu(), w13.cpu(), w2.cpu(), 3, None)
     assert got == triton_moe._heuristic_config(120, 8, 96, 64, 48, None)
     assert got.gate_up == triton_moe.GemmTiles(64, 64, 4, 3) and got.block_m == 16
+
+
+@pytest.mark.parametrize(("block", "path"), [
+    ("16-bit", "pairs"), ("16-bit", "kernel"), ("16-bit", "chunks"), ("16-bit", "torch"),
+    (None, "pairs"), (None, "kernel"), ((16, 16), "pairs"), ((16, 16), "kernel")])
+def test_expert_parallel_shares_through_the_kernels_sum_to_the_layer(
+        block: tuple[int, int] | None | str, path: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expert parallelism (FusedMoE.local_pairs, fused_experts' local_only): each of 2 ranks
+    gets every pair, the other rank's as id -1 at weight 0; through the pair kernel (run by its
+    expert 0, adding 0) or the grouped GEMM (each alignment; those pairs in blocks marked -1,
+    skipped: only the rank's own experts' blocks run), the two shares, 16-bit or FP8, sum to
+    the whole layer's product."""
+    from sluice.distributed.tp import TPGroup
+    from sluice.model.hf_config import MoeConfig
+    from sluice.model.moe import FusedMoE
+
+    monkeypatch.setattr(triton_moe, "PAIR_KERNEL_MAX_PAIRS", 10**6 if path == "pairs" else 0)
+    t = 5 if path == "pairs" else 33
+    x, w13, w2, weights, ids = case(t, 8, 2 if path == "pairs" else 3, 64, 32, torch.float32,
+                                    t)
+    assert (ids < 4).any() and (ids >= 4).any()  # both ranks' experts are routed to
+    scales = None
+    if block != "16-bit":
+        w13, w2, scales = fp8_experts(w13.cpu(), w2.cpu(), block)
+    want = (experts_reference(x, w13, w2, weights, ids) if scales is None
+            else fp8_experts_reference(x, w13, w2, weights, ids, scales))
+    tiles = None
+    if path != "pairs":
+        tiles = triton_moe.MoeTiles(16, triton_moe.GemmTiles(32, 16, 4, 3),
+                                    triton_moe.GemmTiles(32, 16, 4, 3), align=path)
+    blocks_run = []
+    gemm = triton_moe._gemm
+    monkeypatch.setattr(triton_moe, "_gemm", lambda *a, **kw: blocks_run.append(
+        int((a[5] >= 0).sum())) or gemm(*a, **kw))
+    moe = MoeConfig(num_experts=8, top_k=ids.shape[1], intermediate_size=32,
+                    norm_topk_prob=True, dense_layers=())
+    got = torch.zeros_like(want)
+    for rank in range(2):
+        share = FusedMoE(64, moe, TPGroup(rank=rank, size=2, expert_parallel=True)).to(DEVICE)
+        local_weights, local_ids = share.local_pairs(weights, ids)
+        mine = slice(4 * rank, 4 * rank + 4)
+        assert torch.equal(local_ids >= 0, (ids >= 4 * rank) & (ids < 4 * rank + 4))
+        assert (local_weights[local_ids < 0] == 0).all() and int(local_ids.max()) < 4
+        rank_scales = None if scales is None else ExpertScales(
+            scales.w13[mine], scales.w2[mine], scales.block)
+        got += fused_experts(x, w13[mine], w2[mine], local_weights, local_ids, rank_scales,
+                             tiles=tiles, local_only=True)
+        if path != "pairs":
+            counts = torch.bincount(local_ids[local_ids >= 0], minlength=4)
+            assert blocks_run[-2:] == [int(((counts + 15) // 16).sum())] * 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_gpu_ops_of_an_expert_parallel_layer_take_its_other_ranks_pairs() -> None:
+    """install_fused_ops gives a layer under expert parallelism fused_experts with local_only
+    (its ids hold -1), so the layer on the GPU ops equals it on the reference ops."""
+    from sluice.distributed.tp import TPGroup
+    from sluice.model.hf_config import MoeConfig
+    from sluice.model.moe import FusedMoE
+    from sluice.worker.compile import install_fused_ops
+
+    moe = MoeConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True,
+                    dense_layers=())
+    generator = torch.Generator().manual_seed(3)
+    layer = FusedMoE(64, moe, TPGroup(rank=1, size=2, expert_parallel=True))
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    layer.to(DEVICE)
+    x = torch.randn(7, 64, generator=generator).to(DEVICE)
+    want = layer.rank_output(x)
+    install_fused_ops(layer)
+    assert layer.experts_op.keywords == {"local_only": True}
+    torch.testing.assert_close(layer.rank_output(x), want, rtol=1e-5, atol=1e-5)

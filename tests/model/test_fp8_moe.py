@@ -6,7 +6,8 @@ holds float8 `w13`/`w2` and their scales and computes through the CPU's fp8_expe
 dequantizes as the load-time path does: the same products, the same greedy ids as the model
 dequantized at load, and as transformers' on the dequantized weights. A tensor-parallel rank
 loads its slice of every expert with its scales; a slice that would split a scale block is
-refused by name. The kernels: tests/kernels/test_triton_moe.py."""
+refused by name, and under expert parallelism (whole experts a rank) kept FP8. The kernels:
+tests/kernels/test_triton_moe.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sluice import LLM
+from sluice.attention.backend import get_attention_backend
+from sluice.distributed.tp import TPGroup
 from sluice.errors import EngineDeadError
+from sluice.model.hf_config import load_hf_config
+from sluice.model.loader import load_model
 from sluice.model.moe import FusedMoE
 from sluice.model.quantization import quantize_folder
 from sluice.model.tiny import make_tiny_model
@@ -259,11 +264,12 @@ def test_fp8_experts_at_tp2_give_tp1_s_greedy_ids(kind: str, tmp_path: Path,
 
 
 @pytest.mark.one_worker
-def test_expert_blocks_a_rank_boundary_would_split_are_refused(
+def test_expert_blocks_a_rank_boundary_would_split_are_refused_and_kept_under_ep(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Mixtral's experts of 128 in 128 x 128 blocks at TP 2: each rank's 64 rows would hold
     half of a block's scale. Kept FP8, that is an error naming the sizes; dequantized at load
-    (each rank dequantizes whole blocks and cuts), the TP 1 greedy ids."""
+    (each rank dequantizes whole blocks and cuts), the TP 1 greedy ids; with expert
+    parallelism, FP8 experts (whole, 3 of 6 a rank) and the TP 1 greedy ids."""
     folder = fp8_moe_folder(tmp_path, "mixtral", "block", block=(128, 128))
     want = greedy(LLM(model=folder, **BASE))
     llm = LLM(model=folder, tensor_parallel_size=2, **BASE)
@@ -278,6 +284,31 @@ def test_expert_blocks_a_rank_boundary_would_split_are_refused(
                                               r"of each expert's gate/up_proj, and 64 is not a "
                                               r"multiple of the 128-wide blocks"):
         LLM(model=folder, tensor_parallel_size=2, **BASE)
+
+    # Expert parallelism: each rank takes 3 whole experts with their whole blocks' scales, so
+    # they stay FP8, and the ids are TP 1's.
+    whole = fp8_experts_of(_loaded(folder, keep=True))
+    rank1 = fp8_experts_of(load_model(folder, load_hf_config(folder), torch.float32,
+                                      torch.device("cpu"), get_attention_backend("torch_ref"),
+                                      TPGroup(rank=1, size=2, expert_parallel=True),
+                                      fp8_weights=True))
+    assert len(rank1) == len(whole) == 2
+    for share, layer in zip(rank1, whole):
+        assert share.is_fp8 and share.w13.dtype == torch.float8_e4m3fn
+        assert share.w13.shape == (3, 256, 64) and share.w13_scale.shape == (3, 2, 1)
+        assert share.w2.shape == (3, 64, 128) and share.w2_scale.shape == (3, 1, 1)
+        for ours, theirs in ((share.w13, layer.w13[3:]), (share.w2, layer.w2[3:]),
+                             (share.w13_scale, layer.w13_scale[3:]),
+                             (share.w2_scale, layer.w2_scale[3:])):
+            assert torch.equal(ours.view(torch.uint8) if ours.dtype != torch.float32 else ours,
+                               theirs.view(torch.uint8) if theirs.dtype != torch.float32
+                               else theirs)
+    llm = LLM(model=folder, tensor_parallel_size=2, enable_expert_parallel=True, **BASE,
+              **PREEMPTING)
+    try:
+        assert greedy(llm) == want
+    finally:
+        llm.shutdown()
 
 
 def test_the_gpu_check_s_fp8_moe_setting_passes_on_the_cpu(

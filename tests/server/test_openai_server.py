@@ -397,3 +397,4 @@ def test_models_tokenize_detokenize_version_health(server: ServerProcess,
     assert health.status_code == 200 and health.content == b""
     info = server.engine_info()
     assert info["dead_error"] is None and info["engine_core_pid"] > 0
+    assert info["parallel"] == {"tensor_parallel_size": 1, "enable_expert_parallel": False}

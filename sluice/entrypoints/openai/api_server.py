@@ -3,6 +3,7 @@
 Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /v1/models/{id}; POST /tokenize,
 /detokenize; GET /health (200 while the engine runs, else 503), /metrics (Prometheus text),
 /version, and /debug/engine (the engine-core and worker pids, which API server answered, the
+tensor-parallel size and whether the experts are split whole (expert parallelism), the
 scheduler's state now and the KV cache's integrity check, asked of the core: for tests and
 operators; `num_free_blocks == num_blocks` once every request is done).
 
@@ -319,9 +320,13 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
 
     @app.get("/debug/engine")
     async def debug_engine() -> dict[str, Any]:
+        parallel = engine.config.parallel_config
         info: dict[str, Any] = {"engine_core_pid": engine.engine_core_pid,
                                 "worker_pids": engine.worker_pids,
                                 "api_server": {"index": engine.client, "pid": os.getpid()},
+                                "parallel": {
+                                    "tensor_parallel_size": parallel.tensor_parallel_size,
+                                    "enable_expert_parallel": parallel.enable_expert_parallel},
                                 "dead_error": engine.dead_error, "num_blocks": engine.num_blocks,
                                 "scheduler": None, "in_flight": state.in_flight}
         if info["dead_error"] is None:

@@ -6,7 +6,8 @@ scaled by sigmoid(shared_expert_gate(x)), a per-token scalar, and added:
     y = sum_k w_k expert_k(x) + sigmoid(x . g) * shared_expert(x)
 
 (transformers' Qwen2MoeSparseMoeBlock). Under tensor parallelism the shared expert is split like
-a dense MLP (its own all-reduce) and its gate, one row, is replicated."""
+a dense MLP (its own all-reduce) and its gate, one row, is replicated; so it stays under expert
+parallelism, which partitions only the routed experts."""
 
 from __future__ import annotations
 
