@@ -3,6 +3,8 @@ allocation, and a randomized workload that must leave every block free and the p
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -621,3 +623,31 @@ def test_prefix_hits_behind_the_window_are_given_back_at_once() -> None:
 def test_a_non_positive_window_is_refused() -> None:
     with pytest.raises(ValueError, match="sliding_window must be >= 1 or None, got 0"):
         KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE, sliding_window=0)
+
+
+@pytest.mark.parametrize("window", [1, 2, 4, 5, 8, 9, 13])
+def test_a_windowed_hit_is_the_longest_whose_window_the_rule_says_is_cached(window: int) -> None:
+    """Against the window rule itself (a token at p sees keys > p - window): over random sets
+    of evicted blocks, the hit is the longest n blocks such that every block holding a key
+    the token at n * 4 sees is cached (block n - 1 at least), and exactly those are real."""
+    rng = random.Random(window)
+    prompt = list(range(6 * BLOCK_SIZE + 1))
+    for _ in range(20):
+        manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, sliding_window=window)
+        first = make_request("a", prompt)
+        prefill(manager, first)
+        manager.free(first)
+        evicted = {i for i in range(6) if rng.random() < 0.3}
+        for i in evicted:
+            block = manager.block_pool.get_cached_block(first.block_hashes[i])
+            manager.block_pool.cached_block_hash_to_block.pop(block.block_hash).reset_hash()
+
+        def seen_blocks(n: int) -> set[int]:
+            end = n * BLOCK_SIZE  # the first token computed
+            return {k // BLOCK_SIZE for k in range(max(end - window + 1, 0), end)} | {n - 1}
+
+        want = max((n for n in range(1, 7) if not seen_blocks(n) & evicted), default=0)
+        hits, num_tokens = manager.get_computed_blocks(make_request("b", prompt))
+        assert num_tokens == want * BLOCK_SIZE, (evicted, [b.block_id for b in hits])
+        assert [not b.is_null for b in hits] == [i in seen_blocks(want) for i in range(want)]
+        manager.check_integrity()
