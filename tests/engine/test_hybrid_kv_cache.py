@@ -139,7 +139,7 @@ def test_greedy_ids_equal_transformers_under_preemption(folder: str,
 
 
 def test_greedy_ids_equal_transformers_under_preemption_over_window_hits(folder: str) -> None:
-    llm = hybrid_engine(folder, max_model_len=128, num_gpu_blocks_override=31)
+    llm = hybrid_engine(folder, max_model_len=104, num_gpu_blocks_override=28)
     assert_preempted_requests_keep_the_output_over_window_hits(llm, folder)
     llm.shutdown()
 
