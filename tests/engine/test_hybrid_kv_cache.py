@@ -2,8 +2,9 @@
 global, twice) splits into 3 KV cache groups of 2 layers (1 global, 2 windowed), which share 2
 KV tensors; each windowed group frees its blocks behind the 20-token window while the global
 group keeps every block. Greedy ids equal transformers' (eager attention, float32) past the
-window with prefix caching, 16-token chunks, preemption, aborts and async scheduling; the
-cache holds fewer blocks than full context would need; every block comes back.
+window with prefix caching, 16-token chunks, preemption, aborts and async scheduling, and
+over prefix hits whose windowed groups hold only their windows' blocks (their first blocks
+reused); the cache holds fewer blocks than full context would need; every block comes back.
 (The 2-layer Gemma 3 of tests/engine/test_sliding_window.py is 2 groups of 1, at TP 2 too.)"""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Sliding-window models end to end: greedy ids equal transformers' (eager attention, float32)
 for prompts and generations well past the window, with prefix caching, chunked prefill and
-preemption on, and at TP 2; a model whose every layer is windowed (Mistral, Phi-3) holds only
+preemption on, and at TP 2; a prefix hit is served by the blocks its window sees after the
+prefix's first blocks were reused; a model whose every layer is windowed (Mistral, Phi-3) holds only
 the blocks its window can see; a model with global layers (Gemma 3: here one windowed layer and
 one global, two KV cache groups of one layer) frees its windowed group's blocks behind the
 window and keeps its global group's (more in tests/engine/test_hybrid_kv_cache.py).
