@@ -2,9 +2,11 @@
 one shared block pool (the groups: sluice/core/kv_cache_groups.py).
 
 It answers the scheduler as a KVCacheManager does, per group where blocks are concerned:
-- `get_computed_blocks`: each group's cached prefix, walked from block 0 as for one group; the
-  hit is the shortest over the groups (a windowed group's early blocks may have been evicted),
-  every group's hits cut to it;
+- `get_computed_blocks`: the longest prefix of L tokens that every group can serve, a global
+  group its cached chain from block 0 to L, a windowed group only the window of the token at L
+  (null blocks before it): the global groups bound L, the windowed groups shrink it in turn
+  until none does (vLLM's hybrid coordinator), so the global groups' hit survives a windowed
+  group's evicted first blocks;
 - `allocate_slots`: each windowed group first gives back the blocks behind its window, then
   every group's blocks for the step are taken at once, or none (None: too few free);
 - `block_ids_of` / `get_block_ids` + `get_group_block_ids`: group 0's ids where a step message
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from sluice.core.block_pool import BlockPool
 from sluice.core.kv_cache_groups import KVCacheGroups
-from sluice.core.kv_cache_manager import KVCacheManager, check_allocation_args
+from sluice.core.kv_cache_manager import KVCacheManager, check_allocation_args, num_null_blocks
 from sluice.core.kv_cache_utils import KVCacheBlock, sha256_hash
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ class HybridKVCacheManager:
                            sliding_window=window, block_pool=self.block_pool, group=group)
             for group, window in enumerate(groups.windows)]
         self._windowed = [m for m in self.managers if m.sliding_window is not None]
+        self._global = [m for m in self.managers if m.sliding_window is None]
         self._first = self.managers[0]
         # Group 0's, which every group's mirrors (the same requests, as many blocks each).
         self.req_to_blocks = self._first.req_to_blocks
@@ -82,17 +85,26 @@ class HybridKVCacheManager:
         self._first.update_block_hashes(request, max_blocks)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
-        """Per group, the blocks of the longest prefix every group has cached; its tokens."""
+        """Per group, the blocks of the longest prefix every group can serve (a windowed
+        group's first ones null); its tokens."""
         self.flush_pending_cache()
         if not self.enable_caching or request.skip_prefix_cache:
             return [[] for _ in self.managers], 0
         num_hits = (request.num_tokens - 1) // self.block_size
-        hits = []
-        for manager in self.managers:
-            group_hits = manager.find_cached_prefix(request, num_hits)
-            num_hits = len(group_hits)
-            hits.append(group_hits)
-        hits = [group_hits[:num_hits] for group_hits in hits]
+        hits: dict[int, list[KVCacheBlock]] = {}
+        # A global group's hit holds at every shorter length: one walk each bounds the hit.
+        for manager in self._global:
+            hits[manager.group] = manager.find_cached_prefix(request, num_hits)
+            num_hits = len(hits[manager.group])
+        # A windowed group's longest hit up to a bound may be shorter, and a shorter bound
+        # may undo another windowed group's hit: shrink until a pass leaves it unchanged.
+        bound = None
+        while bound != num_hits:
+            bound = num_hits
+            for manager in self._windowed:
+                hits[manager.group] = manager.find_cached_prefix(request, num_hits)
+                num_hits = len(hits[manager.group])
+        hits = [hits[manager.group][:num_hits] for manager in self.managers]
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hits * self.block_size
         return hits, num_hits * self.block_size
@@ -126,7 +138,7 @@ class HybridKVCacheManager:
         # Every group's hits out of the free queue before any group takes new blocks, which
         # would otherwise evict another group's hits.
         for group_hits in hits:
-            self.block_pool.touch(group_hits)
+            self.block_pool.touch(group_hits[num_null_blocks(group_hits):])
         new_blocks = [manager.take_blocks(request, num_new_tokens, group_hits,
                                           num_lookahead_tokens, num_external_computed_tokens,
                                           delay_cache_blocks, hits_touched=True)

@@ -23,8 +23,10 @@ those blocks to the pool and leaves the null block in their place, so `get_block
 positions and the attention kernels, which start at the window, never read the entry. A freed
 block keeps its hash in the free queue (evictable, a prefix hit for another request until
 evicted), and only blocks already cached, not the last of them, are freed, so the next block
-cached finds its parent held. Prefix lookup is unchanged: it walks from block 0 and stops at
-the first miss.
+cached finds its parent held. A prefix hit of L tokens needs only the blocks the token at L
+sees (`find_window_hit`): the last ceil((window - 1) / block_size) before L, at least one,
+all of them when L is shorter; the blocks before them are the null block in the hit, as if
+freed behind the window. Without a window the lookup walks from block 0 to the first miss.
 
 A hybrid model (Gemma 3) runs one manager per KV cache group over a shared pool
 (`block_pool`, `group`): sluice/core/hybrid_kv_cache_manager.py, which calls the steps of
@@ -42,6 +44,15 @@ from sluice.core.kv_cache_utils import KVCacheBlock, hash_blocks, sha256_hash
 
 if TYPE_CHECKING:
     from sluice.core.request import Request
+
+
+def num_null_blocks(hits: list[KVCacheBlock]) -> int:
+    """How many of a prefix hit's first blocks are the null block (a windowed group's hit:
+    the blocks before its window)."""
+    num_null = 0
+    while num_null < len(hits) and hits[num_null].is_null:
+        num_null += 1
+    return num_null
 
 
 def check_allocation_args(num_new_tokens: int, num_lookahead_tokens: int,
@@ -145,8 +156,11 @@ class KVCacheManager:
         return hits, num_hit_tokens
 
     def find_cached_prefix(self, request: Request, max_hit_blocks: int) -> list[KVCacheBlock]:
-        """The cached blocks of this manager's group that match the request's first blocks,
-        `max_hit_blocks` at most: a walk from block 0 to the first miss."""
+        """The longest prefix hit of this manager's group, `max_hit_blocks` at most: without a
+        window the cached blocks matching the request's first blocks (a walk from block 0 to
+        the first miss); with one, find_window_hit's."""
+        if self.sliding_window is not None:
+            return self.find_window_hit(request, max_hit_blocks)
         hits: list[KVCacheBlock] = []
         for i in range(max(0, max_hit_blocks)):
             if i == len(request.block_hashes):
@@ -162,6 +176,35 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def find_window_hit(self, request: Request, max_hit_blocks: int) -> list[KVCacheBlock]:
+        """The longest hit of n <= max_hit_blocks blocks whose window is cached: the token at
+        position L = n * block_size sees keys > L - window, in blocks
+        (L - window + 1) // block_size .. n - 1, the last ceil((window - 1) / block_size) (at
+        least one: the next block cached names it as parent; all n when fewer). Those must be
+        this group's cached blocks, each cached right after the one before it; the blocks
+        before them are the null block in the hit (no kernel reads them), as if freed behind
+        the window. The run's first block is trusted on its chained hash (sha256 over every
+        token before it); at block 0 it must have been cached as a root.
+
+        Searched from the top down (vLLM's SlidingWindowManager), so the prompt's full blocks
+        up to max_hit_blocks are hashed at once (caching them would hash them anyway)."""
+        if max_hit_blocks <= 0:
+            return []
+        self.update_block_hashes(request, max_hit_blocks)
+        num_window_blocks = max(1, -(-(self.sliding_window - 1) // self.block_size))
+        run: list[KVCacheBlock] = []  # cached blocks from position i up, the highest first
+        for i in range(max_hit_blocks - 1, -1, -1):
+            block = self.block_pool.get_cached_block(request.block_hashes[i], self.group)
+            if block is None or (i == 0 and block.parent is not None):
+                run.clear()
+                continue
+            if run and run[-1].parent != (block.block_id, block.generation):
+                run.clear()  # the block above was cached after another block: a new run
+            run.append(block)
+            if len(run) == num_window_blocks or i == 0:
+                return [self.block_pool.null_block] * i + run[::-1]
+        return []
 
     def allocate_slots(
         self,
@@ -231,7 +274,8 @@ class KVCacheManager:
             f"{len(blocks)} blocks (num_computed_tokens not reset after free?)")
         _, num_new_blocks = self._extent(request, num_new_tokens, new_computed_blocks,
                                          num_lookahead_tokens, num_external_computed_tokens)
-        return num_new_blocks + sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        return num_new_blocks + sum(1 for block in new_computed_blocks
+                                    if block.ref_cnt == 0 and not block.is_null)
 
     def _extent(self, request: Request, num_new_tokens: int,
                 new_computed_blocks: list[KVCacheBlock], num_lookahead_tokens: int,
@@ -259,11 +303,15 @@ class KVCacheManager:
         num_computed_tokens, num_new_blocks = self._extent(
             request, num_new_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens)
+        # A windowed hit's first blocks are the null block (behind its window): none held.
+        num_null_hits = num_null_blocks(new_computed_blocks)
         # Touch before allocating, so that get_new_blocks cannot evict the hits.
         if not hits_touched:
-            self.block_pool.touch(new_computed_blocks)
+            self.block_pool.touch(new_computed_blocks[num_null_hits:])
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(request_id, blocks)
+        if num_null_hits:
+            self.num_freed_blocks[request_id] = num_null_hits
         blocks.extend(new_computed_blocks)
         blocks.extend(new_blocks)
         if not self.enable_caching:
@@ -396,7 +444,14 @@ class KVCacheManager:
                 assert block.ref_cnt >= 1, (
                     f"request {request_id} holds block {block.block_id} with ref_cnt "
                     f"{block.ref_cnt}")
-            assert self.num_cached_blocks.get(request_id, 0) <= len(all_blocks), (
+            num_cached = self.num_cached_blocks.get(request_id, 0)
+            assert num_cached <= len(all_blocks), (
                 f"request {request_id} has more cached blocks than blocks")
+            assert num_freed == 0 or self.sliding_window is not None, (
+                f"request {request_id} has null blocks but group {self.group} has no window")
+            # The last cached block is held: the next block cached names it as its parent.
+            assert not self.enable_caching or num_freed == 0 or num_freed < num_cached, (
+                f"request {request_id}'s first {num_freed} blocks are null but only "
+                f"{num_cached} are cached")
             num_pairs += len(blocks)
         return num_pairs

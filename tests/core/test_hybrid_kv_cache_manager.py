@@ -1,7 +1,8 @@
 """The hybrid KV cache manager (Gemma 3): KV cache groups of one kind and equal size, one block
 table each over one pool; a windowed group gives back its blocks behind the window, the global
-group keeps them; allocation is for every group or none; a prefix hit is the shortest over the
-groups and a group's hit is one of its own blocks; every block comes back."""
+group keeps them; allocation is for every group or none; a prefix hit is the longest every group can
+serve (a windowed group only its window's blocks, null before them) and a group's hit is one
+of its own blocks; every block comes back."""
 
 from __future__ import annotations
 
@@ -130,8 +131,10 @@ def test_a_prefix_hit_is_each_group_s_own_blocks() -> None:
     again = make_request("b", prompt + [99])
     hits, num_tokens = m.get_computed_blocks(again)
     assert num_tokens == 24  # every full block, in every group
-    assert [[b.block_id for b in group_hits] for group_hits in hits] == first_ids
-    assert len({b.block_id for group_hits in hits for b in group_hits}) == 3 * 6
+    # The token at 24 sees 19 .. 24: a windowed group's hit is its blocks 2 and 3, null before.
+    assert [[b.block_id for b in group_hits] for group_hits in hits] == [
+        first_ids[0], *([0] * 4 + ids[4:] for ids in first_ids[1:])]
+    assert len({b.block_id for group_hits in hits for b in group_hits} - {0}) == 6 + 2 * 2
     run_prompt(m, again, chunk=8)  # looks up again: a second hit of 24 tokens
     assert m.prefix_cache_hits == 48
     m.free(again)
@@ -139,10 +142,10 @@ def test_a_prefix_hit_is_each_group_s_own_blocks() -> None:
     assert m.get_num_free_blocks() == 63
 
 
-def test_a_prefix_hit_is_the_shortest_over_the_groups() -> None:
+def test_a_windowed_group_s_reused_first_blocks_keep_the_global_group_s_hit() -> None:
     """A long request's windowed groups give back their first blocks, which the pool then
-    reuses first: the same prefix still hits in the global group (its blocks are held) but
-    not in a windowed group whose chain lost its root, so it hits nowhere."""
+    reuses first: the same prefix still hits its whole length, the global group's blocks from
+    block 0 and each windowed group's window (its blocks 8 and 9, which the request holds)."""
     m = manager(num_blocks=31)  # 30 usable: a 40-token prompt takes 10 in each of 3 groups
     prompt = list(range(40))
     a = make_request("a", prompt)
@@ -154,12 +157,55 @@ def test_a_prefix_hit_is_the_shortest_over_the_groups() -> None:
     b = make_request("b", [500, 501, 502])
     assert m.allocate_slots(b, 3) is not None  # 3 blocks: the first freed, the groups' roots
     assert len(m.managers[0].find_cached_prefix(probe, 10)) == 10
-    assert m.managers[1].find_cached_prefix(probe, 10) == []
-    assert m.get_computed_blocks(make_request("c", prompt + [98])) == ([[], [], []], 0)
-    for request in (a, b):
+    assert m.managers[1].block_pool.get_cached_block(probe.block_hashes[0], 1) is None
+    c = make_request("c", prompt + [98])
+    hits, num_tokens = m.get_computed_blocks(c)
+    assert num_tokens == 40
+    assert [b.block_id for b in hits[0]] == m.get_block_ids("a")
+    for group_hits, ids in zip(hits[1:], m.get_group_block_ids("a")):
+        assert [b.block_id for b in group_hits] == [0] * 8 + ids[8:10]
+    # c shares the hit blocks with a and takes one new block a group for its last token.
+    assert m.allocate_slots(c, 1, hits) is not None
+    assert m.num_blocks_held("c") == 11 + 2 * 3  # a windowed group: blocks 8, 9 and 10
+    m.check_integrity()
+    for request in (a, b, c):
         m.free(request)
     m.check_integrity()
     assert m.get_num_free_blocks() == 30
+
+
+def forget(m: HybridKVCacheManager, group: int, request, index: int) -> None:  # noqa: ANN001
+    """Evict the cached block `index` of the request's prompt in `group` (free, uncached)."""
+    key = m.block_pool.get_cached_block(request.block_hashes[index], group).block_hash
+    m.block_pool.cached_block_hash_to_block.pop(key).reset_hash()
+
+
+def test_the_hit_shrinks_until_every_windowed_group_has_its_window() -> None:
+    """Windowed groups with different blocks evicted: group 1 lacks its blocks 0, 9 and 5,
+    group 2 its blocks 0 and 7 (a window is two blocks). Bounded by 10, group 1 could serve 9
+    blocks, group 2 then 7, group 1 at 7 only 5, which group 2 serves: 5 blocks, where one
+    pass over the groups would say 7 and the walk from block 0 none."""
+    m = manager(num_blocks=64)
+    prompt = list(range(41))
+    first = make_request("a", prompt)
+    run_prompt(m, first, chunk=41)  # one step: every block held, then every block cached
+    m.free(first)
+    m.check_integrity()
+    probe = make_request("probe", prompt)
+    assert m.get_computed_blocks(probe)[1] == 40
+    for group, index in ((1, 0), (1, 9), (1, 5), (2, 0), (2, 7)):
+        forget(m, group, probe, index)
+    m.check_integrity()
+    b = make_request("b", prompt)
+    hits, num_tokens = m.get_computed_blocks(b)
+    assert num_tokens == 20
+    assert [len(group_hits) for group_hits in hits] == [5, 5, 5]
+    for group_hits in hits[1:]:
+        assert [b.is_null for b in group_hits] == [True] * 3 + [False] * 2
+    run_prompt(m, b, chunk=8)
+    m.free(b)
+    m.check_integrity()
+    assert m.get_num_free_blocks() == 63
 
 
 def test_no_group_s_new_blocks_evict_another_group_s_hits() -> None:

@@ -3,6 +3,8 @@ allocation, and a randomized workload that must leave every block free and the p
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -385,6 +387,14 @@ class Workload:
                 assert self.snapshot(request) == before
             return False
         blocks = self.manager.req_to_blocks[request.request_id]
+        window = self.manager.sliding_window
+        if window is not None and num_new_tokens:
+            # The first new token's window is held and holds its tokens' KV, a hit's too.
+            for position in range(max(num_computed_tokens - window + 1, 0), num_computed_tokens):
+                block = blocks[position // self.block_size]
+                assert not block.is_null, f"position {position} is in the window but null"
+                assert self.slots[block.block_id, position % self.block_size] == tuple(
+                    request.all_token_ids[:position + 1])
         for position in range(num_computed_tokens, num_computed_tokens + num_new_tokens):
             block = blocks[position // self.block_size]
             self.slots[block.block_id, position % self.block_size] = tuple(
@@ -411,8 +421,15 @@ class Workload:
 
     def check_hits(self, request: Request, hits: list[KVCacheBlock], num_hit_tokens: int) -> None:
         assert num_hit_tokens == len(hits) * self.block_size < request.num_tokens
+        window = self.manager.sliding_window
+        # A windowed hit's null blocks lie wholly before the window of the token at the hit's
+        # end (the first it computes); every other block holds the tokens it claims.
+        first_seen = 0 if window is None else max(num_hit_tokens - window + 1, 0)
         for position in range(num_hit_tokens):
             block = hits[position // self.block_size]
+            if block.is_null:
+                assert (position // self.block_size + 1) * self.block_size <= first_seen
+                continue
             assert self.slots[block.block_id, position % self.block_size] == tuple(
                 request.all_token_ids[:position + 1])
 
@@ -556,25 +573,36 @@ def test_blocks_behind_the_window_go_back_as_the_request_advances(enable_caching
     assert manager.get_num_free_blocks() == 15
 
 
-def test_a_freed_block_stays_cached_and_the_lookup_stops_at_the_first_evicted() -> None:
-    """Prefix-caching rule: blocks freed behind the window keep their hashes in the free queue,
-    so a later request with the same prefix hits them from block 0; once the pool reuses one,
-    the lookup stops there (never past a missing block)."""
+def test_a_windowed_hit_needs_only_the_blocks_its_window_sees() -> None:
+    """Blocks freed behind the window keep their hashes in the free queue; a hit of L tokens
+    needs only the blocks the token at L sees (window 4 over blocks of 4: the one before L),
+    null before them, so it survives the pool reusing the chain's first blocks; once the
+    window's block goes too, the hit falls to the longest L whose window is still cached."""
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, sliding_window=4)
     prompt = list(range(12))
     first = make_request("a", prompt)
     prefill(manager, first)
     decode(manager, first, 5)  # computing position 16 (sees 13 .. 16): blocks 0 .. 2 freed
     assert manager.get_block_ids("a") == [0, 0, 0, 4, 5]
-    assert num_hit_tokens(manager, prompt + [7, 7]) == 12  # blocks 0 .. 2, freed but cached
+    probe = make_request("probe", prompt + [7, 7])
+    assert [b.block_id for b in manager.get_computed_blocks(probe)[0]] == [0, 0, 3]
     # An unrelated request takes 4 of the 5 free blocks: the 2 never used, then the freed ones
     # in the order freed (tail first among each step's: block 1's, then block 0's).
     other = make_request("b", list(range(100, 116)))
     prefill(manager, other)
-    assert num_hit_tokens(manager, prompt + [7, 7]) == 0
-    manager.free(first)
-    manager.free(other)
+    assert [b.block_id for b in manager.get_computed_blocks(probe)[0]] == [0, 0, 3]
+    # Past the reused blocks: 16 tokens need block 3 only, which "a" still holds.
+    longer = make_request("c", first.all_token_ids + [9])
+    hits, num_tokens = manager.get_computed_blocks(longer)
+    assert ([b.block_id for b in hits], num_tokens) == ([0, 0, 0, 4], 16)
+    # Its new block is the last free one, the prompt's block 2: no L <= 12 has its window.
+    assert [b.block_id for b in manager.allocate_slots(longer, 2, hits)] == [3]
+    assert manager.get_block_ids("c") == [0, 0, 0, 4, 3] and manager.num_blocks_held("c") == 2
     manager.check_integrity()
+    assert manager.get_computed_blocks(probe) == ([], 0)
+    for request in (first, other, longer):
+        manager.free(request)
+        manager.check_integrity()
     assert manager.get_num_free_blocks() == 7
 
 
@@ -595,3 +623,31 @@ def test_prefix_hits_behind_the_window_are_given_back_at_once() -> None:
 def test_a_non_positive_window_is_refused() -> None:
     with pytest.raises(ValueError, match="sliding_window must be >= 1 or None, got 0"):
         KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE, sliding_window=0)
+
+
+@pytest.mark.parametrize("window", [1, 2, 4, 5, 8, 9, 13])
+def test_a_windowed_hit_is_the_longest_whose_window_the_rule_says_is_cached(window: int) -> None:
+    """Against the window rule itself (a token at p sees keys > p - window): over random sets
+    of evicted blocks, the hit is the longest n blocks such that every block holding a key
+    the token at n * 4 sees is cached (block n - 1 at least), and exactly those are real."""
+    rng = random.Random(window)
+    prompt = list(range(6 * BLOCK_SIZE + 1))
+    for _ in range(20):
+        manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, sliding_window=window)
+        first = make_request("a", prompt)
+        prefill(manager, first)
+        manager.free(first)
+        evicted = {i for i in range(6) if rng.random() < 0.3}
+        for i in evicted:
+            block = manager.block_pool.get_cached_block(first.block_hashes[i])
+            manager.block_pool.cached_block_hash_to_block.pop(block.block_hash).reset_hash()
+
+        def seen_blocks(n: int) -> set[int]:
+            end = n * BLOCK_SIZE  # the first token computed
+            return {k // BLOCK_SIZE for k in range(max(end - window + 1, 0), end)} | {n - 1}
+
+        want = max((n for n in range(1, 7) if not seen_blocks(n) & evicted), default=0)
+        hits, num_tokens = manager.get_computed_blocks(make_request("b", prompt))
+        assert num_tokens == want * BLOCK_SIZE, (evicted, [b.block_id for b in hits])
+        assert [not b.is_null for b in hits] == [i in seen_blocks(want) for i in range(want)]
+        manager.check_integrity()

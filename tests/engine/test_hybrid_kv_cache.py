@@ -2,8 +2,9 @@
 global, twice) splits into 3 KV cache groups of 2 layers (1 global, 2 windowed), which share 2
 KV tensors; each windowed group frees its blocks behind the 20-token window while the global
 group keeps every block. Greedy ids equal transformers' (eager attention, float32) past the
-window with prefix caching, 16-token chunks, preemption, aborts and async scheduling; the
-cache holds fewer blocks than full context would need; every block comes back.
+window with prefix caching, 16-token chunks, preemption, aborts and async scheduling, and
+over prefix hits whose windowed groups hold only their windows' blocks (their first blocks
+reused); the cache holds fewer blocks than full context would need; every block comes back.
 (The 2-layer Gemma 3 of tests/engine/test_sliding_window.py is 2 groups of 1, at TP 2 too.)"""
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from sluice.model.hf_config import load_hf_config
 from sluice.worker.kv_cache import determine_num_blocks
 from tests.engine.test_sliding_window import (
     PROMPTS,
+    assert_a_window_hit_after_the_roots_are_reused,
     assert_all_blocks_back,
+    assert_preempted_requests_keep_the_output_over_window_hits,
     engine,
     greedy,
     reference,
@@ -94,6 +97,17 @@ def test_a_repeated_long_prompt_hits_and_keeps_the_output(folder: str) -> None:
     llm.shutdown()
 
 
+def test_a_shared_prefix_hits_every_group_after_the_windowed_roots_are_reused(
+        folder: str) -> None:
+    """30 usable blocks, as many as the first 77-token prompt takes (10 a group): a 17-token
+    prompt's 9 blocks are the windowed groups' first, freed behind the window; the shared
+    72 tokens then still hit in all 3 groups (the hit is the global group's chain and each
+    windowed group's window, found by shrinking until both windowed groups agree)."""
+    llm = hybrid_engine(folder, max_model_len=128, num_gpu_blocks_override=31)
+    assert_a_window_hit_after_the_roots_are_reused(llm, folder, 17)
+    llm.shutdown()
+
+
 def test_the_windowed_groups_hold_only_their_window_s_blocks(folder: str) -> None:
     """One request of 77 + 100 tokens: 23 blocks of 8 a group, 69 in all with every block
     kept; the global group keeps its 23, each windowed group never more than the window and a
@@ -122,6 +136,12 @@ def test_greedy_ids_equal_transformers_under_preemption(folder: str,
     assert greedy(llm, prompts, 16) == reference(folder, prompts, 16)
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
     assert_all_blocks_back(llm)
+    llm.shutdown()
+
+
+def test_greedy_ids_equal_transformers_under_preemption_over_window_hits(folder: str) -> None:
+    llm = hybrid_engine(folder, max_model_len=104, num_gpu_blocks_override=28)
+    assert_preempted_requests_keep_the_output_over_window_hits(llm, folder)
     llm.shutdown()
 
 

@@ -1,6 +1,7 @@
 """Sliding-window models end to end: greedy ids equal transformers' (eager attention, float32)
 for prompts and generations well past the window, with prefix caching, chunked prefill and
-preemption on, and at TP 2; a model whose every layer is windowed (Mistral, Phi-3) holds only
+preemption on, and at TP 2; a prefix hit is served by the blocks its window sees after the
+prefix's first blocks were reused; a model whose every layer is windowed (Mistral, Phi-3) holds only
 the blocks its window can see; a model with global layers (Gemma 3: here one windowed layer and
 one global, two KV cache groups of one layer) frees its windowed group's blocks behind the
 window and keeps its global group's (more in tests/engine/test_hybrid_kv_cache.py).
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from sluice import LLM, SamplingParams
+from sluice.core.request import Request
 from sluice.engine.core import freeing_window
 from sluice.engine.core_proc import make_scheduler_stats
 from sluice.model.hf_config import parse_hf_config
@@ -111,6 +113,88 @@ def test_greedy_ids_equal_transformers_past_the_window(folders: dict[str, str],
         assert manager.groups.windows == (None, WINDOWED[arch][0])
     else:
         assert manager.sliding_window == WINDOWED[arch][0]
+    llm.shutdown()
+
+
+def record_window_hits(llm: LLM) -> list[int]:
+    """Wrap the engine's prefix lookup: the list returned gets the hit tokens of every lookup
+    served by a window (a windowed group's hit with null blocks before its window)."""
+    manager = llm.llm_engine.kv_cache_manager
+    lookup, window_hits = manager.get_computed_blocks, []
+
+    def recording_lookup(request: Request):  # noqa: ANN202
+        hits, num_tokens = lookup(request)
+        groups = hits if hasattr(manager, "managers") else [hits]
+        if any(group and group[0].is_null for group in groups):
+            window_hits.append(num_tokens)
+        return hits, num_tokens
+
+    manager.get_computed_blocks = recording_lookup
+    return window_hits
+
+
+def assert_a_window_hit_after_the_roots_are_reused(llm: LLM, folder: str,
+                                                  num_other_tokens: int) -> None:
+    """A 77-token prompt, then an unrelated one of `num_other_tokens` whose blocks evict the
+    first's first blocks in every windowed group (freed behind the window, they head the free
+    queue), then a prompt sharing the first's 72 tokens: it hits all 72 (the walk from block 0
+    would hit none), computes its other 30 in two chunks, and its ids are transformers'."""
+    rng = random.Random(1)
+    first = PROMPTS[3]
+    second = first[:72] + [rng.randrange(3, 600) for _ in range(30)]
+    other = [rng.randrange(3, 600) for _ in range(num_other_tokens)]
+    assert greedy(llm, [first], 1) == reference(folder, [first], 1)
+    assert greedy(llm, [other], 1) == reference(folder, [other], 1)
+    manager = llm.llm_engine.kv_cache_manager
+    windowed = ([manager] if manager.sliding_window is not None
+                else [m for m in manager.managers if m.sliding_window is not None])
+    probe = Request("probe", second, SamplingParams())
+    manager.update_block_hashes(probe)
+    for group in windowed:
+        assert group.block_pool.get_cached_block(probe.block_hashes[0], group.group) is None
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    [output] = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)
+    assert output.num_cached_tokens == 72
+    assert output.outputs[0].token_ids == reference(folder, [second], 8)[0]
+    assert_all_blocks_back(llm)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_a_shared_prefix_hits_its_window_after_its_first_blocks_are_reused(
+        folders: dict[str, str], arch: str) -> None:
+    """A cache of 128 tokens' blocks (Gemma 3: a global group's and a windowed group's
+    window and step): an unrelated 64-token prompt (Gemma 3: 17, which takes 3 blocks a
+    group) reaches past the blocks never used into the first prompt's."""
+    folder = folders[arch]
+    mistral = arch == "mistral"
+    llm = engine(folder, arch, max_model_len=128, num_gpu_blocks_override=17 if mistral else 24)
+    assert_a_window_hit_after_the_roots_are_reused(llm, folder, 64 if mistral else 17)
+    llm.shutdown()
+
+
+def assert_preempted_requests_keep_the_output_over_window_hits(llm: LLM, folder: str) -> None:
+    """Six prompts sharing 72 tokens (past the window) in a cache too small for them at once:
+    later ones and resumed ones hit only their windows' blocks (null before them), in 16-token
+    chunks after the hit, and every output is transformers'."""
+    rng = random.Random(2)
+    prompts = [PROMPTS[3][:72] + [rng.randrange(3, 600) for _ in range(rng.randrange(5, 20))]
+               for _ in range(6)]
+    window_hits = record_window_hits(llm)
+    assert greedy(llm, prompts, 12) == reference(folder, prompts, 12)
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    assert len(window_hits) >= 5 and max(window_hits) >= 72
+    assert_all_blocks_back(llm)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_greedy_ids_equal_transformers_under_preemption_over_window_hits(
+        folders: dict[str, str], arch: str) -> None:
+    folder = folders[arch]
+    """The smallest cache for 104 tokens (Gemma 3: a global group's and a windowed group's
+    window and step)."""
+    llm = engine(folder, arch, max_model_len=104,
+                 num_gpu_blocks_override=14 if arch == "mistral" else 21)
+    assert_preempted_requests_keep_the_output_over_window_hits(llm, folder)
     llm.shutdown()
 
 
