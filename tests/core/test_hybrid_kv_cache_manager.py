@@ -12,7 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from sluice.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from sluice.core.kv_cache_groups import KVCacheGroups, kv_cache_groups, split_layers
+from sluice.core.kv_cache_groups import (
+    KVCacheGroups,
+    group_size_for,
+    kv_cache_groups,
+    split_layers,
+)
 from sluice.model.hf_config import parse_hf_config
 from tests.core.test_kv_cache_manager import make_request
 
@@ -37,6 +42,26 @@ def test_gemma_3_270m_splits_into_a_global_group_and_five_windowed_groups_of_thr
     one_b = split_layers(tuple((i + 1) % 6 != 0 for i in range(26)), 512)
     assert one_b.group_size == 2 and one_b.num_groups == 13
     assert one_b.windows.count(None) == 2
+    # (4 a group would pad 2 slots of 28, more than 1/16.)
+
+
+def test_counts_without_a_large_divisor_make_fewer_groups_padded() -> None:
+    """Gemma 3 4B (29 windowed, 5 global: coprime) makes 7 groups of 5, the last windowed
+    one of 4 layers, where the divisor would make 34 groups of 1; 27B (52, 10) 13 groups of 5,
+    3 slots padded, where vLLM's rule (the smaller count) would waste 8 of 70."""
+    four_b = split_layers(tuple((i + 1) % 6 != 0 for i in range(34)), 1024)
+    assert four_b.group_size == 5 and four_b.num_groups == 7
+    assert four_b.layers[0] == (5, 11, 17, 23, 29)
+    assert [len(members) for members in four_b.layers] == [5] * 6 + [4]
+    assert four_b.layers[-1] == (30, 31, 32, 33)
+    slots = four_b.layer_slots()
+    assert sorted(slots) == list(range(34))
+    assert slots[33] == (6, 3)  # the last group has no layer on tensor 4
+    big = split_layers(tuple((i + 1) % 6 != 0 for i in range(62)), 1024)
+    assert big.group_size == 5 and big.num_groups == 13
+    assert big.num_groups * big.group_size - 62 == 3
+    assert group_size_for(10, 52) == 5 and group_size_for(3, 15) == 3
+    assert group_size_for(4, 22) == 2 and group_size_for(3, 14) == 3  # 1 slot of 17 padded
 
 
 def test_groups_are_split_only_where_nothing_else_reads_the_blocks() -> None:

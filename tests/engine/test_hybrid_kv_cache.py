@@ -269,3 +269,30 @@ def test_tp2_greedy_ids_equal_transformers(folder: str) -> None:
         assert_all_blocks_back(llm)
     finally:
         llm.shutdown()
+
+
+def test_padded_groups_of_a_model_whose_counts_share_no_divisor_keep_the_output(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """17 layers, 14 windowed and 3 global (coprime, as Gemma 3 4B's 29 and 5): 6 groups of 3
+    over 3 KV tensors, the last windowed group of 2 layers (its third tensor's pages unused),
+    where the common divisor would give 17 groups; greedy ids equal transformers' past the
+    window, over the prefix cache, and every block comes back."""
+    layer_types = (["sliding_attention"] * 5 + ["full_attention"]) * 2 + (
+        ["sliding_attention"] * 4 + ["full_attention"])
+    folder = save_hf_model(str(tmp_path_factory.mktemp("padded") / "gemma3-w20-l17"),
+                           "gemma3", sliding_window=WINDOW, num_hidden_layers=17,
+                           layer_types=layer_types)
+    llm = engine(folder, "gemma3")
+    manager = llm.llm_engine.kv_cache_manager
+    assert isinstance(manager, HybridKVCacheManager)
+    assert manager.groups.layers == ((5, 11, 16), (0, 1, 2), (3, 4, 6), (7, 8, 9), (10, 12, 13),
+                                     (14, 15))
+    runner = llm.llm_engine.engine_core.executor.model_runner
+    assert len({cache.data_ptr() for cache in runner.kv_caches.values()}) == 3
+    prompts = PROMPTS[:3]
+    want = reference(folder, prompts)
+    assert greedy(llm, prompts) == want
+    assert greedy(llm, prompts) == want  # over the prefix cache
+    assert manager.prefix_cache_hits > 0
+    assert_all_blocks_back(llm)
+    llm.shutdown()
