@@ -43,6 +43,15 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def assert_tp2_greedy(folder: str, want: list[list[int]], **engine: object) -> None:
+    """The folder at TP 2 (with preemption) gives `want`'s greedy ids."""
+    llm = LLM(model=folder, tensor_parallel_size=2, **BASE, **PREEMPTING, **engine)
+    try:
+        assert greedy(llm) == want
+    finally:
+        llm.shutdown()
+
+
 def hf_greedy(model) -> list[list[int]]:
     ids = []
     for prompt in prompts():
@@ -195,11 +204,7 @@ def test_a_block_fp8_checkpoint_at_tp2_gives_tp1_s_greedy_ids(tmp_path: Path) ->
     columns (o / down: 32 of 64, 64 of 128): each rank dequantizes whole blocks and cuts."""
     folder = make_tiny_model(str(tmp_path / "fp8"), quantize="fp8-block", block_size=(24, 40))
     want = greedy(LLM(model=folder, **BASE))
-    llm = LLM(model=folder, tensor_parallel_size=2, **BASE, **PREEMPTING)
-    try:
-        assert greedy(llm) == want
-    finally:
-        llm.shutdown()
+    assert_tp2_greedy(folder, want)
 
 
 @pytest.mark.parametrize("quantization_config,message", [
@@ -352,11 +357,7 @@ def test_kept_fp8_weights_at_tp2_give_tp1_s_greedy_ids(tmp_path: Path,
     folder = make_tiny_model(str(tmp_path / "fp8"), quantize="fp8-block", block_size=(16, 32))
     want = greedy(LLM(model=folder, **BASE))
     monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "keep")
-    llm = LLM(model=folder, tensor_parallel_size=2, **BASE, **PREEMPTING)
-    try:
-        assert greedy(llm) == want
-    finally:
-        llm.shutdown()
+    assert_tp2_greedy(folder, want)
     monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "always")
     with pytest.raises(ValueError, match="SLUICE_FP8_WEIGHTS must be 'auto', 'keep' or "
                                          "'dequantize', got 'always'"):

@@ -34,6 +34,7 @@ from tests.model.test_fp8_checkpoints import (
     PREEMPTING,
     _loaded,
     _per_tensor_static_folder,
+    assert_tp2_greedy,
     dequantized_folder,
     greedy,
     hf_greedy,
@@ -256,11 +257,7 @@ def test_fp8_experts_at_tp2_give_tp1_s_greedy_ids(kind: str, tmp_path: Path,
     folder = fp8_moe_folder(tmp_path, "qwen3_moe", kind, block=(16, 16))
     want = greedy(LLM(model=folder, **BASE))
     monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "keep")
-    llm = LLM(model=folder, tensor_parallel_size=2, **BASE, **PREEMPTING)
-    try:
-        assert greedy(llm) == want
-    finally:
-        llm.shutdown()
+    assert_tp2_greedy(folder, want)
 
 
 @pytest.mark.one_worker
@@ -303,12 +300,7 @@ def test_expert_blocks_a_rank_boundary_would_split_are_refused_and_kept_under_ep
             assert torch.equal(ours.view(torch.uint8) if ours.dtype != torch.float32 else ours,
                                theirs.view(torch.uint8) if theirs.dtype != torch.float32
                                else theirs)
-    llm = LLM(model=folder, tensor_parallel_size=2, enable_expert_parallel=True, **BASE,
-              **PREEMPTING)
-    try:
-        assert greedy(llm) == want
-    finally:
-        llm.shutdown()
+    assert_tp2_greedy(folder, want, enable_expert_parallel=True)
 
 
 def test_the_gpu_check_s_fp8_moe_setting_passes_on_the_cpu(
