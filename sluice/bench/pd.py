@@ -13,8 +13,10 @@ rate. Phase 2 starts a prefill and a decode instance on the same device, one aft
 the same loads through the router; then, for each of `--transfer-prompt-lens`, it sends
 `--transfer-repeats` single fresh prompts (one output token) and reads the prefill's transfer
 counters: KV bytes, seconds spent writing, hence the transfer bandwidth and its share of the
-TTFT seen by the client. It prints TTFT, TPOT and ITL (mean and P99) and goodput for both and
-their ratio (PD / colocated), and saves everything as JSON with the command and the machine.
+TTFT seen by the client (the same prompts go to the colocated instance first, one at a time:
+PD's TTFT against colocated's at no load). It prints TTFT, TPOT and ITL (mean and P99) and
+goodput for both and their ratio (PD / colocated), and saves everything as JSON with the
+command and the machine.
 
 Two GPUs of one host: `--prefill-device cuda:0 --decode-device cuda:1` (run it with both GPUs
 in CUDA_VISIBLE_DEVICES; the colocated instance stays on `--device`), and memory 0.9 each.
@@ -98,9 +100,10 @@ def _prefill_counters(prefill: Instance) -> dict[str, float]:
     return prefill.engine_info(timeout_s=120.0)["scheduler"]["kv_connector"]
 
 
-def _transfer(router: Instance, prefill: Instance, model: str, vocab: int,
+def _transfer(router: Instance, prefill: Instance | None, model: str, vocab: int,
               ns: argparse.Namespace) -> dict[str, Any]:
-    """Per prompt length: TTFT at the client, KV bytes and write seconds at the prefill."""
+    """Per prompt length: TTFT at the client, KV bytes and write seconds at the prefill; with
+    no prefill (the colocated instance), the TTFT alone, of the same prompts (fresh there)."""
     rng = np.random.default_rng(ns.seed + 1)
     out: dict[str, Any] = {}
     with httpx.Client(timeout=600) as client:
@@ -108,7 +111,7 @@ def _transfer(router: Instance, prefill: Instance, model: str, vocab: int,
             rows = []
             for _ in range(ns.transfer_repeats):
                 prompt = rng.integers(10, vocab - 10, size=length).tolist()  # fresh: no hit
-                before = _prefill_counters(prefill)
+                before = _prefill_counters(prefill) if prefill is not None else {}
                 started = time.perf_counter()
                 ttft = None
                 with client.stream("POST", f"{router.url}/v1/completions", json={
@@ -118,6 +121,9 @@ def _transfer(router: Instance, prefill: Instance, model: str, vocab: int,
                     for line in response.iter_lines():
                         if ttft is None and line.startswith("data:") and '"text"' in line:
                             ttft = time.perf_counter() - started
+                if prefill is None:
+                    rows.append({"ttft_s": ttft})
+                    continue
                 time.sleep(0.2)  # the prefill's counters arrive with its next step
                 after = _prefill_counters(prefill)
                 # The room's write and, layer-wise, the writes during the prompt (these
@@ -130,9 +136,12 @@ def _transfer(router: Instance, prefill: Instance, model: str, vocab: int,
                              "gb_per_s": sent / seconds / 1e9 if seconds else math.nan,
                              "share_of_ttft": seconds / ttft if ttft else math.nan})
             out[str(length)] = {"runs": rows, **{
-                key: float(np.median([r[key] for r in rows]))
-                for key in ("ttft_s", "kv_bytes", "transfer_s", "gb_per_s", "share_of_ttft")}}
+                key: float(np.median([r[key] for r in rows])) for key in rows[0]}}
             median = out[str(length)]
+            if prefill is None:
+                print(f"colocated {length} tokens: TTFT {median['ttft_s'] * 1e3:.1f} ms "
+                      f"(single fresh prompts)", flush=True)
+                continue
             print(f"transfer {length} tokens: {median['kv_bytes'] / 2**20:.1f} MiB in "
                   f"{median['transfer_s'] * 1e3:.1f} ms ({median['gb_per_s']:.2f} GB/s), "
                   f"{100 * median['share_of_ttft']:.1f}% of TTFT {median['ttft_s'] * 1e3:.0f} ms",
@@ -172,6 +181,11 @@ def main(ns: argparse.Namespace) -> int:
     start_instances([colocated], ns.start_timeout)
     try:
         result["colocated"] = _loads(colocated.url, "bench", ns)
+        if ns.transfer_prompt_lens:
+            from sluice.model.hf_config import load_hf_config
+
+            result["colocated_single"] = _transfer(
+                colocated, None, "bench", load_hf_config(ns.model).vocab_size, ns)
     finally:
         colocated.stop()
 
@@ -196,6 +210,12 @@ def main(ns: argparse.Namespace) -> int:
     finally:
         cluster.close()
     print(_table(result["colocated"], result["pd"]))
+    for length, row in result.get("transfer", {}).items():
+        alone = result.get("colocated_single", {}).get(length)
+        if alone:  # the same prompts, one at a time: PD's cost at no load
+            print(f"single fresh {length}-token prompts: TTFT PD {row['ttft_s'] * 1e3:.1f} ms, "
+                  f"colocated {alone['ttft_s'] * 1e3:.1f} ms "
+                  f"({row['ttft_s'] / alone['ttft_s']:.2f}x)")
     if ns.output:
         from sluice.bench.record import make_record, write_record
 
