@@ -151,3 +151,63 @@ def test_fp8_silu_mul_linear_runs_at_one_row_only() -> None:
     y = fp8_gemm.fp8_silu_mul_linear(x, layer)
     close(y, expected(x, weight, scale, (8, 32), silu_mul=True), torch.bfloat16)
     assert fp8_gemm.fp8_silu_mul_linear(activations(2, 128, torch.bfloat16, 13), layer) is None
+
+
+@pytest.mark.parametrize("kind", ["block", "channel"])
+def test_an_fp8_model_s_one_token_step_runs_down_with_the_silu_prologue(
+        kind: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """install_fp8_ops on a tiny FP8 Qwen3 (bf16): a one-token decode step runs every
+    projection in the one-row kernel and each down_proj with SiLU-and-mul in its prologue
+    (no activation op), giving the hidden states of the same step through the previous
+    one-row path (_w8a16_kernel, then the SiLU op and _w8a16_kernel for down) to bf16
+    rounding; the prefill (5 rows: W8A8) is the same in both."""
+    from sluice.attention.backend import get_attention_backend
+    from sluice.model.hf_config import load_hf_config
+    from sluice.model.loader import load_model
+    from sluice.model.tiny import make_tiny_model
+    from sluice.worker.compile import install_fp8_ops
+    from tests.kernels.test_fused_ops import (
+        BLOCK_SIZE,
+        BLOCKS_PER_REQUEST,
+        attention_layers,
+        bind_kv_caches,
+        step_metadata,
+    )
+
+    monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "keep")
+    folder = make_tiny_model(str(tmp_path / "m"), arch="qwen3", quantize=f"fp8-{kind}",
+                             block_size=(16, 32))
+    config = load_hf_config(folder)
+    model = load_model(folder, config, torch.bfloat16, torch.device(DEVICE),
+                       get_attention_backend("torch_ref"), fp8_weights=True)
+
+    def one_token_step() -> torch.Tensor:
+        shape = (2, BLOCKS_PER_REQUEST, BLOCK_SIZE, config.num_key_value_heads,
+                 config.head_dim)
+        bind_kv_caches(model, {name: torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
+                               for name in attention_layers(model)})
+        ids = torch.randint(0, config.vocab_size, (6,),
+                            generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        with torch.no_grad():
+            model(ids[:5], torch.arange(5, device=DEVICE), step_metadata([5], [5]))
+            return model(ids[5:], torch.tensor([5], device=DEVICE), step_metadata([1], [6]))
+
+    install_fp8_ops(model)
+    mlp = model.model.layers[0].mlp
+    assert mlp.fp8_act_down_op is fp8_gemm.fp8_silu_mul_linear
+    with monkeypatch.context() as patch:
+        patch.setattr(fp8_gemm, "fp8_row_config", lambda *a, **kw: None)
+        want = one_token_step()
+    calls = {"row": 0, "silu": 0}
+    real_row = fp8_gemm.fp8_row_mm
+    monkeypatch.setattr(fp8_gemm, "fp8_row_mm", lambda *a, **kw: calls.__setitem__(
+        "row", calls["row"] + 1) or real_row(*a, **kw))
+    for layer in model.model.layers:
+        act = layer.mlp.act_fn
+        act.forward = lambda *a, _f=act.forward, **kw: calls.__setitem__(
+            "silu", calls["silu"] + 1) or _f(*a, **kw)
+    got = one_token_step()  # the prefill's 5 rows run W8A8 and the SiLU op
+    layers = config.num_hidden_layers
+    # prefill: none; decode: qkv, o, gate_up, down a layer
+    assert calls == {"row": 4 * layers, "silu": layers}
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
