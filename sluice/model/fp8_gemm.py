@@ -372,12 +372,14 @@ def fp8_row_config(n: int, k: int, block: tuple[int, int] | None, silu_mul: bool
 def fp8_row_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None, config: GemmConfig | None = None, *,
                silu_mul: bool = False, out: torch.Tensor | None = None,
-               accumulate: bool = False, inv_rms_eps: float | None = None) -> torch.Tensor:
+               accumulate: bool = False, inv_rms_eps: float | None = None,
+               gain: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (silu_mul: [M, 2K] gate and up; M is 1 in the model) times the FP8 weight [N, K]
     transposed in sluice.model.triton_gemm's one-row kernel (PDL weight prefetch, split-K, the
     SiLU-and-mul prologue and the ACCUMULATE / 1 / rms epilogues of triton_gemm.skinny_mm),
-    the weight widened in registers and scaled per row or block. `config`: fp8_row_config's
-    by default (ValueError where none fits)."""
+    the weight widened in registers and scaled per row or block; `gain` [K]: of x * gain
+    (with `inv_rms_eps`: rms_norm(x, gain) W^T, the norm's weight kept out of the FP8
+    weight). `config`: fp8_row_config's by default (ValueError where none fits)."""
     from sluice.model.triton_gemm import skinny_mm
 
     n, k = weight.shape
@@ -385,7 +387,8 @@ def fp8_row_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if config is None:
         raise ValueError(f"no one-row FP8 tiles for a {tuple(weight.shape)} weight")
     return skinny_mm(x, weight, config, silu_mul=silu_mul, out=out, accumulate=accumulate,
-                     inv_rms_eps=inv_rms_eps, weight_scale=scale, scale_block=block)
+                     inv_rms_eps=inv_rms_eps, weight_scale=scale, scale_block=block,
+                     gain=gain)
 
 
 def fp8_silu_mul_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:

@@ -234,6 +234,8 @@ def _row_mm_kernel(
     SCALE_MODE: tl.constexpr = 0,  # FP8 weights: 0 none, 1 per output row, 2 per block
     GROUP_N: tl.constexpr = 1,  # SCALE_MODE 2: rows of a scale block (BLOCK_N divides it)
     GROUP_K: tl.constexpr = 1,  # SCALE_MODE 2: columns of a scale block
+    g_ptr=None,  # GAIN: [K], an input-side gain (an RMSNorm's weight not folded into W)
+    GAIN: tl.constexpr = False,  # x[k] * g[k] (after INV_RMS's squares, which are of x)
 ):
     """One batch row a program (GemmConfig.fma with block_m 1): BLOCK_N weight rows times the
     row, multiply-adds in float32 into a [BLOCK_N, BLOCK_K] accumulator that is summed over K
@@ -279,6 +281,8 @@ def _row_mm_kernel(
             x = tl.load(x_ptrs).to(tl.float32)
         if INV_RMS:
             squares += x * x
+        if GAIN:
+            x *= tl.load(g_ptr + offs_k + k_start).to(tl.float32)
         if SCALE_MODE == 2:
             x *= tl.load(s_ptr + block_row * stride_sn + (offs_k + k_start) // GROUP_K)
         acc += w.to(tl.float32) * x[None, :]
@@ -362,7 +366,8 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
               silu_mul: bool = False, out: torch.Tensor | None = None,
               accumulate: bool = False, inv_rms_eps: float | None = None,
               weight_scale: torch.Tensor | None = None,
-              scale_block: tuple[int, int] | None = None) -> torch.Tensor:
+              scale_block: tuple[int, int] | None = None,
+              gain: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (silu_mul: [M, 2K] gate and up), weight [N, K] -> x W^T [M, N] in x's dtype;
     into `out` (its first M rows) when given, added to what it holds with `accumulate`; with
     `inv_rms_eps`, each row scaled by 1 / sqrt(mean(x_row^2) + eps) (a split-K config cannot:
@@ -370,12 +375,20 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
 
     FP8 weights (float8_e4m3fn, one-row configs only: _row_mm_kernel) take `weight_scale`:
     float32 [N] per output row (`scale_block` None), or [ceil(N / GN), ceil(K / GK)] per
-    `scale_block` (GN, GK) block (config.block_n must divide GN); W ~= fp8 * scale."""
+    `scale_block` (GN, GK) block (config.block_n must divide GN); W ~= fp8 * scale.
+
+    `gain` [K] (one-row configs, no SiLU-and-mul): the product of x * gain, gain an RMSNorm's
+    weight kept out of W (FP8 weights cannot take it without quantizing again); with
+    `inv_rms_eps` the rms is of x itself: rms_norm(x, gain) W^T in one launch."""
     m = x.shape[0]
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
         raise ValueError(f"x of shape {tuple(x.shape)} does not fit a weight of shape "
                          f"{tuple(weight.shape)}{' with SiLU-and-mul' if silu_mul else ''}")
+    if gain is not None and (not (config.fma and config.block_m == 1) or silu_mul
+                             or tuple(gain.shape) != (k,) or gain.stride(0) != 1):
+        raise ValueError(f"a gain takes a contiguous [{k}] vector, a one-row config and no "
+                         f"SiLU-and-mul, not {tuple(gain.shape)} with {config}")
     fp8 = weight.dtype == torch.float8_e4m3fn
     if fp8:
         if not (config.fma and config.block_m == 1):
@@ -438,6 +451,7 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
             SCALE_MODE=0 if not fp8 else (1 if scale_block is None else 2),
             GROUP_N=scale_block[0] if fp8 and scale_block else 1,
             GROUP_K=scale_block[1] if fp8 and scale_block else 1,
+            g_ptr=gain if gain is not None else out, GAIN=gain is not None,
             num_warps=config.num_warps, launch_pdl=pdl,
         )
         return out if out.shape[0] == m else out[:m]

@@ -211,3 +211,32 @@ def test_an_fp8_model_s_one_token_step_runs_down_with_the_silu_prologue(
     # prefill: none; decode: qkv, o, gate_up, down a layer
     assert calls == {"row": 4 * layers, "silu": layers}
     torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", BLOCKS)
+def test_an_input_gain_is_an_rms_norm_weight_kept_out_of_the_fp8_weight(
+        block, dtype, split) -> None:
+    """gain [K]: the product of x * gain; with 1 / rms (no split), rms_norm(x, gain) W^T with
+    the rms of x; accumulated into out too (split-K)."""
+    n, k, eps = 37, 128, 1e-6
+    weight, scale = fp8_weight(n, k, block, seed=14)
+    x = activations(1, k, dtype, seed=15)
+    gain = (torch.rand(k, generator=torch.Generator().manual_seed(16)) + 0.5).to(dtype)
+    gain = gain.to(DEVICE)
+    config = GemmConfig(2, 1, 32, 4, 2, split, fma=True)
+    gained = x.double() * gain.double()
+    want = gained @ dequantize_stored(weight, scale, block, torch.float64).T
+    close(fp8_row_mm(x, weight, scale, block, config, gain=gain), want, dtype)
+    residual = activations(1, n, dtype, seed=17)
+    out = residual.clone()
+    fp8_row_mm(x, weight, scale, block, config, gain=gain, out=out, accumulate=True)
+    close(out, residual.double() + want, dtype)
+    if split == 1:
+        inv_rms = 1 / torch.sqrt(x.double().pow(2).mean(dim=1, keepdim=True) + eps)
+        close(fp8_row_mm(x, weight, scale, block, config, gain=gain, inv_rms_eps=eps),
+              want * inv_rms, dtype)
+    with pytest.raises(ValueError, match="a gain takes"):
+        fp8_row_mm(activations(1, 2 * k, dtype, 18), weight, scale, block, config,
+                   silu_mul=True, gain=gain)
