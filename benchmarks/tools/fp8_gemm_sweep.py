@@ -3,8 +3,11 @@ o, gate_up, down), FP8 weights per 128 x 128 block and per channel, in CUDA grap
 weight copies (no L2 reuse between calls, as in the model):
 
 1. per shape, scheme and batch size: bf16 cuBLAS on the same shape (the baseline), the
-   weight-only kernel (up to 64 rows) and the W8A8 path (activation quantization included;
-   per channel also torch._scaled_mm) over a sweep of tiles, the best and the chosen ones;
+   weight-only kernel (up to 64 rows), at one row also triton_gemm's one-row kernel on the FP8
+   weights (fp8_gemm.fp8_row_mm, "row" below: what fp8_linear runs there, over a sweep of its
+   tiles, beside _w8a16_kernel's one-row branch in the same run) and the W8A8 path
+   (activation quantization included; per channel also torch._scaled_mm) over a sweep of
+   tiles, the best and the chosen ones;
 2. the decode step's 36 layers of four projections at each swept batch size, chosen against
    bf16 cuBLAS;
 3. whether this torch's _scaled_mm takes 1 x 128 / 128 x 128 block scales (recorded).
@@ -29,8 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemm_sweep import time_graph  # noqa: E402 (the same timing as the bf16 sweep)
 
 from sluice.model import fp8_gemm
-from sluice.model.fp8_gemm import Fp8GemmConfig, w8a8_mm, w8a16_mm
+from sluice.model.fp8_gemm import Fp8GemmConfig, fp8_row_mm, w8a8_mm, w8a16_mm
 from sluice.model.quantization import quantize_fp8
+from sluice.model.triton_gemm import GemmConfig
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288)}
@@ -46,6 +50,17 @@ def w8a16_configs(m: int):
     elif m <= 8:  # one row a program, each row's programs reading the weights (from L2)
         yield fp8_gemm.w8a16_config(1, 4096, 4096, BLOCK)
         yield fp8_gemm.w8a16_config(1, 4096, 12288, BLOCK)
+
+
+def row_configs(m: int, k: int):
+    """The one-row kernel's tiles on FP8 weights (fp8_gemm.fp8_row_config's untuned rule among
+    them): weight rows a program, K an iteration, warps, loads ahead (stages), split-K."""
+    if m != 1:
+        return
+    for bn, bk, warps, stages, split in itertools.product(
+            (2, 4, 8), (1024, 2048, 4096), (4, 8), (1, 2, 3), (1, 2)):
+        if k % (bk * split) == 0:
+            yield GemmConfig(bn, 1, bk, warps, stages, split, fma=True)
 
 
 def w8a8_configs(m: int, block):
@@ -77,6 +92,8 @@ def _compile(job: tuple) -> tuple | None:
     try:
         if kind == "w8a16":
             w8a16_mm(x, w, s, block, Fp8GemmConfig(*cfg))
+        elif kind == "row":
+            fp8_row_mm(x[:1], w, s, block, GemmConfig(*cfg))
         else:
             w8a8_mm(x, w, s, block, Fp8GemmConfig(*cfg), backend="triton")
         torch.cuda.synchronize()
@@ -89,6 +106,7 @@ def _jobs(rows: list[int]) -> list[tuple]:
     jobs = []
     for name, block, m in itertools.product(SHAPES, (BLOCK, None), rows):
         jobs += [("w8a16", name, block, 1, tuple(c)) for c in w8a16_configs(m)]
+        jobs += [("row", name, block, 1, tuple(c)) for c in row_configs(m, SHAPES[name][1])]
         if m > 1:
             jobs += [("w8a8", name, block, 256, tuple(c)) for c in w8a8_configs(m, block)]
     return sorted(set(jobs), key=str)
@@ -134,14 +152,14 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 entry = {"cublas_bf16_us": time_graph(
                     [lambda w=w, x=x: F.linear(x, w) for w in dense])}
-                for kind, configs in (("w8a16", w8a16_configs(m)),
+                for kind, configs in (("w8a16", w8a16_configs(m)), ("row", row_configs(m, k)),
                                       ("w8a8", w8a8_configs(m, block) if m > 1 else [])):
                     times = {}
                     for cfg in configs:
-                        rows_key = 1 if kind == "w8a16" else 256
+                        rows_key = 256 if kind == "w8a8" else 1
                         if (kind, name, block, rows_key, tuple(cfg)) in unfit:
                             continue
-                        fn = w8a16_mm if kind == "w8a16" else (
+                        fn = {"w8a16": w8a16_mm, "row": fp8_row_mm}.get(kind) or (
                             lambda *a, **kw: w8a8_mm(*a, backend="triton", **kw))
                         times[cfg] = time_graph(
                             [lambda w=w, s=s, c=cfg, x=x, f=fn, b=block: f(x, w, s, b, c)

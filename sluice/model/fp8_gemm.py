@@ -10,13 +10,18 @@ from per-tensor checkpoints keep one layout). W ~= fp8 * scale, element by eleme
 By the number of rows M (`fp8_linear`; tiles from benchmarks/tools/fp8_gemm_sweep.py on an
 H200, Qwen3-8B's shapes: benchmarks/journal/2026-12-02-fp8-matmuls.md):
 
-- **One row (decode at batch 1): weight-only.** The step is bound by reading W, so
-  `_w8a16_kernel` reads the FP8 weights (half the bf16 bytes), widens each tile in registers
-  and multiplies it with x as it is: no activation quantization (no launch, no rounding of x).
-  CUDA-core multiply-adds into a [BLOCK_N, BLOCK_K] float32 accumulator summed over K once (the
-  design of sluice.model.triton_gemm's one-row kernel); block scales scale x's K slice, since a
-  program's 8 rows lie in one block row. 2.8-3.8 TB/s of FP8 weights; the 36 layers' products
-  2.11 ms against bf16 cuBLAS's 4.02.
+- **One row (decode at batch 1): weight-only.** The step is bound by reading W, so the
+  kernel reads the FP8 weights (half the bf16 bytes), widens each tile in registers and
+  multiplies it with x as it is: no activation quantization (no launch, no rounding of x).
+  Where K is a multiple of 16 that is sluice.model.triton_gemm's one-row kernel itself
+  (`fp8_row_mm`: `_row_mm_kernel` with a weight-scale mode, per output row or per block;
+  PDL weight prefetch, split-K, the SiLU-and-mul prologue for the down projection
+  (`fp8_silu_mul_linear`, LlamaMLP.fp8_act_down_op) and its epilogues; tiles from
+  `fp8_row_config`, an untuned rule until a GPU sweep); else `_w8a16_kernel`'s one-row
+  branch (no PDL, no split-K, no fused prologue or epilogues), which the sweep measured at
+  2.8-3.8 TB/s of FP8 weights, the 36 layers' products 2.11 ms against bf16 cuBLAS's 4.02.
+  Both: CUDA-core multiply-adds into a [BLOCK_N, BLOCK_K] float32 accumulator summed over K
+  once; block scales scale x's K slice, since a program's rows lie in one block row.
 - **More rows: W8A8.** x is quantized to FP8 at run time (`quantize_activations`: per token,
   and per GK-channel group for block-scaled weights, each group's largest magnitude mapped to
   448) and the product runs on the FP8 tensor cores: `_w8a8_kernel` up to 64 rows (where it
@@ -51,6 +56,7 @@ import triton
 import triton.language as tl
 
 from sluice.model.quantization import FP8_MAX
+from sluice.model.triton_gemm import GemmConfig
 from sluice.model.triton_ops import norm_row
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -336,6 +342,68 @@ def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         num_warps=config.num_warps,
     )
     return out
+
+
+def fp8_row_config(n: int, k: int, block: tuple[int, int] | None, silu_mul: bool = False,
+                   split_k: int = 1) -> GemmConfig | None:
+    """The one-row kernel's tiles (sluice.model.triton_gemm._row_mm_kernel) for an FP8 weight
+    [n, k], or None where it does not run (K not a multiple of 16: the weight-only kernel
+    then). UNTUNED, a small explicit rule until a GPU sweep (benchmarks/tools/
+    fp8_gemm_sweep.py times it beside _w8a16_kernel): triton_gemm.choose_config's one-row
+    rule with BLOCK_K doubled, as an FP8 element is half a bf16 one's bytes (up to 4,096 of K
+    an iteration, the largest power of two dividing K), 4 weight rows a program (2 with the
+    SiLU prologue; halved until they divide the scale block's rows), 8 warps from 2,048 of K
+    an iteration, the next tile loaded ahead by hand (num_stages 2), K not split unless
+    `split_k` says (a power of two; K must then be a multiple of split_k * block_k)."""
+    if k % 16 or k % split_k:
+        return None
+    part = k // split_k
+    block_k = next((b for b in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16) if part % b == 0),
+                   None)
+    if block_k is None:
+        return None
+    block_n = 2 if silu_mul else 4
+    if block is not None:
+        while block[0] % block_n:
+            block_n //= 2
+    return GemmConfig(block_n, 1, block_k, 8 if block_k >= 2048 else 4, 2, split_k, fma=True)
+
+
+def fp8_row_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None, config: GemmConfig | None = None, *,
+               silu_mul: bool = False, out: torch.Tensor | None = None,
+               accumulate: bool = False, inv_rms_eps: float | None = None,
+               gain: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (silu_mul: [M, 2K] gate and up; M is 1 in the model) times the FP8 weight [N, K]
+    transposed in sluice.model.triton_gemm's one-row kernel (PDL weight prefetch, split-K, the
+    SiLU-and-mul prologue and the ACCUMULATE / 1 / rms epilogues of triton_gemm.skinny_mm),
+    the weight widened in registers and scaled per row or block; `gain` [K]: of x * gain
+    (with `inv_rms_eps`: rms_norm(x, gain) W^T, the norm's weight kept out of the FP8
+    weight). `config`: fp8_row_config's by default (ValueError where none fits)."""
+    from sluice.model.triton_gemm import skinny_mm
+
+    n, k = weight.shape
+    config = config or fp8_row_config(n, k, block, silu_mul)
+    if config is None:
+        raise ValueError(f"no one-row FP8 tiles for a {tuple(weight.shape)} weight")
+    return skinny_mm(x, weight, config, silu_mul=silu_mul, out=out, accumulate=accumulate,
+                     inv_rms_eps=inv_rms_eps, weight_scale=scale, scale_block=block,
+                     gain=gain)
+
+
+def fp8_silu_mul_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:
+    """layer(silu_and_mul(x)) for the FP8 down projection `layer` (a RowParallelLinear, no
+    bias) in one launch, the SiLU-and-mul in the one-row kernel's prologue, for x [1, 2K]
+    (LlamaMLP.fp8_act_down_op); None at other row counts or shapes (the caller then runs
+    SiLU-and-mul and fp8_linear). This rank's partial sum: the caller all-reduces it."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1 or layer.bias is not None:
+        return None
+    n, k = layer.weight.shape
+    config = fp8_row_config(n, k, layer.fp8_block, silu_mul=True)
+    if config is None:
+        return None
+    return fp8_row_mm(x, layer.weight, layer.weight_scale, layer.fp8_block, config,
+                      silu_mul=True)
 
 
 def quantize_activations(x: torch.Tensor, group: int | None, column_major: bool = False
@@ -746,7 +814,11 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
     backend = _linear_backend(rows.shape[0], weight, block, rows.is_cuda, rows.dtype,
                               rows.device)
     if backend == "w8a16":
-        y = w8a16_mm(rows, weight, scale, block)
+        config = fp8_row_config(*weight.shape, block) if rows.shape[0] == 1 else None
+        if config is not None:
+            y = fp8_row_mm(rows, weight, scale, block, config)
+        else:
+            y = w8a16_mm(rows, weight, scale, block)
     else:
         y = w8a8_mm(rows, weight, scale, block, backend=backend)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -39,6 +39,10 @@ once, after its loop: the CUDA-core tiles of `_skinny_mm_kernel` reduce across t
 threads every iteration, which held Qwen3-8B's one-row projections to about 1.9 TB/s (the
 one-row kernel: 3.2-4.0 TB/s; benchmarks/journal/2026-12-02-8b-prefill-and-decode.md).
 
+The one-row kernel also takes FP8 weights (float8_e4m3fn) with their float32 scales, per output
+row or per block (skinny_mm's weight_scale and scale_block): FP8 checkpoints' one-row products
+(sluice.model.fp8_gemm.fp8_row_mm, its own tiles: fp8_gemm.fp8_row_config).
+
 The functions take CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1` (the tests). The grid
 depends only on python ints, so a launch can be captured in a CUDA graph. The split-K counters
 are one buffer per device: launches that split K must not run concurrently on two streams.
@@ -225,10 +229,23 @@ def _row_mm_kernel(
     PRELOAD: tl.constexpr,  # each next weight tile loaded one iteration ahead by hand, the
                             # first before the PDL wait (num_stages 2)
     STAGES: tl.constexpr,  # num_stages 3 or more: the loop pipelined by Triton instead
+    s_ptr=None,  # SCALE_MODE 1: [N]; 2: [ceil(N / GROUP_N), ceil(K / GROUP_K)] (float32)
+    stride_sn=0,
+    SCALE_MODE: tl.constexpr = 0,  # FP8 weights: 0 none, 1 per output row, 2 per block
+    GROUP_N: tl.constexpr = 1,  # SCALE_MODE 2: rows of a scale block (BLOCK_N divides it)
+    GROUP_K: tl.constexpr = 1,  # SCALE_MODE 2: columns of a scale block
+    g_ptr=None,  # GAIN: [K], an input-side gain (an RMSNorm's weight not folded into W)
+    GAIN: tl.constexpr = False,  # x[k] * g[k] (after INV_RMS's squares, which are of x)
 ):
     """One batch row a program (GemmConfig.fma with block_m 1): BLOCK_N weight rows times the
     row, multiply-adds in float32 into a [BLOCK_N, BLOCK_K] accumulator that is summed over K
-    once, after the loop (no reduction across threads per iteration)."""
+    once, after the loop (no reduction across threads per iteration).
+
+    FP8 weights (float8_e4m3fn, sluice.model.fp8_gemm): each tile widened to float32 in
+    registers. SCALE_MODE 1 scales each output row's sum by its row's scale (before the split-K
+    partial or the ACCUMULATE add); SCALE_MODE 2 scales x's element k by the scale of
+    (the program's block row, k // GROUP_K) inside the loop (a program's BLOCK_N rows lie in one
+    block row; any BLOCK_K: the scales are gathered per element)."""
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -248,6 +265,7 @@ def _row_mm_kernel(
     dtype = y_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    block_row = (pid_n * BLOCK_N) // GROUP_N  # SCALE_MODE 2
     for k_start in tl.range(0, K_PART, BLOCK_K, num_stages=1 if STAGES < 3 else STAGES):
         if PRELOAD:
             w = w_next
@@ -263,11 +281,17 @@ def _row_mm_kernel(
             x = tl.load(x_ptrs).to(tl.float32)
         if INV_RMS:
             squares += x * x
+        if GAIN:
+            x *= tl.load(g_ptr + offs_k + k_start).to(tl.float32)
+        if SCALE_MODE == 2:
+            x *= tl.load(s_ptr + block_row * stride_sn + (offs_k + k_start) // GROUP_K)
         acc += w.to(tl.float32) * x[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     y_ptrs = y_ptr + row.to(tl.int64) * stride_ym + offs_n
+    if SCALE_MODE == 1:
+        y *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
     if INV_RMS:
         y = y * (1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps))
     if SPLIT_K == 1:
@@ -340,17 +364,49 @@ def choose_config(m: int, n: int, k: int, silu_mul: bool = False,
 
 def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
               silu_mul: bool = False, out: torch.Tensor | None = None,
-              accumulate: bool = False, inv_rms_eps: float | None = None) -> torch.Tensor:
+              accumulate: bool = False, inv_rms_eps: float | None = None,
+              weight_scale: torch.Tensor | None = None,
+              scale_block: tuple[int, int] | None = None,
+              gain: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (silu_mul: [M, 2K] gate and up), weight [N, K] -> x W^T [M, N] in x's dtype;
     into `out` (its first M rows) when given, added to what it holds with `accumulate`; with
     `inv_rms_eps`, each row scaled by 1 / sqrt(mean(x_row^2) + eps) (a split-K config cannot:
-    no program sees the whole row)."""
+    no program sees the whole row).
+
+    FP8 weights (float8_e4m3fn, one-row configs only: _row_mm_kernel) take `weight_scale`:
+    float32 [N] per output row (`scale_block` None), or [ceil(N / GN), ceil(K / GK)] per
+    `scale_block` (GN, GK) block (config.block_n must divide GN); W ~= fp8 * scale.
+
+    `gain` [K] (one-row configs, no SiLU-and-mul): the product of x * gain, gain an RMSNorm's
+    weight kept out of W (FP8 weights cannot take it without quantizing again); with
+    `inv_rms_eps` the rms is of x itself: rms_norm(x, gain) W^T in one launch."""
     m = x.shape[0]
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
         raise ValueError(f"x of shape {tuple(x.shape)} does not fit a weight of shape "
                          f"{tuple(weight.shape)}{' with SiLU-and-mul' if silu_mul else ''}")
-    if x.dtype != weight.dtype:
+    if gain is not None and (not (config.fma and config.block_m == 1) or silu_mul
+                             or tuple(gain.shape) != (k,) or gain.stride(0) != 1):
+        raise ValueError(f"a gain takes a contiguous [{k}] vector, a one-row config and no "
+                         f"SiLU-and-mul, not {tuple(gain.shape)} with {config}")
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8:
+        if not (config.fma and config.block_m == 1):
+            raise ValueError(f"FP8 weights run only in the one-row kernel, not with {config}")
+        expected = ((n,) if scale_block is None else
+                    (triton.cdiv(n, scale_block[0]), triton.cdiv(k, scale_block[1])))
+        if (weight_scale is None or tuple(weight_scale.shape) != expected
+                or weight_scale.dtype != torch.float32 or weight_scale.stride(-1) != 1):
+            raise ValueError(f"an FP8 weight of shape {tuple(weight.shape)} needs float32 "
+                             f"scales {list(expected)}")
+        if scale_block is not None and scale_block[0] % config.block_n:
+            raise ValueError(f"{config} does not fit {scale_block[0]}x{scale_block[1]} scale "
+                             "blocks (block_n must divide the block's rows)")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"x is {x.dtype}: FP8 weights multiply 16- or 32-bit activations")
+    elif weight_scale is not None:
+        raise ValueError(f"scales given for a {weight.dtype} weight")
+    elif x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype} but the weight is {weight.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("skinny_mm needs the rows of x and of the weight contiguous")
@@ -390,6 +446,12 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig,
             USE_PDL=pdl, LINE_ELEMS=line_elems(weight),
             LINES_PAD=lines_pad(k // config.split_k, weight),
             PRELOAD=config.num_stages == 2, STAGES=max(1, config.num_stages),
+            s_ptr=weight_scale if fp8 else out,
+            stride_sn=weight_scale.stride(0) if fp8 else 0,
+            SCALE_MODE=0 if not fp8 else (1 if scale_block is None else 2),
+            GROUP_N=scale_block[0] if fp8 and scale_block else 1,
+            GROUP_K=scale_block[1] if fp8 and scale_block else 1,
+            g_ptr=gain if gain is not None else out, GAIN=gain is not None,
             num_warps=config.num_warps, launch_pdl=pdl,
         )
         return out if out.shape[0] == m else out[:m]

@@ -11,7 +11,8 @@ adds in the GEMMs, so a layer is 7 launches instead of 9 (6 instead of 8 at smal
 decode steps hand the raw q/k/v projection to the attention backend, which folds the q/k norm,
 RoPE and KV store into its decode attention for batches of 16 requests to about one wave of
 programs (TritonBackend.decode_from_qkv): one launch a layer fewer there. The layers of an FP8
-checkpoint multiply in FP8 (sluice.model.fp8_gemm); their norms are not folded (the weights
+checkpoint multiply in FP8 (sluice.model.fp8_gemm: at one row in triton_gemm's one-row kernel,
+the down projection with SiLU-and-mul folded in); their norms are not folded (the weights
 would need quantizing again), but the norms and SiLU-and-mul before them write FP8 activations
 and scales where the product takes them (fp8_gemm.norm_for_fp8, silu_for_fp8).
 
@@ -34,11 +35,16 @@ def install_fp8_ops(model: nn.Module) -> None:
     """The FP8 kernels (sluice.model.fp8_gemm) for every layer of `model` that holds FP8
     weights (CUDA): also with enforce_eager, where the other fused ops stay off, since the
     layers' default op (the CPU reference) dequantizes the whole weight at every step. FP8
-    experts take sluice.model.triton_moe's W8A16 kernels (any batch: static shapes)."""
+    experts take sluice.model.triton_moe's W8A16 kernels (any batch: static shapes). A dense
+    MLP's FP8 down projection at one row takes SiLU-and-mul in its GEMM's prologue
+    (fp8_gemm.fp8_silu_mul_linear: no activation launch)."""
     from sluice.model import fp8_gemm, triton_moe
     from sluice.model.moe import FusedMoE
 
     for module in model.modules():
+        if (isinstance(module, LlamaMLP) and module.down_proj.is_fp8
+                and module.down_proj.bias is None):
+            module.fp8_act_down_op = fp8_gemm.fp8_silu_mul_linear
         if isinstance(module, FusedMoE) and module.is_fp8:
             module.fp8_experts_op = triton_moe.fused_experts
             if module.expert_map is not None:  # expert parallelism: ids -1 for other ranks'

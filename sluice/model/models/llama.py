@@ -50,10 +50,18 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
         # (gate_up, down weight) -> down(silu_and_mul(gate_up)) in one op; install_fused_ops
         self.act_down_op = None
+        # FP8 down_proj: (gate_up, down_proj) -> this rank's down(silu_and_mul(gate_up)) in one
+        # op, or None at sizes it does not run (fp8_gemm.fp8_silu_mul_linear: one row);
+        # install_fp8_ops
+        self.fp8_act_down_op = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         gate_up = self.gate_up_proj(x)
+        if self.fp8_act_down_op is not None:
+            partial = self.fp8_act_down_op(gate_up, self.down_proj)
+            if partial is not None:
+                return self.down_proj.all_reduce(partial)
         if self.act_down_op is not None:
             return self.down_proj.all_reduce(self.act_down_op(gate_up, self.down_proj.weight))
         return self.down_proj(self.act_fn(gate_up))
