@@ -60,6 +60,8 @@ from sluice.model.triton_gemm import GemmConfig
 from sluice.model.triton_ops import norm_row
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# SLUICE_FP8_ROW_KERNEL=0: one-row products on _w8a16_kernel again (an A/B switch for benchmarks).
+ROW_KERNEL = os.environ.get("SLUICE_FP8_ROW_KERNEL", "1") != "0"
 
 # Batches of at most this many rows run weight-only; larger ones quantize their activations.
 WEIGHT_ONLY_MAX_ROWS = 1
@@ -355,6 +357,8 @@ def fp8_row_config(n: int, k: int, block: tuple[int, int] | None, silu_mul: bool
     SiLU prologue; halved until they divide the scale block's rows), 8 warps from 2,048 of K
     an iteration, the next tile loaded ahead by hand (num_stages 2), K not split unless
     `split_k` says (a power of two; K must then be a multiple of split_k * block_k)."""
+    if not ROW_KERNEL:
+        return None
     if k % 16 or k % split_k:
         return None
     part = k // split_k
