@@ -14,6 +14,15 @@ layer's attention waits for. Saves gather each layer on a save stream after the 
 stored it; the compute stream then waits only for the gathers (the blocks may be reused after
 that), while the copy to the host goes on and records the event the network put waits for. On
 the CPU the cache reads and writes the host views directly, synchronously.
+
+Direct loads from the shm arena (`arena_views`, `load_direct`; the worker's default for `shm`)
+skip the host staging buffer: the arena's mapping is viewed per layer like the slots (slot
+stride = the server's slot size). On the CPU each layer's values are gathered from the arena
+straight into the cache blocks. On CUDA the mapping is registered with the driver once
+(cudaHostRegister, undone by a hook before the mapping closes) and each value is one
+non-blocking H2D copy (torch._foreach_copy_) from its arena slot into its device staging slot
+on the load stream, then the same scatter per layer; the event after the copies says when the
+arena is no longer read (the load thread waits for it before unpinning).
 """
 
 from __future__ import annotations

@@ -4,6 +4,17 @@ value with one memcpy (GIL released) between its staging buffer and the arena, s
 checking it in the same task (framing.py); the socket carries only the index operations (two
 round trips a get or put chunk, one an exists).
 
+- Direct gets (`get_pinned`, the worker's default load from this tier): GetBegin pins a chunk
+  of values and returns a `PinnedGet` with each value's address in this process's mapping and
+  its stored size; its checks (trailer, size, format, xxh3 over the arena bytes) start at once
+  on framing's threads (fanned out from the backend's check thread), while the caller copies
+  out of the addresses (worker.py, mover.py `load_direct`: CPU into the cache blocks, CUDA DMA
+  from the registered mapping). `release` waits for the checks, sends GetEnd and ends the call:
+  until then the mapping stays mapped (a replaced arena closes after), the bounds are a get's.
+  Stages: get.pin (GetBegin), get.checksum (the threads' hashing), get.check_wait (the caller
+  waiting for the checks). `_Arena.on_close` hooks run before a mapping closes (the worker's
+  CUDA registration is undone there).
+
 - Threads: each calling thread has its own connection (kept until `close`: the engine's
   threads are few and long-lived), so a worker's load never waits behind its save thread's
   copies; the arena mapping is shared, and a mapping replaced (the server was restarted) is

@@ -8,7 +8,15 @@ Per step (the runner's calls, sluice/worker/kv_connector.py):
   of the staging buffer in chunks (one batched get each; the backend splits batches to its
   per-call limits), each checked (a missing, wrong-size or corrupt value is a failed block) and
   moved into the cache (on CUDA: one copy per chunk and one scatter per layer on a load stream,
-  the chunks double-buffered). The step's saves get slots in the save half (fewer than planned
+  the chunks double-buffered). From the shm tier (and SLUICE_POOL_DIRECT not 0) a load skips
+  the host staging buffer (`_fetch_direct`): per chunk the backend pins the values in its arena
+  (`get_pinned`) and starts their checks on framing's threads; meanwhile the mover copies them
+  straight from the arena's mapping (CPU: into the cache blocks; CUDA: the mapping registered
+  with the driver by the first load, one DMA per value into the device staging buffer and the
+  scatters on the load stream); the load thread then waits for the checks and the DMA out of
+  the arena, and only then unpins. A value refused by its check was copied but is a failed block
+  (recomputed); a mapping that cannot be registered is one warning and the staged path. The
+  step's saves get slots in the save half (fewer than planned
   when the half is full: the first blocks are kept, later ones dropped and counted).
 - `wait_for_layer_load(layer)`: waits for the load thread (every backend call it makes is bounded
   by `timeout_s`), then, on CUDA, orders the compute stream after that layer's scatter.
@@ -268,7 +276,8 @@ class KVPoolConnectorWorker(KVConnectorWorker):
             # A value copied and then refused by its check is only a failed block: recomputed.
             events, copied = self.mover.load_direct(views, [pinned.slots[i] for i in found],
                                                     [ids[i] for i in found], after)
-            self._add_stat("pool_load_direct_copy_seconds", time.perf_counter() - start)
+            # (get_copy as a staged load's: here the copies out of the arena, CUDA: queued.)
+            self._add_stat("pool_load_get_copy_seconds", time.perf_counter() - start)
             good = pinned.checks()
             if copied is not None:
                 waited = time.perf_counter()
