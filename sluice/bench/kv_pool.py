@@ -295,9 +295,13 @@ def _measure(llm: Any, backend: str, prompt_lens: list[int], num_iters: int, par
     return rows
 
 
-# The worker's host-side split of a load and of a save (worker.py, `stage_seconds`).
+# The worker's host-side split of a load and of a save (worker.py, `stage_seconds`). A staged
+# load: get_copy, get_checksum, dma_wait; a direct one from the shm arena also get_pin
+# (GetBegin) and get_check_wait (the load thread waiting for the checks), its get_copy the
+# copies out of the arena (CUDA: queued) and its dma_wait the wait for the DMA out of it.
 _LOAD_STAGES = ("pool_load_get_copy_seconds", "pool_load_get_checksum_seconds",
-                "pool_load_dma_wait_seconds")
+                "pool_load_dma_wait_seconds", "pool_load_get_pin_seconds",
+                "pool_load_get_check_wait_seconds")
 _SAVE_STAGES = ("pool_save_put_checksum_seconds", "pool_save_put_copy_seconds")
 
 

@@ -244,7 +244,11 @@ class PoolBackend(ABC):
         refused is counted by kind (an old format's is also logged, once per backend)."""
         view = self._buffer
         assert view is not None
-        verdict = framing.verify(view, offset, size, key, received)
+        return self._count_verdict(key, framing.verify(view, offset, size, key, received))
+
+    def _count_verdict(self, key: str, verdict: framing.Verdict) -> bool:
+        """Whether `verdict` is INTACT; a value read and refused is counted by kind (an old
+        format's is also logged, once per backend)."""
         if verdict is framing.Verdict.INTACT:
             return True
         if verdict is not framing.Verdict.MISSING:

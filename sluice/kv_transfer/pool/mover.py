@@ -14,13 +14,26 @@ layer's attention waits for. Saves gather each layer on a save stream after the 
 stored it; the compute stream then waits only for the gathers (the blocks may be reused after
 that), while the copy to the host goes on and records the event the network put waits for. On
 the CPU the cache reads and writes the host views directly, synchronously.
+
+Direct loads from the shm arena (`arena_views`, `load_direct`; the worker's default for `shm`)
+skip the host staging buffer: the arena's mapping is viewed per layer like the slots (slot
+stride = the server's slot size). On the CPU each layer's values are gathered from the arena
+straight into the cache blocks. On CUDA the mapping is registered with the driver once
+(cudaHostRegister, undone by a hook before the mapping closes) and each value is one
+non-blocking H2D copy (torch._foreach_copy_) from its arena slot into its device staging slot
+on the load stream, then the same scatter per layer; the event after the copies says when the
+arena is no longer read (the load thread waits for it before unpinning).
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("sluice")
 
 
 class StagingMover:
@@ -39,6 +52,10 @@ class StagingMover:
         self.host = torch.empty(num_slots * stride, dtype=torch.uint8, pin_memory=self.cuda)
         self.host_views = self._layer_views(self.host, num_slots)
         self._device_staging: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._arena_views: dict[int, list[torch.Tensor]] = {}  # by the mapping's address
+        self._arena_memory: dict[int, tuple[torch.Tensor, int, int]] = {}  # by id(views)
+        # One value's payload: every layer's K and V of one block.
+        self.payload_bytes = len(kv_caches) * 2 * first[0, 0].numel() * first.element_size()
         if self.cuda:
             self.load_stream = torch.cuda.Stream(device=self.device)
             self.save_stream = torch.cuda.Stream(device=self.device)
@@ -47,10 +64,12 @@ class StagingMover:
     def nbytes(self) -> int:
         return self.host.numel()
 
-    def _layer_views(self, buffer: torch.Tensor, num_slots: int) -> list[torch.Tensor]:
-        """Per layer, [num_slots, 2, block_size, heads, dim] views of `buffer`'s slots."""
+    def _layer_views(self, buffer: torch.Tensor, num_slots: int,
+                     stride: int | None = None) -> list[torch.Tensor]:
+        """Per layer, [num_slots, 2, block_size, heads, dim] views of `buffer`'s slots (of
+        `stride` bytes, the staging stride by default)."""
         typed = buffer.view(self.dtype)
-        slot = self.stride // typed.element_size()
+        slot = (stride or self.stride) // typed.element_size()
         block_size, heads, dim = self.block_shape
         per_kv = block_size * heads * dim
         strides = (slot, per_kv, heads * dim, dim, 1)
@@ -119,6 +138,79 @@ class StagingMover:
                 event.record()
                 events[name] = event
         return events
+
+    # ---- direct loads: straight from the shm arena's mapping (from the load thread) ----
+
+    def arena_views(self, arena: Any) -> list[torch.Tensor] | None:
+        """Per layer, [arena slots, 2, block_size, heads, dim] views of the shm arena's mapping
+        (`arena`: shm_store's _Arena), made once per mapping; on CUDA the mapping is registered
+        with the driver first (cudaHostRegister: DMA reads it; undone before the mapping
+        closes). None where it cannot be: the caller loads through the staging buffer."""
+        views = self._arena_views.get(arena.address)
+        if views is not None:
+            return views
+        if arena.slot_bytes % self.kv_caches[next(iter(self.kv_caches))].element_size():
+            return None
+        if self.cuda:
+            cudart = torch.cuda.cudart()
+            with torch.cuda.device(self.device):
+                code = cudart.cudaHostRegister(arena.address, arena.nbytes, 0)
+            if int(code) != 0:
+                logger.warning("KV pool: the shm arena (%d bytes) cannot be registered with "
+                               "CUDA (error %s): loads go through the staging buffer",
+                               arena.nbytes, code)
+                return None
+
+            def unregister(address: int = arena.address) -> None:
+                self._arena_memory.pop(id(self._arena_views.pop(address, None)), None)
+                cudart.cudaHostUnregister(address)
+        else:
+            def unregister(address: int = arena.address) -> None:
+                self._arena_memory.pop(id(self._arena_views.pop(address, None)), None)
+        memory = torch.frombuffer((ctypes.c_ubyte * arena.nbytes).from_address(arena.address),
+                                  dtype=torch.uint8)
+        views = self._layer_views(memory, arena.nbytes // arena.slot_bytes, arena.slot_bytes)
+        self._arena_views[arena.address] = views
+        self._arena_memory[id(views)] = (memory, self.payload_bytes, arena.slot_bytes)
+        arena.on_close(unregister)
+        return views
+
+    def load_direct(self, views: list[torch.Tensor], slots: list[int], block_ids: list[int],
+                    after: Any) -> tuple[dict[str, Any], Any]:
+        """Write the values in arena slots `slots` (`views` from `arena_views`) into cache
+        blocks `block_ids`, every layer. On the CPU: copied now, ({}, None). On CUDA: one
+        non-blocking H2D copy per value from the arena into the device staging buffer, then one
+        scatter per layer, on the load stream; returns ({layer: event}, the event after which
+        the arena is no longer read)."""
+        if not slots:
+            return {}, None
+        if not self.cuda:
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            rows = torch.tensor(slots, dtype=torch.int64)
+            for name, kv in self.kv_caches.items():
+                kv.transpose(0, 1).index_copy_(
+                    0, ids, views[self.layer_index[name]].index_select(0, rows))
+            return {}, None
+        events = {}
+        num = len(slots)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.load_stream):
+            self.load_stream.wait_event(after)
+            buffer, staged = self._staging("load", num)
+            memory, size, slot_bytes = self._arena_memory[id(views)]
+            # Each value's layers are contiguous: one copy per value, of its whole payload.
+            torch._foreach_copy_(
+                [buffer[i * self.stride:i * self.stride + size] for i in range(num)],
+                [memory[slot * slot_bytes:slot * slot_bytes + size] for slot in slots],
+                non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            ids = self._ids(block_ids)
+            for name, kv in self.kv_caches.items():
+                kv.transpose(0, 1).index_copy_(0, ids, staged[self.layer_index[name]][:num])
+                event = torch.cuda.Event()
+                event.record()
+                events[name] = event
+        return events, copied
 
     def host_free_event(self) -> Any:
         """(CUDA) An event after every host read queued on the load stream so far."""

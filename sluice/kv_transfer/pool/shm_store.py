@@ -4,6 +4,17 @@ value with one memcpy (GIL released) between its staging buffer and the arena, s
 checking it in the same task (framing.py); the socket carries only the index operations (two
 round trips a get or put chunk, one an exists).
 
+- Direct gets (`get_pinned`, the worker's default load from this tier): GetBegin pins a chunk
+  of values and returns a `PinnedGet` with each value's address in this process's mapping and
+  its stored size; its checks (trailer, size, format, xxh3 over the arena bytes) start at once
+  on framing's threads (fanned out from the backend's check thread), while the caller copies
+  out of the addresses (worker.py, mover.py `load_direct`: CPU into the cache blocks, CUDA DMA
+  from the registered mapping). `release` waits for the checks, sends GetEnd and ends the call:
+  until then the mapping stays mapped (a replaced arena closes after), the bounds are a get's.
+  Stages: get.pin (GetBegin), get.checksum (the threads' hashing), get.check_wait (the caller
+  waiting for the checks). `_Arena.on_close` hooks run before a mapping closes (the worker's
+  CUDA registration is undone there).
+
 - Threads: each calling thread has its own connection (kept until `close`: the engine's
   threads are few and long-lived), so a worker's load never waits behind its save thread's
   copies; the arena mapping is shared, and a mapping replaced (the server was restarted) is
@@ -21,19 +32,21 @@ round trips a get or put chunk, one an exists).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
+import logging
 import mmap
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from sluice.channel import Encoder, MessageDecoder, WireError
 from sluice.kv_transfer.disagg.shm import host_id, map_peer_memfd
 from sluice.kv_transfer.pool import framing
-from sluice.kv_transfer.pool.backend import PoolBackend
+from sluice.kv_transfer.pool.backend import PoolBackend, _check_keys
 from sluice.kv_transfer.pool.shm_server import (
     LENGTH,
     MAX_FRAME_BYTES,
@@ -57,17 +70,106 @@ from sluice.kv_transfer.pool.shm_server import (
     send_frame,
 )
 
+logger = logging.getLogger("sluice")
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, eq=False)
 class _Arena:
     welcome: Welcome
     mapping: mmap.mmap
     view: ctypes.Array  # over the mapping: its address; dropped before the mapping closes
     address: int
+    # Run before the mapping closes (once no call is in flight): a CUDA registration undone.
+    close_hooks: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.welcome.nbytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.welcome.slot_bytes
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call `hook` before this mapping closes (on the thread that closes it)."""
+        self.close_hooks.append(hook)
 
     def close(self) -> None:
+        hooks, self.close_hooks = self.close_hooks, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 (the mapping must close all the same)
+                logger.exception("shm pool: a hook before the arena mapping closes failed")
         del self.view
         self.mapping.close()
+
+
+class PinnedGet:
+    """One chunk of keys pinned in the arena (`ShmPoolBackend.get_pinned`): `addresses[i]` is
+    where keys[i]'s value lies in this process's mapping of the arena (-1: a miss) and
+    `sizes[i]` its stored size. The checks run on framing's threads from the start; `checks()`
+    waits for them, `release()` (or leaving the `with`) waits for them too, then unpins the
+    values (GetEnd) and lets the mapping go: copy out of the addresses only before that."""
+
+    def __init__(self, backend: ShmPoolBackend, connected: contextlib.AbstractContextManager,
+                 conn: _Connection, arena: _Arena, keys: list[str], slots: list[int],
+                 sizes: list[int], payload_size: int) -> None:
+        self._backend, self._connected, self._conn = backend, connected, conn
+        self.arena = arena
+        self.keys = keys
+        self.slots = slots
+        self.addresses = [arena.address + slot * arena.slot_bytes if slot >= 0 else -1
+                          for slot in slots]
+        self.sizes = [size if slot >= 0 else 0 for slot, size in zip(slots, sizes)]
+        self.payload_size = payload_size
+        self._released = False
+        self._result: list[bool] | None = None
+        self._checked = backend._check_thread().submit(
+            framing.parallel_map, self._check_one, keys, self.addresses, self.sizes)
+
+    def _check_one(self, key: str, address: int, stored: int) -> tuple[bool, float]:
+        """(On a framing thread.) Whether the value at `address` is intact, and the seconds."""
+        start = time.perf_counter()
+        if address < 0:
+            verdict = framing.Verdict.MISSING
+        else:
+            view = memoryview((ctypes.c_ubyte * stored).from_address(address)).cast("B")
+            verdict = framing.verify(view, 0, self.payload_size, key, stored)
+        return self._backend._count_verdict(key, verdict), time.perf_counter() - start
+
+    def checks(self) -> list[bool]:
+        """Whether each value is intact (waits for the checks)."""
+        if self._result is None:
+            start = time.perf_counter()
+            checked = self._checked.result()
+            self._backend._add_stage_seconds(
+                ("get.check_wait", time.perf_counter() - start),
+                ("get.checksum", sum(seconds for _, seconds in checked)))
+            self._result = [ok for ok, _ in checked]
+        return self._result
+
+    def release(self) -> None:
+        """Unpin the values (after the checks: they read the arena) and end the call."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            concurrent.futures.wait([self._checked])
+            pinned = [slot for slot in self.slots if slot >= 0]
+            if pinned:
+                try:
+                    send_frame(self._conn.sock, self._conn.encoder, GetEnd(slots=pinned))
+                except OSError:
+                    self._backend._drop(self._conn)  # the server drops the connection's pins
+        finally:
+            self._connected.__exit__(None, None, None)
+
+    def __enter__(self) -> PinnedGet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass(slots=True, eq=False)
@@ -95,6 +197,7 @@ class ShmPoolBackend(PoolBackend):
         self._num_active = 0
         self._connections: set[_Connection] = set()
         self._local = threading.local()
+        self._checker: concurrent.futures.ThreadPoolExecutor | None = None
         with self._connected(time.monotonic() + self.timeout_s):
             pass
 
@@ -131,6 +234,43 @@ class ShmPoolBackend(PoolBackend):
             self._add_stage_seconds(("get.copy", time.perf_counter() - start))
         self._add_stage_seconds(("get.checksum", sum(seconds for _, seconds in checked)))
         return [ok for ok, _ in checked]
+
+    def get_pinned(self, keys: Sequence[str], payload_size: int) -> PinnedGet:
+        """Pin `keys`' values in the arena (one GetBegin, bounded by `timeout_s`) for the caller
+        to copy straight out of the mapping (the worker's direct load: no staging buffer), and
+        start checking them (framing's trailer, over the arena bytes, on framing's threads).
+        At most `max_keys_per_call` keys. The values stay pinned, and the mapping mapped, until
+        the PinnedGet is released."""
+        self._check_open()
+        keys = _check_keys(keys)
+        if len(keys) > self.max_keys_per_call:
+            raise ValueError(f"get_pinned takes at most {self.max_keys_per_call} keys, "
+                             f"got {len(keys)}")
+        value_size = framing.value_size(payload_size)
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        connected = self._connected(deadline)
+        conn, arena = connected.__enter__()
+        try:
+            grant = self._ask(conn, GetBegin(keys=keys, max_sizes=[value_size] * len(keys)),
+                              GetGrant, deadline)
+            pinned = PinnedGet(self, connected, conn, arena, keys, grant.slots, grant.sizes,
+                               payload_size)
+        except BaseException:
+            connected.__exit__(None, None, None)
+            raise
+        finally:
+            self._add_stage_seconds(("get.pin", time.perf_counter() - start))
+        return pinned
+
+    def _check_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread that runs a PinnedGet's checks (fanned out on framing's threads), so
+        they run while the caller copies."""
+        with self._lock:
+            if self._checker is None:
+                self._checker = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="sluice-pool-check")
+            return self._checker
 
     def _put_sealing(self, keys: list[str], offsets: list[int], sizes: list[int],
                      value_sizes: list[int], deadline: float) -> list[bool]:
@@ -224,6 +364,9 @@ class ShmPoolBackend(PoolBackend):
             self._connections.clear()
             self._retire(self._arena)
             self._arena = None
+            checker, self._checker = self._checker, None
+        if checker is not None:
+            checker.shutdown(wait=True)
 
     # ---- connections and the arena ----
 

@@ -8,7 +8,15 @@ Per step (the runner's calls, sluice/worker/kv_connector.py):
   of the staging buffer in chunks (one batched get each; the backend splits batches to its
   per-call limits), each checked (a missing, wrong-size or corrupt value is a failed block) and
   moved into the cache (on CUDA: one copy per chunk and one scatter per layer on a load stream,
-  the chunks double-buffered). The step's saves get slots in the save half (fewer than planned
+  the chunks double-buffered). From the shm tier (and SLUICE_POOL_DIRECT not 0) a load skips
+  the host staging buffer (`_fetch_direct`): per chunk the backend pins the values in its arena
+  (`get_pinned`) and starts their checks on framing's threads; meanwhile the mover copies them
+  straight from the arena's mapping (CPU: into the cache blocks; CUDA: the mapping registered
+  with the driver by the first load, one DMA per value into the device staging buffer and the
+  scatters on the load stream); the load thread then waits for the checks and the DMA out of
+  the arena, and only then unpins. A value refused by its check was copied but is a failed block
+  (recomputed); a mapping that cannot be registered is one warning and the staged path. The
+  step's saves get slots in the save half (fewer than planned
   when the half is full: the first blocks are kept, later ones dropped and counted).
 - `wait_for_layer_load(layer)`: waits for the load thread (every backend call it makes is bounded
   by `timeout_s`), then, on CUDA, orders the compute stream after that layer's scatter.
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -128,6 +137,9 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         self._invalid: set[int] = set()
         self._stats: dict[str, float] = {}
         self._stats_lock = threading.Lock()
+        # Loads from the shm arena read its mapping directly (no host staging copy) unless
+        # SLUICE_POOL_DIRECT=0; other backends always load through the staging buffer.
+        self._direct = os.environ.get("SLUICE_POOL_DIRECT", "1") != "0"
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.mover = StagingMover(kv_caches, self.num_slots, self.stride)
@@ -174,8 +186,11 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         """The load thread: fetch, check and move every block; returns {layer: event} (CUDA)."""
         start = time.perf_counter()
         backend = self.client.backend if self.client is not None else None
+        direct = self._direct and hasattr(backend, "get_pinned")
         halves = 2 if self.mover.cuda else 1
         chunk = self.num_load_slots // halves
+        if direct:
+            chunk = max(1, min(chunk, backend.max_keys_per_call))
         failed: list[int] = []
         events: dict[str, Any] = {}
         num_loaded = num_unreachable = 0
@@ -186,6 +201,22 @@ class KVPoolConnectorWorker(KVConnectorWorker):
                 failed += ids
                 num_unreachable += len(ids)
                 continue
+            if direct:
+                try:
+                    loaded = self._fetch_direct(backend, ids, chunk_keys, after)
+                except PoolError as exc:
+                    error = self.client.health.failed(exc)
+                    failed += ids
+                    num_unreachable += len(ids)
+                    continue
+                if loaded is not None:
+                    self.client.health.succeeded()
+                    good, chunk_events = loaded
+                    failed += [b for b, ok in zip(ids, good) if not ok]
+                    events = chunk_events or events
+                    num_loaded += sum(good)
+                    continue
+                direct = False  # the arena cannot be read directly: the staged path from here
             half = index % halves
             if self._half_free[half] is not None:
                 waited = time.perf_counter()
@@ -223,6 +254,40 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         self._add_stat("pool_load_bytes", num_loaded * self.payload_size)
         self._add_stat("pool_load_seconds", time.perf_counter() - start)
         return events
+
+    def _fetch_direct(self, backend: Any, ids: list[int], keys: list[str], after: Any
+                      ) -> tuple[list[bool], dict[str, Any]] | None:
+        """(The load thread.) One chunk straight from the shm arena: pin the values, copy
+        each into its cache blocks (CUDA: DMA from the registered mapping into the device
+        staging buffer, then the scatters) while framing's threads check them, wait for the
+        copies out of the arena and for the checks, unpin. Returns (intact per key, {layer:
+        event}); None where the arena cannot be read directly (nothing loaded: the caller
+        loads the chunk through the staging buffer)."""
+        stages, rejections = backend.stage_seconds(), backend.rejections()
+        value = value_size(self.payload_size)
+        with backend.get_pinned(keys, self.payload_size) as pinned:
+            views = self.mover.arena_views(pinned.arena)
+            if views is None:
+                self._direct = False
+                return None
+            found = [i for i, (slot, size) in enumerate(zip(pinned.slots, pinned.sizes))
+                     if slot >= 0 and size == value]
+            start = time.perf_counter()
+            # A value copied and then refused by its check is only a failed block: recomputed.
+            events, copied = self.mover.load_direct(views, [pinned.slots[i] for i in found],
+                                                    [ids[i] for i in found], after)
+            # (get_copy as a staged load's: here the copies out of the arena, CUDA: queued.)
+            self._add_stat("pool_load_get_copy_seconds", time.perf_counter() - start)
+            good = pinned.checks()
+            if copied is not None:
+                waited = time.perf_counter()
+                copied.synchronize()  # the DMA out of the arena is done: the pins may go
+                self._add_stat("pool_load_dma_wait_seconds", time.perf_counter() - waited)
+        self._add_stage_stats("pool_load", stages, backend.stage_seconds())
+        self._add_stat("pool_errors.load.missing", len(ids) - sum(good))
+        for kind, count in backend.rejections().items():
+            self._add_stat(f"pool_errors.load.{kind}", count - rejections.get(kind, 0))
+        return good, events
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._join_load()
