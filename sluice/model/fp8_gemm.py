@@ -13,13 +13,14 @@ H200, Qwen3-8B's shapes: benchmarks/journal/2026-12-02-fp8-matmuls.md):
 - **One row (decode at batch 1): weight-only.** The step is bound by reading W, so the
   kernel reads the FP8 weights (half the bf16 bytes), widens each tile in registers and
   multiplies it with x as it is: no activation quantization (no launch, no rounding of x).
-  Where K is a multiple of 16 that is sluice.model.triton_gemm's one-row kernel itself
-  (`fp8_row_mm`: `_row_mm_kernel` with a weight-scale mode, per output row or per block;
-  PDL weight prefetch, split-K, the SiLU-and-mul prologue for the down projection
+  That is `_w8a16_kernel`'s one-row branch (no PDL, no split-K, no fused prologue or
+  epilogues), which the sweep measured at 2.8-3.8 TB/s of FP8 weights, the 36 layers'
+  products 2.11 ms against bf16 cuBLAS's 4.02. With SLUICE_FP8_ROW_KERNEL=1 (and K a
+  multiple of 16) it is sluice.model.triton_gemm's one-row kernel instead (`fp8_row_mm`:
+  `_row_mm_kernel` with a weight-scale mode, per output row or per block; PDL weight
+  prefetch, split-K, the SiLU-and-mul prologue for the down projection
   (`fp8_silu_mul_linear`, LlamaMLP.fp8_act_down_op) and its epilogues; tiles from
-  `fp8_row_config`, an untuned rule until a GPU sweep); else `_w8a16_kernel`'s one-row
-  branch (no PDL, no split-K, no fused prologue or epilogues), which the sweep measured at
-  2.8-3.8 TB/s of FP8 weights, the 36 layers' products 2.11 ms against bf16 cuBLAS's 4.02.
+  `fp8_row_config`): off by default, slower on the H200 (ROW_KERNEL below).
   Both: CUDA-core multiply-adds into a [BLOCK_N, BLOCK_K] float32 accumulator summed over K
   once; block scales scale x's K slice, since a program's rows lie in one block row.
 - **More rows: W8A8.** x is quantized to FP8 at run time (`quantize_activations`: per token,
@@ -60,8 +61,11 @@ from sluice.model.triton_gemm import GemmConfig
 from sluice.model.triton_ops import norm_row
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# SLUICE_FP8_ROW_KERNEL=0: one-row products on _w8a16_kernel again (an A/B switch for benchmarks).
-ROW_KERNEL = os.environ.get("SLUICE_FP8_ROW_KERNEL", "1") != "0"
+# SLUICE_FP8_ROW_KERNEL=1: one-row products on triton_gemm's one-row kernel (fp8_row_mm), off by
+# default: on an H200 its best tiles tie _w8a16_kernel's on q/k/v and o and lose on gate_up and
+# down (29.0 / 17.6 against 26.5 / 15.5 us), and its untuned rule made the 8B batch-1 ITL
+# 4.09 against 3.00 ms (benchmarks/journal/2026-12-02-pool-direct-fp8-row-pd-mps-h200.md).
+ROW_KERNEL = os.environ.get("SLUICE_FP8_ROW_KERNEL", "0") == "1"
 
 # Batches of at most this many rows run weight-only; larger ones quantize their activations.
 WEIGHT_ONLY_MAX_ROWS = 1
@@ -357,8 +361,6 @@ def fp8_row_config(n: int, k: int, block: tuple[int, int] | None, silu_mul: bool
     SiLU prologue; halved until they divide the scale block's rows), 8 warps from 2,048 of K
     an iteration, the next tile loaded ahead by hand (num_stages 2), K not split unless
     `split_k` says (a power of two; K must then be a multiple of split_k * block_k)."""
-    if not ROW_KERNEL:
-        return None
     if k % 16 or k % split_k:
         return None
     part = k // split_k
@@ -403,7 +405,7 @@ def fp8_silu_mul_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1 or layer.bias is not None:
         return None
     n, k = layer.weight.shape
-    config = fp8_row_config(n, k, layer.fp8_block, silu_mul=True)
+    config = fp8_row_config(n, k, layer.fp8_block, silu_mul=True) if ROW_KERNEL else None
     if config is None:
         return None
     return fp8_row_mm(x, layer.weight, layer.weight_scale, layer.fp8_block, config,
@@ -818,7 +820,8 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
     backend = _linear_backend(rows.shape[0], weight, block, rows.is_cuda, rows.dtype,
                               rows.device)
     if backend == "w8a16":
-        config = fp8_row_config(*weight.shape, block) if rows.shape[0] == 1 else None
+        config = fp8_row_config(*weight.shape, block) if (
+            ROW_KERNEL and rows.shape[0] == 1) else None
         if config is not None:
             y = fp8_row_mm(rows, weight, scale, block, config)
         else:

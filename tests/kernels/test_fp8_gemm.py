@@ -181,6 +181,7 @@ def test_block_scaled_mm_takes_only_weights_of_whole_fours_of_k_blocks() -> None
 def test_fp8_linear_runs_weight_only_for_few_rows_and_w8a8_above(
         block: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch) -> None:
     weight, scale = fp8_weight(64, 48, block, seed=7)
+    monkeypatch.setattr(fp8_gemm, "ROW_KERNEL", True)  # (SLUICE_FP8_ROW_KERNEL=1)
     calls = []
     for name in ("fp8_row_mm", "w8a16_mm", "w8a8_mm"):
         original = getattr(fp8_gemm, name)

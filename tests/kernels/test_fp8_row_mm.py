@@ -124,12 +124,17 @@ def test_fp8_row_config_doubles_the_bf16_k_step() -> None:
 
 @pytest.mark.parametrize("block", BLOCKS)
 def test_fp8_linear_runs_one_row_in_the_row_kernel(block, monkeypatch) -> None:
+    """With SLUICE_FP8_ROW_KERNEL=1; by default one row runs _w8a16_kernel (slower on an
+    H200: fp8_gemm.ROW_KERNEL)."""
     calls = []
     for name in ("fp8_row_mm", "w8a16_mm", "w8a8_mm"):
         original = getattr(fp8_gemm, name)
         monkeypatch.setattr(fp8_gemm, name,
                             lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
-    for k, m, path in ((64, 1, "fp8_row_mm"), (72, 1, "w8a16_mm"), (64, 2, "w8a8_mm")):
+    cases = [(64, 1, "fp8_row_mm", True), (72, 1, "w8a16_mm", True), (64, 2, "w8a8_mm", True),
+             (64, 1, "w8a16_mm", False)]
+    for k, m, path, row_kernel in cases:
+        monkeypatch.setattr(fp8_gemm, "ROW_KERNEL", row_kernel)
         weight, scale = fp8_weight(48, k, block, seed=k)
         x = activations(m, k, torch.bfloat16, seed=m).reshape(1, m, k)
         y = fp8_gemm.fp8_linear(x, weight, scale, block)
@@ -139,8 +144,10 @@ def test_fp8_linear_runs_one_row_in_the_row_kernel(block, monkeypatch) -> None:
         assert (y.float() - reference.float()).abs().max() <= bound * reference.abs().max()
 
 
-def test_fp8_silu_mul_linear_runs_at_one_row_only() -> None:
+def test_fp8_silu_mul_linear_runs_at_one_row_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from sluice.model.linear import RowParallelLinear
+
+    monkeypatch.setattr(fp8_gemm, "ROW_KERNEL", True)
 
     layer = RowParallelLinear(64, 40).to(DEVICE)
     layer.use_fp8((8, 32))
@@ -151,6 +158,8 @@ def test_fp8_silu_mul_linear_runs_at_one_row_only() -> None:
     y = fp8_gemm.fp8_silu_mul_linear(x, layer)
     close(y, expected(x, weight, scale, (8, 32), silu_mul=True), torch.bfloat16)
     assert fp8_gemm.fp8_silu_mul_linear(activations(2, 128, torch.bfloat16, 13), layer) is None
+    monkeypatch.setattr(fp8_gemm, "ROW_KERNEL", False)  # the default: SiLU op, then down
+    assert fp8_gemm.fp8_silu_mul_linear(x, layer) is None
 
 
 @pytest.mark.parametrize("kind", ["block", "channel"])
@@ -175,6 +184,7 @@ def test_an_fp8_model_s_one_token_step_runs_down_with_the_silu_prologue(
     )
 
     monkeypatch.setenv("SLUICE_FP8_WEIGHTS", "keep")
+    monkeypatch.setattr(fp8_gemm, "ROW_KERNEL", True)  # (SLUICE_FP8_ROW_KERNEL=1)
     folder = make_tiny_model(str(tmp_path / "m"), arch="qwen3", quantize=f"fp8-{kind}",
                              block_size=(16, 32))
     config = load_hf_config(folder)
