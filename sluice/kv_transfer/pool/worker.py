@@ -278,11 +278,13 @@ class KVPoolConnectorWorker(KVConnectorWorker):
                                                     [ids[i] for i in found], after)
             # (get_copy as a staged load's: here the copies out of the arena, CUDA: queued.)
             self._add_stat("pool_load_get_copy_seconds", time.perf_counter() - start)
-            good = pinned.checks()
-            if copied is not None:
-                waited = time.perf_counter()
-                copied.synchronize()  # the DMA out of the arena is done: the pins may go
-                self._add_stat("pool_load_dma_wait_seconds", time.perf_counter() - waited)
+            try:
+                good = pinned.checks()
+            finally:
+                if copied is not None:  # (also on an error: the pins go when this block ends)
+                    waited = time.perf_counter()
+                    copied.synchronize()  # the DMA out of the arena is done: the pins may go
+                    self._add_stat("pool_load_dma_wait_seconds", time.perf_counter() - waited)
         self._add_stage_stats("pool_load", stages, backend.stage_seconds())
         self._add_stat("pool_errors.load.missing", len(ids) - sum(good))
         for kind, count in backend.rejections().items():
