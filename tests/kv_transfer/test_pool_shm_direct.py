@@ -141,3 +141,40 @@ def test_a_server_killed_during_a_load_still_ends_with_the_right_output(
         assert_all_blocks_back(llm)
     finally:
         server.stop()
+
+
+
+def test_a_pinned_get_that_fails_after_its_grant_leaves_no_pin(
+        qwen3_dir: str, shm_pool: servers.ShmPoolServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GetBegin pinned the values, then building the PinnedGet failed: the connection is
+    dropped, and with it the server's pins."""
+    import time
+
+    batch = prompts(seed=13, count=1)
+    llm = shm_llm(qwen3_dir, shm_pool.url)
+    saved_then_uncached(llm, batch)
+    scheduler = scheduler_half(llm)
+    after_alloc = scheduler.update_state_after_alloc
+    keys: list[str] = []
+
+    def note_keys(request_: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        keys.extend(scheduler.prefix + h.hash_value.hex() for h in request_.block_hashes[:2])
+        after_alloc(request_, block_ids, num_external_tokens)
+
+    scheduler.update_state_after_alloc = note_keys
+    llm.generate(batch, greedy(), use_tqdm=False)  # a pool hit: the keys are in the pool
+    scheduler.update_state_after_alloc = after_alloc
+    assert len(keys) == 2
+    payload = worker_half(llm).payload_size
+    with create_backend(shm_pool.url, timeout_s=5.0) as backend:
+        def broken() -> Any:
+            raise RuntimeError("no check thread")
+
+        monkeypatch.setattr(backend, "_check_thread", broken)
+        with pytest.raises(RuntimeError, match="no check thread"):
+            backend.get_pinned(keys, payload)
+        deadline = time.monotonic() + 5.0
+        while backend.stats().num_pinned and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert backend.stats().num_pinned == 0

@@ -257,6 +257,8 @@ class ShmPoolBackend(PoolBackend):
             pinned = PinnedGet(self, connected, conn, arena, keys, grant.slots, grant.sizes,
                                payload_size)
         except BaseException:
+            # Whatever GetBegin pinned goes with the connection (the server drops its pins).
+            self._drop(conn)
             connected.__exit__(None, None, None)
             raise
         finally:
