@@ -11,9 +11,9 @@ adds in the GEMMs, so a layer is 7 launches instead of 9 (6 instead of 8 at smal
 decode steps hand the raw q/k/v projection to the attention backend, which folds the q/k norm,
 RoPE and KV store into its decode attention for batches of 16 requests to about one wave of
 programs (TritonBackend.decode_from_qkv): one launch a layer fewer there. The layers of an FP8
-checkpoint multiply in FP8 (sluice.model.fp8_gemm: at one row in triton_gemm's one-row kernel,
-the down projection with SiLU-and-mul folded in); their norms are not folded (the weights
-would need quantizing again), but the norms and SiLU-and-mul before them write FP8 activations
+checkpoint multiply in FP8 (sluice.model.fp8_gemm; with SLUICE_FP8_ROW_KERNEL=1, one row in
+triton_gemm's one-row kernel, SiLU-and-mul folded into the down projection); their norms are
+not folded (the weights would need quantizing again), but the norms and SiLU-and-mul before them write FP8 activations
 and scales where the product takes them (fp8_gemm.norm_for_fp8, silu_for_fp8).
 
 Only the instance attributes of this model change; other engines in the process are untouched.
@@ -35,9 +35,10 @@ def install_fp8_ops(model: nn.Module) -> None:
     """The FP8 kernels (sluice.model.fp8_gemm) for every layer of `model` that holds FP8
     weights (CUDA): also with enforce_eager, where the other fused ops stay off, since the
     layers' default op (the CPU reference) dequantizes the whole weight at every step. FP8
-    experts take sluice.model.triton_moe's W8A16 kernels (any batch: static shapes). A dense
-    MLP's FP8 down projection at one row takes SiLU-and-mul in its GEMM's prologue
-    (fp8_gemm.fp8_silu_mul_linear: no activation launch)."""
+    experts take sluice.model.triton_moe's W8A16 kernels (any batch: static shapes). With
+    SLUICE_FP8_ROW_KERNEL=1 a dense MLP's FP8 down projection at one row takes SiLU-and-mul in
+    its GEMM's prologue (fp8_gemm.fp8_silu_mul_linear: no activation launch; off by default,
+    slower on an H200)."""
     from sluice.model import fp8_gemm, triton_moe
     from sluice.model.moe import FusedMoE
 
