@@ -13,8 +13,9 @@ RoPE and KV store into its decode attention for batches of 16 requests to about 
 programs (TritonBackend.decode_from_qkv): one launch a layer fewer there. The layers of an FP8
 checkpoint multiply in FP8 (sluice.model.fp8_gemm; with SLUICE_FP8_ROW_KERNEL=1, one row in
 triton_gemm's one-row kernel, SiLU-and-mul folded into the down projection); their norms are
-not folded (the weights would need quantizing again), but the norms and SiLU-and-mul before them write FP8 activations
-and scales where the product takes them (fp8_gemm.norm_for_fp8, silu_for_fp8).
+not folded (the weights would need quantizing again), but the norms and SiLU-and-mul before
+them write FP8 activations and scales where the product takes them (fp8_gemm.norm_for_fp8,
+silu_for_fp8).
 
 Only the instance attributes of this model change; other engines in the process are untouched.
 """
