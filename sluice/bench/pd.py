@@ -12,11 +12,13 @@ rate. Phase 2 starts a prefill and a decode instance on the same device, one aft
 (`--prefill-memory` and `--decode-memory`: the memory split) and a `sluice router`, and runs
 the same loads through the router; then, for each of `--transfer-prompt-lens`, it sends
 `--transfer-repeats` single fresh prompts (one output token) and reads the prefill's transfer
-counters: KV bytes, seconds spent writing, hence the transfer bandwidth and its share of the
-TTFT seen by the client (the same prompts go to the colocated instance first, one at a time:
-PD's TTFT against colocated's at no load). It prints TTFT, TPOT and ITL (mean and P99) and
-goodput for both and their ratio (PD / colocated), and saves everything as JSON with the
-command and the machine.
+counters: KV bytes, seconds spent writing, hence the transfer bandwidth, and the seconds of the
+room's write after the prompt's last step (exposed: the layer writes during the prompt overlap
+its compute) as a share of the TTFT seen by the client (the same prompts go to the colocated
+instance first, one at a time: PD's TTFT against colocated's at no load). It prints TTFT,
+TPOT and ITL (mean and P99) and goodput for both and their ratio (PD / colocated), and saves
+everything as JSON with the command and the machine. `--prefill-config` adds PDConnector
+settings to the prefill instance (an A/B of `bootstrap_wait_s`, for one).
 
 Two GPUs of one host: `--prefill-device cuda:0 --decode-device cuda:1` (run it with both GPUs
 in CUDA_VISIBLE_DEVICES; the colocated instance stays on `--device`), and memory 0.9 each.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import shlex
 import sys
@@ -56,6 +59,13 @@ def _workload(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"a workload is INPUT:OUTPUT tokens, got {text!r}"
                                          ) from None
     return input_len, output_len
+
+
+def _config(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--prefill-config must be a JSON object, got {text!r}")
+    return value
 
 
 def _rates(text: str) -> list[float]:
@@ -126,15 +136,21 @@ def _transfer(router: Instance, prefill: Instance | None, model: str, vocab: int
                     continue
                 time.sleep(0.2)  # the prefill's counters arrive with its next step
                 after = _prefill_counters(prefill)
-                # The room's write and, layer-wise, the writes during the prompt (these
-                # overlap its compute: their share of TTFT is an upper bound).
-                sent = sum(after.get(k, 0) - before.get(k, 0)
-                           for k in ("worker_sent_bytes", "worker_layer_sent_bytes"))
-                seconds = sum(after.get(k, 0) - before.get(k, 0) for k in (
-                    "worker_transfer_seconds", "worker_layer_transfer_seconds"))
+                # The room's write, after the prompt's last step (exposed: on the path to
+                # the first token), and, layer-wise, the writes during the prompt's steps
+                # (they overlap its compute).
+                delta = {k: after.get(k, 0) - before.get(k, 0) for k in (
+                    "worker_sent_bytes", "worker_layer_sent_bytes", "worker_transfer_seconds",
+                    "worker_layer_transfer_seconds")}
+                sent = delta["worker_sent_bytes"] + delta["worker_layer_sent_bytes"]
+                exposed = delta["worker_transfer_seconds"]
+                seconds = exposed + delta["worker_layer_transfer_seconds"]
                 rows.append({"ttft_s": ttft, "kv_bytes": sent, "transfer_s": seconds,
+                             "exposed_transfer_s": exposed,
                              "gb_per_s": sent / seconds / 1e9 if seconds else math.nan,
-                             "share_of_ttft": seconds / ttft if ttft else math.nan})
+                             "share_of_ttft": exposed / ttft if ttft else math.nan,
+                             "overlapped_share_of_ttft": (seconds - exposed) / ttft
+                             if ttft else math.nan})
             out[str(length)] = {"runs": rows, **{
                 key: float(np.median([r[key] for r in rows])) for key in rows[0]}}
             median = out[str(length)]
@@ -143,9 +159,11 @@ def _transfer(router: Instance, prefill: Instance | None, model: str, vocab: int
                       f"(single fresh prompts)", flush=True)
                 continue
             print(f"transfer {length} tokens: {median['kv_bytes'] / 2**20:.1f} MiB in "
-                  f"{median['transfer_s'] * 1e3:.1f} ms ({median['gb_per_s']:.2f} GB/s), "
-                  f"{100 * median['share_of_ttft']:.1f}% of TTFT {median['ttft_s'] * 1e3:.0f} ms",
-                  flush=True)
+                  f"{median['transfer_s'] * 1e3:.1f} ms ({median['gb_per_s']:.2f} GB/s); "
+                  f"exposed {median['exposed_transfer_s'] * 1e3:.2f} ms, "
+                  f"{100 * median['share_of_ttft']:.1f}% of TTFT {median['ttft_s'] * 1e3:.0f} ms "
+                  f"(layer writes during the prompt: "
+                  f"{100 * median['overlapped_share_of_ttft']:.1f}%)", flush=True)
     return out
 
 
@@ -191,13 +209,15 @@ def main(ns: argparse.Namespace) -> int:
 
     prefill_extra = {"mooncake_protocol": ns.mooncake_protocol} if ns.backend == "mooncake" \
         else {}
+    decode_extra = dict(prefill_extra)
+    prefill_extra.update(ns.prefill_config)
     cluster = start_cluster(
         ns.model, engine_flags, ns.backend, workdir=workdir, one_at_a_time=True,
         prefill_flags=["--gpu-memory-utilization", str(ns.prefill_memory),
                        "--device", ns.prefill_device or ns.device],
         decode_flags=["--gpu-memory-utilization", str(ns.decode_memory),
                       "--device", ns.decode_device or ns.device],
-        prefill_extra=prefill_extra, decode_extra=dict(prefill_extra),
+        prefill_extra=prefill_extra, decode_extra=decode_extra,
         timeout_s=ns.start_timeout)
     try:
         result["pd"] = _loads(cluster.router.url, "bench", ns)
@@ -243,6 +263,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="mooncake",
                         choices=("mooncake", "shm", "auto", "fake"))
     parser.add_argument("--mooncake-protocol", default="tcp", help="tcp | rdma")
+    parser.add_argument("--prefill-config", type=_config, default={},
+                        help="more PDConnector settings of the prefill instance, a JSON "
+                             "object (e.g. '{\"bootstrap_wait_s\": 0}')")
     parser.add_argument("--colocated-memory", type=float, default=0.9)
     parser.add_argument("--prefill-memory", type=float, default=0.45)
     parser.add_argument("--decode-memory", type=float, default=0.45,

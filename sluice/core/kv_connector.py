@@ -177,6 +177,11 @@ class KVConnectorScheduler(ABC):
         waiting request is held or loading, the engine polls the workers instead of spinning."""
         return 0
 
+    def has_plans(self) -> bool:
+        """Whether the next step's metadata carries work for the workers (a send planned as a
+        request finished): the engine steps at once instead of waiting for input."""
+        return False
+
     def get_stats(self) -> dict[str, float]:
         """Cumulative counters for metrics (names without a prefix)."""
         return {}

@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from sluice import stage_trace
 from sluice.config import KVTransferConfig, SchedulerConfig
 from sluice.core.drafts import Drafts
 from sluice.core.grammar_gate import GrammarBackend, GrammarGate, is_constrained
@@ -148,8 +149,11 @@ class Scheduler:
             self.drafts is not None and self.drafts.model_drafts_on_host())
 
     def has_requests_to_schedule(self) -> bool:
-        """Whether a step could compute anything: False while every unfinished request waits
-        for a remote load (the engine then polls the workers instead of spinning)."""
+        """Whether a step could compute anything or carries a connector's plans: False while
+        every unfinished request waits for a remote load (the engine then polls the workers
+        instead of spinning)."""
+        if self.connector is not None and self.connector.has_plans():
+            return True
         num_parked = 0 if self.kv_transfers is None else (self.kv_transfers.num_parked()
                                                           + self.connector.num_held())
         return bool(self.running) or len(self.waiting) > num_parked
@@ -400,6 +404,7 @@ class Scheduler:
         request waits at its place in the queue with the prompt computed, and its next step
         computes the token's KV and samples the second. A load cut short by failed blocks
         keeps recomputing instead."""
+        stage_trace.mark("d_first")
         if request.num_computed_tokens != request.num_tokens or request.num_output_tokens:
             return
         request.append_output_token_ids([first_token.token_id])

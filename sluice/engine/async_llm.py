@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from sluice import stage_trace
 from sluice.channel import Encoder, WireError
 from sluice.config import EngineConfig
 from sluice.engine.arg_utils import EngineArgs
@@ -378,6 +379,8 @@ class AsyncLLM:
             logger.warning("front end ignored an unexpected %s", type(message).__name__)
 
     def _process_outputs(self, message: EngineCoreOutputs) -> None:
+        if stage_trace.ON:
+            stage_trace.mark("fe_out", str(sum(len(o.new_token_ids) for o in message.outputs)))
         if message.scheduler_stats is not None:
             self.latest_scheduler_stats = message.scheduler_stats
         core_outputs = message.outputs

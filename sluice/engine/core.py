@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterable
 
+from sluice import stage_trace
 from sluice.config import EngineConfig
 from sluice.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from sluice.core.kv_cache_groups import kv_cache_groups
@@ -141,6 +142,8 @@ class EngineCore:
         launched = None
         if scheduler.has_unfinished_requests() or scheduler.has_pending_kv_transfers():
             scheduler_output = scheduler.schedule()
+            if stage_trace.ON and not scheduler_output.is_empty:
+                stage_trace.mark("sched", str(scheduler_output.total_num_scheduled_tokens))
             failed = scheduler.take_outputs_without_step()
             outputs += failed
             if scheduler.connector is not None:
@@ -162,14 +165,24 @@ class EngineCore:
         if self.in_flight is not None:
             outputs += self._take_in_flight()
         if launched is not None:
-            if self.async_scheduling and not scheduler.runs_synchronously(launched[0]):
+            # A step of no tokens (a connector's poll) is taken at once: kept in flight, it
+            # would keep the busy loop from ever waiting, and the loop would hold the GIL
+            # from the connector's threads (sends and receives then wait for its switches).
+            if (self.async_scheduling and not launched[0].is_empty
+                    and not scheduler.runs_synchronously(launched[0])):
                 self.in_flight = launched
             else:
                 scheduler_output, future = launched
-                outputs += scheduler.update_from_output(scheduler_output, future.result())
+                result = future.result()
+                if stage_trace.ON and not scheduler_output.is_empty:
+                    stage_trace.mark("result", str(scheduler_output.total_num_scheduled_tokens))
+                outputs += scheduler.update_from_output(scheduler_output, result)
         return outputs
 
     def _take_in_flight(self) -> list[EngineCoreOutput]:
         scheduler_output, future = self.in_flight
         self.in_flight = None
-        return self.scheduler.update_from_output(scheduler_output, future.result())
+        result = future.result()
+        if stage_trace.ON and not scheduler_output.is_empty:
+            stage_trace.mark("result", str(scheduler_output.total_num_scheduled_tokens))
+        return self.scheduler.update_from_output(scheduler_output, result)

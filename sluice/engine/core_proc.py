@@ -29,9 +29,11 @@ from typing import Any
 import torch
 import zmq
 
+from sluice import stage_trace
 from sluice.channel import Encoder, WireError
 from sluice.core.outputs import EngineCoreOutput, SpecDecodingStats
 from sluice.core.request import RequestStatus
+from sluice.engine import wakeup
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.core import EngineCore
 from sluice.engine.stats import SchedulerStats
@@ -126,6 +128,8 @@ class EngineCoreProc:
         self.decoder = RequestDecoder()
         self.poller = zmq.Poller()
         self.poller.register(input_socket, zmq.POLLIN)
+        # A connector's thread wakes the loop out of its wait for input (wakeup.py).
+        self.poller.register(wakeup.fd(), zmq.POLLIN)
 
     def send_ready(self) -> None:
         self._broadcast(Ready(
@@ -160,6 +164,8 @@ class EngineCoreProc:
         """A step's outputs, with the scheduler's state: to the one front end, or to each its
         own requests' (and the state to the others when requests came, went or finished, or
         at least every _IDLE_CLIENT_STATS_S)."""
+        if stage_trace.ON and outputs:
+            stage_trace.mark("core_out", str(sum(len(o.new_token_ids) for o in outputs)))
         stats = make_scheduler_stats(self.engine_core)
         now = time.time()
         if len(self.output_sockets) == 1:
@@ -182,8 +188,11 @@ class EngineCoreProc:
     def _process_input(self, block: bool, timeout_ms: int = 0) -> bool:
         """Apply every waiting message; with `block`, first wait up to `timeout_ms` for one.
         Returns whether requests were added or ended."""
-        if block and not self.poller.poll(timeout_ms):
-            return False
+        if block:
+            ready = self.poller.poll(timeout_ms)
+            wakeup.drain()
+            if not ready:
+                return False
         changed = False
         while True:
             try:
@@ -206,6 +215,7 @@ class EngineCoreProc:
                          type(message).__name__, message.client, len(self.output_sockets))
             return False
         if isinstance(message, AddRequest):
+            stage_trace.mark("core_add")
             request = message.request
             try:
                 core.add_request(request)

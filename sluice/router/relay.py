@@ -32,9 +32,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
 import httpx
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from sluice import stage_trace
 from sluice.entrypoints.openai.connection import run_until_disconnected
 from sluice.entrypoints.openai.errors import error_body, error_response
 from sluice.router.metrics import RouterMetrics
@@ -88,7 +90,7 @@ def prompt_key(path: str, body: dict[str, Any]) -> str:
                          if isinstance(m, dict))
     prompt = body.get("prompt")
     if isinstance(prompt, list):
-        return " ".join(str(t) for t in prompt)
+        return " ".join(map(str, prompt))
     return str(prompt)
 
 
@@ -176,6 +178,16 @@ class CommittedStream:
             await self.on_close()
 
 
+# Bodies are parsed and written with msgspec: an 8k-token prompt costs ~0.2 ms instead of
+# stdlib json's ~1.4 ms (a parse and the two halves' writes), on the path to every first token.
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
+def _json_headers() -> dict[str, str]:
+    return {**(_forwarded.get() or {}), "content-type": "application/json"}
+
+
 async def open_stream(client: httpx.AsyncClient, role: str, worker: Worker, url: str,
                       body: dict[str, Any]) -> httpx.Response:
     """POST a streamed request; its response once the status is 200. An instance that cannot
@@ -183,7 +195,8 @@ async def open_stream(client: httpx.AsyncClient, role: str, worker: Worker, url:
     client's answer."""
     try:
         response = await client.send(
-            client.build_request("POST", url, json=body, headers=_forwarded.get()), stream=True)
+            client.build_request("POST", url, content=_encode(body), headers=_json_headers()),
+            stream=True)
     except httpx.HTTPError as exc:
         raise Failure(role, worker, f"{type(exc).__name__}: {exc}",
                       drop=isinstance(exc, httpx.ConnectError)) from None
@@ -207,7 +220,7 @@ async def post_whole(client: httpx.AsyncClient, role: str, worker: Worker, url: 
     """POST a request and read its whole answer; failures as in `open_stream`, the instance
     dropped for an error of `drop_on`."""
     try:
-        response = await client.post(url, json=body, headers=_forwarded.get())
+        response = await client.post(url, content=_encode(body), headers=_json_headers())
     except httpx.HTTPError as exc:
         raise Failure(role, worker, f"{type(exc).__name__}: {exc}",
                       drop=isinstance(exc, drop_on)) from None
@@ -254,6 +267,7 @@ async def read_to_first_token(role: str, worker: Worker, lines: AsyncIterator[st
             if failed_before_first_token(choice, 0) and (failure := early_failure(choice)):
                 raise failure
         if any(carries_token(c) for c in choices) or event.get("usage"):
+            stage_trace.mark("router_first")
             return buffered
 
 
@@ -303,9 +317,10 @@ class Relay(ABC, Generic[Chosen]):
 
     async def generate(self, path: str, request: Request) -> Response:
         forward_headers(request)
+        stage_trace.mark("router_in")
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = _decode(await request.body())
+        except msgspec.DecodeError:
             return self._done(path, error_response(400, "the request body is not JSON"))
         if not isinstance(body, dict):
             return self._done(path, error_response(400, "the request body must be an object"))

@@ -77,7 +77,13 @@ def check_result(stdout: str, result: dict) -> None:
     assert all(1 <= len(itl) + 1 <= OUTPUT_LEN for itl in result["itls"])
     assert all(lat >= ttft for lat, ttft in zip(result["latencies"], result["ttfts"]))
     assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]
-    assert result["mean_tpot_ms"] > 0 and result["p99_itl_ms"] > 0
+    assert result["mean_tpot_ms"] > 0
+    # On a loaded box a request's tokens may all arrive in one chunk (no ITL); the P99 ITL is
+    # positive whenever any request has one.
+    if any(result["itls"]):
+        assert result["p99_itl_ms"] > 0
+    else:
+        assert result["p99_itl_ms"] == 0
     assert result["output_throughput"] == pytest.approx(
         NUM_PROMPTS * OUTPUT_LEN / result["duration"])
     assert any(result["generated_texts"])

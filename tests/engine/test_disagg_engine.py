@@ -450,3 +450,60 @@ def test_a_prompt_whose_decode_has_not_asked_computes_after_the_bootstrap_wait(
     assert sent["worker_sent_blocks"] == -(-len(base) // BLOCK)
     assert "worker_rooms_streamed" not in sent
     pair.assert_all_blocks_back()
+
+
+def test_polling_steps_are_taken_at_once_and_a_finished_send_goes_without_a_wait(
+        make_pair, reference: LLM) -> None:
+    """With async scheduling, a step of no tokens (the engine polling its workers for a
+    transfer) is taken at once, not left in flight: else the busy loop never waits, and holds
+    the GIL from the KV managers' threads. A prefill request that finished leaves its send
+    planned, and the engine steps for it at once (has_requests_to_schedule) rather than after
+    its wait for input."""
+    batch = prompts(5, [40])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = expected(reference, batch, [params])
+    pair = make_pair(async_scheduling=True, decode_engine={"async_scheduling": True})
+    decode = pair.decode.llm_engine.engine_core
+    prefill = pair.prefill.llm_engine.engine_core
+    assert decode.async_scheduling and prefill.async_scheduling
+    pair.add("r0", batch[0], params, to_prefill=False)
+    for _ in range(5):  # parked: its prefill half has not come
+        pair.decode.llm_engine.step()
+        assert decode.in_flight is None
+        assert not decode.scheduler.has_requests_to_schedule()
+    pair.prefill.llm_engine.add_request(
+        "p-r0", {"prompt_token_ids": batch[0]}, params,
+        kv_transfer_params={"do_remote_decode": True, "bootstrap_room": pair.room})
+    planned = False
+    deadline = time.monotonic() + 30
+    while not planned:
+        assert time.monotonic() < deadline, "the prefill request never finished"
+        pair.prefill.llm_engine.step()
+        connector = prefill.scheduler.connector
+        planned = bool(connector._plan.sends)
+    assert prefill.scheduler.has_requests_to_schedule()  # the loop would not wait
+    got = pair.run()
+    assert got["r0"].outputs[0].token_ids == want[0].token_ids
+    pair.assert_all_blocks_back()
+
+
+def test_a_wakeup_ends_the_engine_loops_wait() -> None:
+    """A KV manager's thread (a room's status, a decode's ask) wakes the engine core's busy
+    loop out of its wait for input through wakeup.py's eventfd."""
+    import threading
+
+    import zmq
+
+    from sluice.engine import wakeup
+
+    poller = zmq.Poller()
+    poller.register(wakeup.fd(), zmq.POLLIN)
+    wakeup.drain()
+    assert not poller.poll(10)
+    timer = threading.Timer(0.05, wakeup.notify)
+    started = time.monotonic()
+    timer.start()
+    assert poller.poll(5000)
+    assert time.monotonic() - started < 2.0
+    wakeup.drain()
+    assert not poller.poll(10)  # drained: the next wait waits

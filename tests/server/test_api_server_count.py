@@ -155,11 +155,12 @@ def test_sigterm_drains_both_api_servers_then_every_process_exits(
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
                       timeout=60) as response:
         lines = response.iter_lines()
-        next(line for line in lines if line.startswith("data: "))
+        first = next(line for line in lines if line.startswith("data: "))
         server.proc.send_signal(signal.SIGTERM)
-        rest = [line for line in lines if line.startswith("data: ")]
-    assert rest[-1] == "data: [DONE]"
-    assert '"finish_reason":"length"' in rest[-2] or '"finish_reason": "length"' in rest[-2]
+        # A slow reader may get the rest of the tokens merged into the first event.
+        events = [first, *(line for line in lines if line.startswith("data: "))]
+    assert len(events) >= 2 and events[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in events[-2] or '"finish_reason": "length"' in events[-2]
     assert server.proc.wait(60) == 0, server.log()[-4000:]
     assert_all_gone(pids)
 

@@ -37,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sluice import stage_trace
 from sluice.engine.arg_utils import EngineArgs
 from sluice.engine.async_llm import AsyncLLM
 from sluice.engine.core_client import CoreAttachment
@@ -356,6 +357,7 @@ def build_app(engine: AsyncLLM, args: ServerArgs, default_model_name: str | None
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        stage_trace.mark("api_in")
         return await completion.create(request, raw_request)
 
     @app.post("/v1/chat/completions")

@@ -128,9 +128,12 @@ class OpenAIServingCompletion:
         params = serving.sampling_params(request, max_tokens, request.logprobs,
                                          max(wanted) if wanted else None)
         await serving.check_constraints(request, params)
+        # A prompt of token ids is decoded to text only to echo it or log it.
+        need_text = bool(request.echo) or serving.log_requests
         prompts = [await serving.tokenize_prompt(
             p, request.add_special_tokens, "prompt" if isinstance(request.prompt, str)
-            else f"prompt[{i}]") for i, p in enumerate(_prompts(request.prompt))]
+            else f"prompt[{i}]", need_text=need_text)
+            for i, p in enumerate(_prompts(request.prompt))]
         for _, token_ids in prompts:
             serving.check_context(len(token_ids), None if prompt_only else request.max_tokens)
         kv_transfer_params = serving.kv_transfer_params(request, len(prompts))
@@ -161,7 +164,7 @@ class OpenAIServingCompletion:
         return Response(response.model_dump_json(), media_type="application/json")
 
     def _choice(self, index: int, output: RequestOutput, sample: CompletionOutput,
-                shape: _Shape, prompt_text: str, first: bool, text_offset: int
+                shape: _Shape, prompt_text: str | None, first: bool, text_offset: int
                 ) -> CompletionResponseChoice:
         """One choice (or, streamed, one chunk of it: `first` is its first, which carries
         the echoed prompt and the prompt's logprobs)."""
@@ -215,7 +218,7 @@ class OpenAIServingCompletion:
         return 0 if shape.prompt_only else len(sample.token_ids)
 
     async def _full(self, streams: list[AsyncIterator[RequestOutput]], request_id: str,
-                    model: str, shape: _Shape, prompt_texts: list[str],
+                    model: str, shape: _Shape, prompt_texts: list[str | None],
                     num_prompt_tokens: int) -> CompletionResponse:
         finals: dict[int, RequestOutput] = {}
         async for prompt_index, output in merge_streams(streams):
@@ -233,7 +236,7 @@ class OpenAIServingCompletion:
                                   usage=usage(num_prompt_tokens, num_generated, num_cached))
 
     async def _stream(self, streams: list[AsyncIterator[RequestOutput]], request_id: str,
-                      model: str, shape: _Shape, prompt_texts: list[str],
+                      model: str, shape: _Shape, prompt_texts: list[str | None],
                       num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
         started: set[int] = set()

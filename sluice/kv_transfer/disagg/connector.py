@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from sluice import stage_trace
 from sluice.config import KVTransferConfig
 from sluice.core.kv_connector import KVCacheSpec, KVConnectorScheduler, SchedulerView
 from sluice.core.outputs import FirstToken, KVConnectorOutput, PositionLogprobs, SchedulerOutput
@@ -178,6 +179,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                                  num_external_tokens: int) -> None:
         remote = pd_params.parse_or_none(request.kv_transfer_params)
         assert isinstance(remote, pd_params.RemotePrefill)
+        stage_trace.mark("d_alloc")
         block_size = self.kv_cache_spec.block_size
         first_block = (request.num_computed_tokens - num_external_tokens) // block_size
         num_prompt_blocks = -(-request.num_prompt_tokens // block_size)
@@ -222,6 +224,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def num_held(self) -> int:
         return len(self._held)
 
+    def has_plans(self) -> bool:
+        plan = self._plan
+        return bool(plan.sends or plan.recvs or plan.aborts)
+
     def update_request_output(self, request: Request, new_token_ids: list[int],
                               new_logprobs: list[PositionLogprobs] | None) -> None:
         if (self.is_prefill and new_token_ids and request.request_id not in self._first_tokens
@@ -233,6 +239,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         first_token = self._first_tokens.pop(req_id, None)
+        stage_trace.mark("finished", str(self.is_prefill))
         self._held.pop(req_id, None)
         self._released.discard(req_id)
         if not self.is_prefill:
@@ -307,6 +314,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         for req_id in output.finished_recving | output.finished_sending:
             self._in_flight.pop(req_id, None)
         for req_id in output.ready_requests:
+            stage_trace.mark("p_ready")
             self._release(req_id)
         for name, value in output.stats.items():
             self._count(f"worker_{name}", value)

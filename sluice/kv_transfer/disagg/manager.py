@@ -24,6 +24,7 @@ import zmq
 
 from sluice.channel import Encoder, Message, WireError
 from sluice.core.kv_connector import KVCacheSpec
+from sluice.engine import wakeup
 from sluice.kv_transfer.disagg.config import PDConfig
 from sluice.kv_transfer.disagg.descriptors import CacheLayout
 from sluice.kv_transfer.disagg.faults import Faults
@@ -163,8 +164,10 @@ class KVManager(ABC):
                 return False
 
     def finish(self, finished: Finished) -> None:
-        """Queue a room's end for the scheduler (call with the lock held)."""
+        """Queue a room's end for the scheduler (call with the lock held); the engine's loop
+        steps now to take it (sluice/engine/wakeup.py)."""
         self._finished.append(finished)
+        wakeup.notify()
 
     def take_finished(self) -> list[Finished]:
         with self.lock:

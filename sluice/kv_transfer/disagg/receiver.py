@@ -46,12 +46,14 @@ from typing import Any
 
 import httpx
 
+from sluice import stage_trace
 from sluice.channel import Message
 from sluice.kv_transfer.disagg import bootstrap
 from sluice.kv_transfer.disagg.heads import check_tp_pair, held_heads, plan_slices
 from sluice.kv_transfer.disagg.manager import Finished, KVManager
 from sluice.kv_transfer.disagg.messages import (
     AbortRoom,
+    CacheExport,
     Logprobs,
     Route,
     TransferRequest,
@@ -59,7 +61,7 @@ from sluice.kv_transfer.disagg.messages import (
 )
 from sluice.kv_transfer.disagg.poll import KVPoll, advance, consensus
 from sluice.kv_transfer.disagg.shm import host_id
-from sluice.kv_transfer.disagg.transfer import choose_backend
+from sluice.kv_transfer.disagg.transfer import TransferBackend, choose_backend
 
 logger = logging.getLogger("sluice")
 
@@ -124,6 +126,7 @@ class DecodeKVManager(KVManager):
         self._bootstrap_work = threading.Condition(self.lock)
         # Rooms aborted before their prefill was asked: (prefill, room, reason, deadline).
         self._unsent_aborts: list[tuple[str, int, str, float]] = []
+        self._exports: dict[str, CacheExport | None] = {}  # backend name -> (_export)
 
     def start(self) -> None:
         super().start()
@@ -184,6 +187,7 @@ class DecodeKVManager(KVManager):
     # ---- from the prefill ------------------------------------------------------------------
 
     def handle(self, message: Message) -> None:
+        stage_trace.mark("d_status")
         if not isinstance(message, TransferStatus):
             logger.warning("PD decode rank %d ignored a %s", self.rank, type(message).__name__)
             return
@@ -341,6 +345,14 @@ class DecodeKVManager(KVManager):
         except ValueError:
             return list(range(route.world_size))
 
+    def _export(self, backend: TransferBackend) -> CacheExport | None:
+        """The cache's export for `backend`, made once: the caches never move, and a CUDA
+        export (an IPC handle per layer) costs milliseconds and a ref-counted share each."""
+        name = backend.name
+        if name not in self._exports:
+            self._exports[name] = backend.export(list(self.kv_caches.values()))
+        return self._exports[name]
+
     def _ask(self, prefill: str, route: Route | None, problem: str | None,
              rooms: list[int]) -> None:
         """Ask the prefill's ranks for each room; or, if it can never serve us (`problem`),
@@ -353,8 +365,9 @@ class DecodeKVManager(KVManager):
         if problem is None and route is not None:
             with self.lock:
                 backend = self.backends[self._pair_backends[prefill]]
+            stage_trace.mark("d_export")
             try:
-                export = backend.export(list(self.kv_caches.values()))
+                export = self._export(backend)
             except ValueError as exc:
                 problem = str(exc)
         with self.lock:
@@ -394,6 +407,7 @@ class DecodeKVManager(KVManager):
                     num_blocks=self.layout.num_blocks, first_block=entry.first_block,
                     block_ids=entry.block_ids, num_prompt_tokens=entry.num_prompt_tokens,
                     lease_s=self.config.lease_s, export=export)
+                stage_trace.mark("d_ask")
                 for control in controls.values():
                     self.send_to(control, ask)
 

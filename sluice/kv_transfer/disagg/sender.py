@@ -48,7 +48,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sluice import stage_trace
 from sluice.channel import Message
+from sluice.engine import wakeup
 from sluice.kv_transfer.disagg import bootstrap
 from sluice.kv_transfer.disagg.descriptors import CacheLayout, block_runs, build_descriptors
 from sluice.kv_transfer.disagg.heads import (
@@ -228,6 +230,7 @@ class PrefillKVManager(KVManager):
 
     def add_send(self, room: int, req_id: str, block_ids: list[int], num_prompt_tokens: int,
                  first_token: int, first_logprobs: Logprobs | None, ready_event: Any) -> None:
+        stage_trace.mark("p_add_send")
         now = time.monotonic()
         with self.lock:
             entry = self.rooms.get(room)
@@ -378,6 +381,7 @@ class PrefillKVManager(KVManager):
                            type(message).__name__)
 
     def _on_ask(self, ask: TransferRequest) -> None:
+        stage_trace.mark("p_ask")
         now = time.monotonic()
         with self.lock:
             entry = self.rooms.get(ask.room)
@@ -402,6 +406,7 @@ class PrefillKVManager(KVManager):
                 return
             target.deadline = now + ask.lease_s
             self._maybe_queue(entry, target, now)
+        wakeup.notify()  # a request held for this ask goes with the next step
 
     def _check_ask(self, ask: TransferRequest) -> tuple[HeadSlice | None, str | None]:
         """(what this rank writes for the ask, why it cannot be served)."""
@@ -499,6 +504,7 @@ class PrefillKVManager(KVManager):
     def _write_room(self, entry: _Room, target: _Target) -> None:
         """A decode rank's write of the room once the request is done: what the layer writes
         of the prompt's steps left (layer-wise, usually nothing), then the status."""
+        stage_trace.mark("p_room_start")
         with self.lock:
             target.queued = False
             ask = target.ask
@@ -548,6 +554,7 @@ class PrefillKVManager(KVManager):
                 self._suspect_peers.discard(ask.session)
         if ready_event is not None:
             ready_event.synchronize()  # the request's last step has written its KV
+        stage_trace.mark("p_room_synced")
         runs = block_runs(src_blocks, dst_blocks)
         src, dst, lengths = build_descriptors(self.layout, self._peer_layout(ask), runs, heads)
         start = time.perf_counter()
@@ -620,6 +627,7 @@ class PrefillKVManager(KVManager):
             del self.rooms[entry.room]
 
     def _send_status(self, entry: _Room, target: _Target) -> None:
+        stage_trace.mark("p_status")
         ok = target.state == KVPoll.Success
         if self.faults.drop_status():
             logger.warning("PD room %d: status dropped (injected: "
