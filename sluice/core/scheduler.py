@@ -41,6 +41,7 @@ from sluice.core.kv_transfers import KVTransfers
 from sluice.core.outputs import (
     EngineCoreOutput,
     FirstToken,
+    KVConnectorOutput,
     ModelRunnerOutput,
     PositionLogprobs,
     SchedulerOutput,
@@ -341,10 +342,8 @@ class Scheduler:
 
         failed_loads: set[str] = set()
         if self.kv_transfers is not None and runner_output.kv_connector_output is not None:
-            failed_loads, first_tokens = self.kv_transfers.update(
-                runner_output.kv_connector_output, fail)
-            for req_id, first_token in first_tokens:
-                self._take_first_token(self.requests[req_id], first_token, outputs)
+            failed_loads = self._apply_connector_output(runner_output.kv_connector_output,
+                                                        outputs)
             self.kv_transfers.end_sync_loads(scheduler_output, failed_loads)
         proposed = runner_output.spec_token_ids
         # Per request: a model proposer's drafts, or the drafting policy's n-gram probes (to
@@ -396,6 +395,26 @@ class Scheduler:
         return outputs
 
     # ---- KV connector ----------------------------------------------------------------
+
+    def update_connector_output(self, kv_output: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Apply a connector report taken at a step's launch, before its tokens are ready
+        (StepHandle.take_connector_output: one without failed blocks): finished loads' first
+        tokens go out now, and their requests can be scheduled in the next step, one step
+        sooner than through update_from_output."""
+        outputs: list[EngineCoreOutput] = []
+        if self.kv_transfers is not None:
+            self._apply_connector_output(kv_output, outputs)
+        return outputs
+
+    def _apply_connector_output(self, kv_output: KVConnectorOutput,
+                                outputs: list[EngineCoreOutput]) -> set[str]:
+        """The workers' transfer report into the bookkeeping; returns the requests whose
+        synchronous load failed in the step."""
+        failed_loads, first_tokens = self.kv_transfers.update(
+            kv_output, lambda request, message: self._fail_request(request, message, outputs))
+        for req_id, first_token in first_tokens:
+            self._take_first_token(self.requests[req_id], first_token, outputs)
+        return failed_loads
 
     def _take_first_token(self, request: Request, first_token: FirstToken,
                           outputs: list[EngineCoreOutput]) -> None:

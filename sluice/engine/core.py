@@ -171,6 +171,11 @@ class EngineCore:
             if (self.async_scheduling and not launched[0].is_empty
                     and not scheduler.runs_synchronously(launched[0])):
                 self.in_flight = launched
+                # Its connector report is known already (in-process workers): finished loads
+                # hand out their first tokens now, not when the step's tokens are.
+                report = launched[1].take_connector_output()
+                if report is not None:
+                    outputs += scheduler.update_connector_output(report)
             else:
                 scheduler_output, future = launched
                 result = future.result()

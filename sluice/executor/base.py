@@ -16,12 +16,17 @@ from typing import Protocol
 
 from sluice.config import EngineConfig
 from sluice.core.kv_connector import KVCacheSpec
-from sluice.core.outputs import ModelRunnerOutput, SchedulerOutput
+from sluice.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from sluice.worker.profiler import ProfileSummary
 
 
 class StepFuture(Protocol):
     def result(self) -> ModelRunnerOutput: ...
+
+    def take_connector_output(self) -> KVConnectorOutput | None:
+        """The step's connector report where it is known at launch (in-process workers), or
+        None (then it comes with result())."""
+        ...
 
 
 class Executor(ABC):

@@ -118,6 +118,9 @@ class _MultiprocStep:
             self._output = self._executor._wait_for_step(self._step_id)
         return self._output
 
+    def take_connector_output(self) -> None:
+        return None  # the workers' reports come with the step's result
+
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, world_size: int | None = None,

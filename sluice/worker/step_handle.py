@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.core.outputs import ModelRunnerOutput, PositionLogprobs
+from sluice.core.outputs import KVConnectorOutput, ModelRunnerOutput, PositionLogprobs
 from sluice.sample.sampler import SamplerOutput
 from sluice.spec_decode.device_ngram import PreviousTokens
 from sluice.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
@@ -86,6 +86,18 @@ class StepHandle:
         if self._done or self._event is None:
             return True
         return self._event.query() and (self.previous is None or self.previous.is_ready())
+
+    def take_connector_output(self) -> KVConnectorOutput | None:
+        """The connector's report of this step, known at launch (the worker polled its
+        transfers then), for the scheduler to apply before the step's tokens are ready: a
+        finished load's first token goes out one step sooner. None when there is nothing to
+        take early or the report names failed blocks (those concern the step's own rows, so
+        they wait for the result); the output then keeps an empty report."""
+        report = self.output.kv_connector_output
+        if report is None or report.invalid_block_ids or report.is_empty():
+            return None
+        self.output.kv_connector_output = KVConnectorOutput()
+        return report
 
     def result(self) -> ModelRunnerOutput:
         if self._done:

@@ -507,3 +507,51 @@ def test_a_wakeup_ends_the_engine_loops_wait() -> None:
     assert time.monotonic() - started < 2.0
     wakeup.drain()
     assert not poller.poll(10)  # drained: the next wait waits
+
+
+def test_a_received_first_token_goes_out_when_its_report_is_launched_not_a_step_later(
+        make_pair, reference: LLM) -> None:
+    """With async scheduling and a request decoding, the step in flight is taken one step
+    later; the report of a finished load is known at the step's launch (in-process workers),
+    so the first token it brought goes out in the engine step that launched it (one decode
+    step sooner), and the output stays the colocated one."""
+    batch = prompts(6, [30, 40])
+    busy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = expected(reference, batch, [busy, params])
+    pair = make_pair(async_scheduling=True, decode_engine={"async_scheduling": True})
+    decode = pair.decode.llm_engine
+    core = decode.engine_core
+    executor = core.executor
+    launch = executor.execute_model
+    reported: list[set[str]] = []
+
+    def execute_model(scheduler_output):  # noqa: ANN001, ANN202
+        handle = launch(scheduler_output)
+        report = handle.output.kv_connector_output
+        reported.append(set() if report is None else set(report.first_tokens))
+        return handle
+
+    executor.execute_model = execute_model
+    pair.add("busy", batch[0], busy)
+    deadline = time.monotonic() + 30
+    while not decode.has_unfinished_requests() or core.in_flight is None:
+        assert time.monotonic() < deadline, "the first request never started decoding"
+        pair.prefill.llm_engine.step()
+        decode.step()
+    pair.add("late", batch[1], params)
+    first_seen = None
+    got = {}
+    while first_seen is None:
+        assert time.monotonic() < deadline, "the second request's first token never came"
+        pair.prefill.llm_engine.step()
+        reported.clear()
+        for output in decode.step():
+            if output.request_id == "late" and output.outputs[0].token_ids:
+                first_seen = any("late" in r for r in reported)
+    assert core.in_flight is not None  # the busy request kept its steps in flight
+    assert first_seen, "the first token waited for the step that reported it to finish"
+    got = pair.run()
+    assert got["late"].outputs[0].token_ids == want[1].token_ids
+    assert got["busy"].outputs[0].token_ids == want[0].token_ids
+    pair.assert_all_blocks_back()
