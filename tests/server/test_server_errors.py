@@ -86,7 +86,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt", "must be a string"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt", "non-empty"),
     ("/v1/completions", {**COMPLETION, "prompt": [10**6]}, "prompt", "prompt_token_ids must"),
-    ("/v1/completions", {**COMPLETION, "prompt": [-3]}, "prompt", "greater than or equal"),
+    ("/v1/completions", {**COMPLETION, "prompt": [-3]}, "prompt", "token id -3 is out of range"),
     ("/v1/completions", {**COMPLETION, "stop_token_ids": [-1]}, "stop_token_ids",
      "greater than or equal"),
     ("/v1/completions", {**COMPLETION, "seed": 2**64}, "seed", "less than or equal"),

@@ -32,6 +32,7 @@ from pydantic import (
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
 _INT32_MAX = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
+_StrictTokenId = Annotated[int, Field(strict=True)]  # the range: _ids_in_range
 
 
 class OpenAIBaseModel(BaseModel):
@@ -175,8 +176,19 @@ class SamplingFields(OpenAIBaseModel):
 # ---- completions -----------------------------------------------------------------------------
 
 
+def _ids_in_range(ids: list[int]) -> list[int]:
+    low, high = min(ids), max(ids)
+    if low < 0 or high > _INT32_MAX:
+        bad = low if low < 0 else high
+        raise ValueError(f"token id {bad} is out of range (0 to {_INT32_MAX})")
+    return ids
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # Checked left to right, token ids strict (a list of strings never reads as ids): the
+    # default "smart" union validates every member, 2.7 ms for 8k ids against 0.4.
+    prompt: Annotated[str | list[_StrictTokenId] | list[str] | list[list[_StrictTokenId]],
+                      Field(union_mode="left_to_right")]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -197,12 +209,14 @@ class CompletionRequest(SamplingFields):
         if isinstance(prompt, str):
             return prompt
         if isinstance(prompt, list) and prompt:
-            if all(isinstance(p, str) for p in prompt):
+            kinds = set(map(type, prompt))  # a pass in C: 8k ids in ~0.3 ms
+            if kinds == {str}:
                 return prompt
-            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-                return prompt
-            if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in p) for p in prompt):
+            if kinds == {int}:
+                return _ids_in_range(prompt)
+            if all(isinstance(p, list) and p and set(map(type, p)) == {int} for p in prompt):
+                for p in prompt:
+                    _ids_in_range(p)
                 return prompt
         raise ValueError("must be a string, a list of strings, a list of token ids or a list "
                          "of lists of token ids (none empty)")
