@@ -23,6 +23,8 @@ POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
 
 class Policy(ABC):
+    uses_prompt = False  # whether pick() reads its prompt (else the router passes "")
+
     @abstractmethod
     def pick(self, workers: list[Worker], prompt: str) -> Worker:
         """The worker for this prompt, of `workers` (healthy, non-empty)."""
@@ -46,6 +48,8 @@ class LeastLoaded(Policy):
 
 
 class CacheAware(Policy):
+    uses_prompt = True
+
     def __init__(self, chunk_chars: int = 64, match_threshold: float = 0.5,
                  balance_slack: int = 8, max_entries: int = 200_000) -> None:
         self.chunk_chars = chunk_chars
