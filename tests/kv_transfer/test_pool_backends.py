@@ -562,24 +562,67 @@ def test_mooncake_dummy_with_its_real_client_killed_fails_fast_and_recovers_on_r
         prefix: str) -> None:
     """The real client dies (its values with it): every call raises within the bound (at
     once, or a timeout while the dummy's RPC waits), never garbage; once it is back on its
-    port the dummy re-registers its memory by itself and calls work again (old keys miss)."""
+    port the dummy maps its memory into it again by itself and calls work again (old keys
+    miss). Only for the process's one dummy: the library's reconnection maps every region of
+    the process (other dummies' too) and the new real client refuses a second local buffer, so
+    with two dummies in a process (this test run's others; an engine's scheduler and worker)
+    neither comes back (calls keep raising PoolUnavailable). Here: fails fast; the recovery
+    in a process of its own."""
     with _dummy_of_its_own() as (real_client, backend):
         staged = Staged(backend, staging_buffer(16 * SLOT))
         keys = [f"{prefix}{i}" for i in range(4)]
-        data = make_payloads(4, SIZE)
-        assert put_all(staged, keys, data) == [True] * 4
+        assert put_all(staged, keys, make_payloads(4, SIZE)) == [True] * 4
         real_client.kill()
         _fails_fast(backend, staged, keys)
-        # The dummy re-registers its memory once its ping (every 1 s) has seen the real client
-        # gone: restarted before that, the new one would not know it (the next test).
-        deadline = time.monotonic() + 5.0
-        while backend._store.health_check() != 2:
-            assert time.monotonic() < deadline, "the dummy never noticed its real client gone"
-            time.sleep(0.1)
         real_client.start()
-        _works_again(backend, staged, prefix, within_s=20.0)
-        ok, _ = get_all(staged, keys)
-        assert ok == [False] * 4
+    # One dummy in a process: it recovers.
+    result = subprocess.run([sys.executable, "-c", _ONE_DUMMY_RECOVERS, prefix],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "recovered"
+
+
+_ONE_DUMMY_RECOVERS = """
+import sys, time
+import numpy as np
+import torch
+from sluice.kv_transfer.pool import PoolError, create_backend
+from sluice.testing import servers
+
+prefix = sys.argv[1]
+with servers.start_mooncake_master() as master, \\
+        servers.start_mooncake_real_client(master.address, 32 << 20) as real_client:
+    backend = create_backend(master.url, timeout_s=1.0, client="dummy",
+                             real_client=real_client.address)
+    buffer = torch.zeros(1 << 20, dtype=torch.uint8)
+    backend.register_buffer(buffer.data_ptr(), buffer.numel())
+    data = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)
+    buffer.numpy()[:1000] = data
+    assert backend.batch_put([prefix + "old"], [0], [1000]) == [True]
+    real_client.kill()
+    deadline = time.monotonic() + 5.0
+    while backend._store.health_check() != 2:  # the dummy's ping (1 s) saw it gone
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    real_client.start()
+    deadline = time.monotonic() + 20.0
+    while True:
+        try:
+            assert backend.wait_idle(5.0)
+            buffer.numpy()[:1000] = data
+            if backend.batch_put([prefix + "new"], [0], [1000]) == [True]:
+                break
+        except PoolError:
+            pass
+        assert time.monotonic() < deadline, "the dummy did not recover"
+        time.sleep(0.2)
+    buffer.zero_()
+    assert backend.batch_get([prefix + "new"], [0], [1000]) == [True]
+    assert np.array_equal(buffer.numpy()[:1000], data)
+    assert backend.batch_get([prefix + "old"], [0], [1000]) == [False]  # died with it
+    backend.close()
+print("recovered")
+"""
 
 
 def test_mooncake_dummy_whose_real_client_came_back_too_soon_is_unavailable(

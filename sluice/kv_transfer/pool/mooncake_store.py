@@ -76,7 +76,12 @@ What a dummy returned, where it differs from the list above:
 - real client killed: the first call -900 at once, then calls hang on the dead connection
   (-> `PoolTimeout`, `busy`) until the dummy's ping (every 1 s) marks it lost; then
   health_check 2 -> `PoolUnavailable` at once. Started again on its port after that: the dummy
-  maps its memory into it again by itself and calls work again; the keys are gone. Started
+  maps its memory into it again by itself and calls work again; the keys are gone. But only
+  where it is the process's one dummy: the library's reconnection maps every region of the
+  process, other dummies' too, and the new real client refuses a second local buffer ("local
+  buffer is already mapped") or an overlapping region, so with two dummies in a process (an
+  engine's scheduler and worker under the uniproc executor) neither comes back: calls keep
+  raising `PoolUnavailable` (the pool is off, loads recompute) until the engine restarts. Started
   again before the ping noticed (within ~1 s): the new process never learns the dummy's memory,
   every put -600 (all keys of a batch -> `PoolUnavailable`, saying so) and every get -600 (a
   miss), until the backend is created again.
