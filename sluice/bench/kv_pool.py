@@ -15,6 +15,10 @@ Servers: `--redis-url` / `--mooncake-url` / `--shm-url` use running ones; withou
 benchmark starts `redis-server`, `mooncake_master` (plus a process owning the Mooncake pool's
 memory, so values cross a process boundary as between instances) and `sluice pool-server` (the
 shared host tier, slots of one block's value) on free loopback ports, and stops them after.
+`mooncake-dummy` is Mooncake Store with the engine as a dummy client of a standalone real client
+on this host (`mooncake_client`, owning the pool's memory and sharing memory with the engine
+instead of TCP): `--mooncake-real-client` names a running one (with `--mooncake-url`, its
+master); without it the benchmark starts a master and a real client.
 
 Save bandwidth: the saved bytes over the save thread's time (the exists check and the puts) of
 every step of one prompt length.
@@ -32,7 +36,7 @@ import uuid
 from contextlib import ExitStack
 from typing import Any
 
-_BACKENDS = ("local", "redis", "mooncake", "shm")
+_BACKENDS = ("local", "redis", "mooncake", "mooncake-dummy", "shm")
 
 
 def add_parser(bench_sub: Any) -> None:
@@ -51,6 +55,9 @@ def add_parser(bench_sub: Any) -> None:
     parser.add_argument("--mooncake-url", default=None,
                         help="a running mooncake_master whose pool has memory (default: start "
                              "one and a segment owner on loopback)")
+    parser.add_argument("--mooncake-real-client", default=None,
+                        help="HOST:PORT of a running mooncake_client for mooncake-dummy (with "
+                             "--mooncake-url, its master; default: start both on loopback)")
     parser.add_argument("--shm-url", default=None,
                         help="a running `sluice pool-server` whose slots hold a block's value "
                              "(default: start one on loopback)")
@@ -98,6 +105,21 @@ def _start_servers(stack: ExitStack, backends: list[str], ns: argparse.Namespace
                     master.address, pool_bytes))
                 url = master.url
             configs[backend] = {"backend": "mooncake", "url": url, "global_segment_size": 0}
+        elif backend == "mooncake-dummy":
+            url, real_client = ns.mooncake_url, ns.mooncake_real_client
+            if real_client is None:
+                missing = servers.mooncake_missing() or (
+                    None if servers.mooncake_client_path() else "mooncake_client not found")
+                if missing:
+                    raise ValueError(f"cannot start the mooncake-dummy backend: {missing}")
+                master = stack.enter_context(servers.start_mooncake_master())
+                real_client = stack.enter_context(servers.start_mooncake_real_client(
+                    master.address, pool_bytes)).address
+                url = master.url
+            elif url is None:
+                raise ValueError("--mooncake-real-client needs --mooncake-url (its master)")
+            configs[backend] = {"backend": "mooncake", "url": url, "client": "dummy",
+                                "real_client": real_client}
         elif backend == "shm":
             url = ns.shm_url
             if url is None:
@@ -318,12 +340,12 @@ def format_kv_pool(record: dict[str, Any]) -> str:
              f"model: {results['model']} ({results['dtype']}, {results['device']}), "
              f"{results['bytes_per_block']} bytes per block of {results['block_size']} tokens, "
              f"median of {results['num_iters']}; pools over TCP loopback (shm: index only)",
-             f"{'backend':>9} {'prompt':>7} {'recompute':>10} {'local hit':>10} {'pool hit':>9} "
+             f"{'backend':>14} {'prompt':>7} {'recompute':>10} {'local hit':>10} {'pool hit':>9} "
              f"{'pool/recomp':>11} {'local/recomp':>12} {'load GB/s':>9} {'TTFT GB/s':>9}"
              f" {'save GB/s':>9}  (TTFT ms)"]
     for row in results["rows"]:
         t = row["ttft_ms"]
-        lines.append(f"{row['backend']:>9} {row['prompt_len']:>7} {t['recompute']:>10.2f} "
+        lines.append(f"{row['backend']:>14} {row['prompt_len']:>7} {t['recompute']:>10.2f} "
                      f"{t['local_hit']:>10.2f} {t['pool_hit']:>9.2f} "
                      f"{row['pool_hit_vs_recompute']:>11.2f} "
                      f"{row['local_hit_vs_recompute']:>12.2f} {row['load_gb_s']:>9.2f} "
@@ -332,7 +354,7 @@ def format_kv_pool(record: dict[str, Any]) -> str:
         if "load_stage_ms" in row:
             load = ", ".join(f"{k} {v:.1f}" for k, v in row["load_stage_ms"].items())
             save = ", ".join(f"{k} {v:.1f}" for k, v in row["save_stage_ms"].items())
-            lines.append(f"{row['backend']:>9} {row['prompt_len']:>7} host ms: load (median) "
+            lines.append(f"{row['backend']:>14} {row['prompt_len']:>7} host ms: load (median) "
                          f"{load}; saves (sum) {save}")
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """Real pool servers for tests and benchmarks: `redis-server`, `mooncake_master`, a process
-that owns a Mooncake Store segment, and `sluice pool-server` (the shared host tier), each on
-loopback ports picked free (or given).
+that owns a Mooncake Store segment, Mooncake's standalone real client (`mooncake_client`, the
+memory owner that same-host dummy clients share memory with), and `sluice pool-server` (the
+shared host tier), each on loopback ports picked free (or given).
 
     with start_redis() as server:            # waits until it answers PING
         backend = create_backend(server.url)
@@ -70,6 +71,17 @@ def redis_missing() -> str | None:
     except ImportError:
         return "redis-py not installed (pip install 'redis[hiredis]')"
     return None
+
+
+def mooncake_client_path() -> str | None:
+    """The `mooncake_client` (standalone real client) of the installed Mooncake wheel (or on
+    PATH)."""
+    master = mooncake_master_path()
+    if master is not None:
+        bundled = Path(master).parent / "mooncake_client"
+        if os.access(bundled, os.X_OK):
+            return str(bundled)
+    return shutil.which("mooncake_client")
 
 
 def mooncake_missing() -> str | None:
@@ -387,6 +399,43 @@ def start_mooncake_segment_owner(master: str, segment_size: int, *,
     except ServerError:
         server.close()
         raise
+    return server
+
+
+class MooncakeRealClient(ServerProcess):
+    pass
+
+
+def start_mooncake_real_client(master: str, segment_size: int, port: int = 0, *,
+                               startup_timeout_s: float = 20.0) -> MooncakeRealClient:
+    """`mooncake_client`: a standalone real client that mounts `segment_size` bytes into the
+    store of the master at `master` ("HOST:PORT") and serves dummy clients of this host
+    (`MooncakeBackend(client="dummy", real_client=server.address)`) on its RPC port on
+    127.0.0.1, sharing memory with them through its IPC socket (the abstract Unix socket
+    `@mooncake_client_<port>.sock`). Its transfer engine still binds all interfaces (see
+    mooncake_store.py). `kill()` plays a crashed owner: its values die with it."""
+    binary = mooncake_client_path()
+    if binary is None:
+        raise ServerError("mooncake_client not found (it ships in the mooncake-transfer-engine "
+                          "wheels)")
+    if not isinstance(segment_size, int) or segment_size <= 0:
+        raise ValueError(f"segment_size must be a positive int of bytes, got {segment_size!r}")
+
+    def make(chosen: int) -> MooncakeRealClient:
+        workdir = Path(tempfile.mkdtemp(prefix="sluice-mooncake-real-client-"))
+
+        def argv() -> list[str]:
+            return [binary, f"--host={HOST}", f"--port={chosen}",
+                    f"--master_server_address={master}", "--metadata_server=P2PHANDSHAKE",
+                    f"--global_segment_size={segment_size}", "--protocol=tcp",
+                    "--logtostderr=true"]
+
+        # Its RPC port opens once the segment is mounted (setup comes first).
+        return MooncakeRealClient("mooncake_client", argv, chosen, lambda: _port_open(chosen),
+                                  workdir, startup_timeout_s)
+
+    server = _start(make, port)
+    assert isinstance(server, MooncakeRealClient)
     return server
 
 

@@ -23,6 +23,10 @@ def test_kv_pool_bench_reports_each_backend_against_recompute(
         qwen3_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     backends = ["local"] + [name for name, missing in (("redis", servers.redis_missing()),
                                                         ("mooncake", servers.mooncake_missing()),
+                                                        ("mooncake-dummy",
+                                                         servers.mooncake_missing() or (
+                                                             None if servers.mooncake_client_path()
+                                                             else "no mooncake_client")),
                                                         ("shm", shm_unavailable()))
                             if missing is None]
     out = tmp_path / "kv-pool.json"

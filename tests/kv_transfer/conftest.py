@@ -1,4 +1,5 @@
-"""Real pool servers for the pool tests: one `redis-server`, one `mooncake_master` and one
+"""Real pool servers for the pool tests: one `redis-server`, one `mooncake_master` (with a
+segment owner and a standalone real client, `mooncake_client`, for its dummy clients) and one
 `sluice pool-server` (the shared host tier) per test session on free loopback ports (tests that
 kill or fill a server start their own), stopped and reaped at the end. A server whose binaries
 are missing skips its tests with the reason, except under CI=true, where it fails them."""
@@ -16,8 +17,9 @@ import torch
 from sluice.kv_transfer.pool import PoolBackend, create_backend
 from sluice.testing import servers
 
-# tiered: the session's shm pool in front of its redis-server.
-BACKENDS = ("local", "redis", "mooncake", "shm", "tiered")
+# tiered: the session's shm pool in front of its redis-server. mooncake-dummy: a Mooncake dummy
+# client of the session's real client (`mooncake_client`), which shares memory with it.
+BACKENDS = ("local", "redis", "mooncake", "mooncake-dummy", "shm", "tiered")
 # A test client's own share of the Mooncake pool: room for every test's values.
 MOONCAKE_SEGMENT = 256 << 20
 # The session's shared host tier: 64 KiB slots (the largest test value), room for every test's.
@@ -28,7 +30,8 @@ SHM_SLOT_BYTES = 64 << 10
 def require(kind: str) -> None:
     """Skip (fail under CI) when the servers of backend `kind` cannot run here."""
     reason = {"local": None, "redis": servers.redis_missing,
-              "mooncake": servers.mooncake_missing, "shm": shm_pool_missing,
+              "mooncake": servers.mooncake_missing, "mooncake-dummy": mooncake_dummy_missing,
+              "shm": shm_pool_missing,
               "tiered": lambda: shm_pool_missing() or servers.redis_missing()}[kind]
     reason = reason() if reason else None
     if reason is None:
@@ -43,6 +46,12 @@ def redis_server() -> Iterator[servers.RedisServer]:
     require("redis")
     with servers.start_redis() as server:
         yield server
+
+
+def mooncake_dummy_missing() -> str | None:
+    if servers.mooncake_client_path() is None:
+        return "mooncake_client not found (it ships in the mooncake-transfer-engine wheels)"
+    return servers.mooncake_missing()
 
 
 def shm_pool_missing() -> str | None:
@@ -76,6 +85,17 @@ def mooncake_segment_owner(mooncake_master: servers.MooncakeMaster
         yield owner
 
 
+@pytest.fixture(scope="session")
+def mooncake_real_client(mooncake_master: servers.MooncakeMaster
+                         ) -> Iterator[servers.MooncakeRealClient]:
+    """The session's standalone real client, owning pool memory on the session's master, for
+    dummy clients (tests may kill it: they restart it before they end)."""
+    require("mooncake-dummy")
+    with servers.start_mooncake_real_client(mooncake_master.address,
+                                            MOONCAKE_SEGMENT) as real_client:
+        yield real_client
+
+
 def url_and_options(kind: str, request: pytest.FixtureRequest) -> tuple[str, dict]:
     """The URL and options of a backend of `kind` on the session's server."""
     if kind == "local":
@@ -88,6 +108,10 @@ def url_and_options(kind: str, request: pytest.FixtureRequest) -> tuple[str, dic
         return (request.getfixturevalue("shm_pool").url,
                 {"remote_url": request.getfixturevalue("redis_server").url})
     master = request.getfixturevalue("mooncake_master")
+    if kind == "mooncake-dummy":
+        real_client = request.getfixturevalue("mooncake_real_client")
+        return master.url, {"client": "dummy", "real_client": real_client.address,
+                            "admin_port": master.admin_port}
     return master.url, {"global_segment_size": MOONCAKE_SEGMENT,
                         "admin_port": master.admin_port}
 

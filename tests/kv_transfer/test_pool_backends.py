@@ -4,6 +4,7 @@ each backend fails when its server dies, stalls or fills up."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import struct
@@ -322,6 +323,12 @@ def _small_store(kind: str) -> Iterator[PoolBackend]:
             near = stack.enter_context(servers.start_shm_pool(capacity_bytes=8 << 20))
             far = stack.enter_context(servers.start_redis(maxmemory="10mb"))
             backend = create_backend(near.url, remote_url=far.url)
+        elif kind == "mooncake-dummy":
+            server = stack.enter_context(servers.start_mooncake_master())
+            real_client = stack.enter_context(
+                servers.start_mooncake_real_client(server.address, 16 << 20))
+            backend = create_backend(server.url, client="dummy",
+                                     real_client=real_client.address)
         else:
             server = stack.enter_context(servers.start_mooncake_master())
             backend = create_backend(server.url, global_segment_size=16 << 20)
@@ -492,3 +499,201 @@ def test_mooncake_segment_size_is_validated() -> None:
     with pytest.raises(ValueError, match="global_segment_size .* got 1048576"):
         create_backend("mooncake://127.0.0.1:1", global_segment_size=1 << 20)
 
+
+
+# ---- Mooncake dummy clients (a standalone real client owns the memory) ----
+
+
+@contextlib.contextmanager
+def _dummy_of_its_own(timeout_s: float = TIMEOUT_S) -> Iterator[
+        tuple[servers.MooncakeRealClient, PoolBackend]]:
+    """A master, a real client owning 32 MiB of it, and a dummy client of that real client."""
+    require("mooncake-dummy")
+    with servers.start_mooncake_master() as master, \
+            servers.start_mooncake_real_client(master.address, 32 << 20) as real_client:
+        backend = create_backend(master.url, timeout_s=timeout_s, client="dummy",
+                                 real_client=real_client.address)
+        try:
+            yield real_client, backend
+        finally:
+            backend.close()
+
+
+def test_mooncake_dummy_moves_values_in_memory_shared_with_the_real_client(
+        prefix: str) -> None:
+    """Staging in `host_memory` (the dummy's shared mapping) moves values without a copy of
+    the backend's; any other buffer is staged through a shared copy. Both read back equal."""
+    with _dummy_of_its_own(timeout_s=5.0) as (real_client, shared_backend):
+        size = 64 * SLOT
+        address = shared_backend.host_memory(size)
+        assert address
+        buffer = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(address))
+        shared_backend.register_buffer(address, size)
+        assert shared_backend._bounce == 0
+        data = make_payloads(16, SIZE, seed=11)
+        keys = [f"{prefix}{i}" for i in range(16)]
+        offsets = [i * SLOT for i in range(16)]
+        for i, offset in enumerate(offsets):
+            buffer[offset:offset + SIZE] = data[i]
+        assert shared_backend.batch_put(keys, offsets, [SIZE] * 16) == [True] * 16
+        buffer[:] = 0
+        assert shared_backend.batch_get(keys, offsets, [SIZE] * 16) == [True] * 16
+        assert all(np.array_equal(buffer[o:o + SIZE], data[i]) for i, o in enumerate(offsets))
+        # A second dummy with a buffer of its own (torch memory) reads the same values.
+        other = create_backend(f"mooncake://{shared_backend.host}:{shared_backend.port}",
+                               timeout_s=5.0, client="dummy", real_client=real_client.address)
+        try:
+            staged = Staged(other, staging_buffer(64 * SLOT))
+            assert other._bounce != 0
+            ok, got = get_all(staged, keys)
+            assert ok == [True] * 16 and all(np.array_equal(got[i], data[i]) for i in range(16))
+        finally:
+            other.close()
+
+
+def test_mooncake_real_client_has_no_shared_memory_to_offer() -> None:
+    require("mooncake")
+    with servers.start_mooncake_master() as master:
+        with create_backend(master.url, timeout_s=5.0, global_segment_size=16 << 20) as backend:
+            assert backend.host_memory(1 << 20) is None
+
+
+def test_mooncake_dummy_with_its_real_client_killed_fails_fast_and_recovers_on_restart(
+        prefix: str) -> None:
+    """The real client dies (its values with it): every call raises within the bound (at
+    once, or a timeout while the dummy's RPC waits), never garbage; once it is back on its
+    port the dummy maps its memory into it again by itself and calls work again (old keys
+    miss). Only for the process's one dummy: the library's reconnection maps every region of
+    the process (other dummies' too) and the new real client refuses a second local buffer, so
+    with two dummies in a process (this test run's others; an engine's scheduler and worker)
+    neither comes back (calls keep raising PoolUnavailable). Here: fails fast; the recovery
+    in a process of its own."""
+    with _dummy_of_its_own() as (real_client, backend):
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        keys = [f"{prefix}{i}" for i in range(4)]
+        assert put_all(staged, keys, make_payloads(4, SIZE)) == [True] * 4
+        real_client.kill()
+        _fails_fast(backend, staged, keys)
+        real_client.start()
+    # One dummy in a process: it recovers.
+    result = subprocess.run([sys.executable, "-c", _ONE_DUMMY_RECOVERS, prefix],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "recovered"
+
+
+_ONE_DUMMY_RECOVERS = """
+import sys, time
+import numpy as np
+import torch
+from sluice.kv_transfer.pool import PoolError, create_backend
+from sluice.testing import servers
+
+prefix = sys.argv[1]
+with servers.start_mooncake_master() as master, \\
+        servers.start_mooncake_real_client(master.address, 32 << 20) as real_client:
+    backend = create_backend(master.url, timeout_s=1.0, client="dummy",
+                             real_client=real_client.address)
+    buffer = torch.zeros(1 << 20, dtype=torch.uint8)
+    backend.register_buffer(buffer.data_ptr(), buffer.numel())
+    data = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)
+    buffer.numpy()[:1000] = data
+    assert backend.batch_put([prefix + "old"], [0], [1000]) == [True]
+    real_client.kill()
+    deadline = time.monotonic() + 5.0
+    while backend._store.health_check() != 2:  # the dummy's ping (1 s) saw it gone
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    real_client.start()
+    deadline = time.monotonic() + 20.0
+    while True:
+        try:
+            assert backend.wait_idle(5.0)
+            buffer.numpy()[:1000] = data
+            if backend.batch_put([prefix + "new"], [0], [1000]) == [True]:
+                break
+        except PoolError:
+            pass
+        assert time.monotonic() < deadline, "the dummy did not recover"
+        time.sleep(0.2)
+    buffer.zero_()
+    assert backend.batch_get([prefix + "new"], [0], [1000]) == [True]
+    assert np.array_equal(buffer.numpy()[:1000], data)
+    assert backend.batch_get([prefix + "old"], [0], [1000]) == [False]  # died with it
+    backend.close()
+print("recovered")
+"""
+
+
+def test_mooncake_dummy_whose_real_client_came_back_too_soon_is_unavailable(
+        prefix: str) -> None:
+    """A real client restarted before the dummy's ping saw it gone never learns the dummy's
+    memory (the library does not re-register it): puts raise PoolUnavailable and gets miss,
+    never garbage, until the backend is created again."""
+    with _dummy_of_its_own() as (real_client, backend):
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        keys = [f"{prefix}{i}" for i in range(4)]
+        assert put_all(staged, keys, make_payloads(4, SIZE)) == [True] * 4
+        real_client.kill()
+        real_client.start()  # ~0.1 s: within the ping's second
+        if backend._store.health_check() == 2:
+            pytest.skip("the dummy's ping saw the real client gone before it was back")
+        assert backend.wait_idle(5.0)
+        deadline = time.monotonic() + 5.0
+        while True:  # the first calls after the kill may fail on the dropped connection
+            try:
+                ok, _ = get_all(staged, keys)
+                break
+            except (PoolUnavailable, PoolTimeout):
+                assert time.monotonic() < deadline
+                assert backend.wait_idle(5.0)
+        assert ok == [False] * 4
+        with pytest.raises(PoolUnavailable, match="refuses this dummy's memory"):
+            put_all(staged, [f"{prefix}new"], make_payloads(1, SIZE))
+
+
+def test_mooncake_dummy_with_its_real_client_stalled_times_out_and_recovers(
+        prefix: str) -> None:
+    with _dummy_of_its_own() as (real_client, backend):
+        staged = Staged(backend, staging_buffer(16 * SLOT))
+        keys = [f"{prefix}{i}" for i in range(4)]
+        data = make_payloads(4, SIZE)
+        assert put_all(staged, keys, data) == [True] * 4
+        real_client.pause()
+        try:
+            _fails_fast(backend, staged, keys)
+            assert backend.busy  # the native call goes on after the timeout
+        finally:
+            real_client.resume()
+        _works_again(backend, staged, prefix, within_s=15.0)
+        # The dummy's ping failed during the pause too: it reconnects (re-registering its
+        # memory) by itself, and calls may raise PoolUnavailable until it has.
+        deadline = time.monotonic() + 15.0
+        while True:
+            try:
+                ok, got = get_all(staged, keys)  # nothing was lost: it only paused
+                break
+            except PoolUnavailable:
+                assert time.monotonic() < deadline, "the dummy did not reconnect"
+                time.sleep(0.2)
+        assert ok == [True] * 4 and all(np.array_equal(got[i], data[i]) for i in range(4))
+
+
+def test_mooncake_dummy_without_its_real_client_is_a_clear_error() -> None:
+    require("mooncake-dummy")
+    port = servers.free_port()
+    start = time.monotonic()
+    with pytest.raises(PoolUnavailable, match="cannot reach the real client"):
+        create_backend("mooncake://127.0.0.1:50051", timeout_s=TIMEOUT_S, client="dummy",
+                       real_client=f"127.0.0.1:{port}")
+    assert time.monotonic() - start < BOUND_S
+
+
+def test_mooncake_client_options_are_validated() -> None:
+    require("mooncake")
+    with pytest.raises(ValueError, match="client must be 'real' or 'dummy'"):
+        create_backend("mooncake://127.0.0.1:1", client="fake")
+    with pytest.raises(ValueError, match="real_client='HOST:PORT'"):
+        create_backend("mooncake://127.0.0.1:1", client="dummy")
+    with pytest.raises(ValueError, match="pass client='dummy'"):
+        create_backend("mooncake://127.0.0.1:1", real_client="127.0.0.1:2")

@@ -84,6 +84,11 @@ def pool_config(kind: str, request: pytest.FixtureRequest | None = None, role: s
         master = request.getfixturevalue("mooncake_master")
         request.getfixturevalue("mooncake_segment_owner")  # the pool's memory
         options.update(url=master.url, global_segment_size=0, admin_port=master.admin_port)
+    elif kind == "mooncake-dummy":  # a dummy client of the session's real client
+        master = request.getfixturevalue("mooncake_master")
+        real_client = request.getfixturevalue("mooncake_real_client")
+        options.update(backend="mooncake", url=master.url, client="dummy",
+                       real_client=real_client.address, admin_port=master.admin_port)
     options.update(extra)
     return {"kv_connector": "KVPoolConnector", "kv_role": role,
             "kv_connector_extra_config": options}
@@ -286,7 +291,7 @@ def run_llm_process(model: str, config: dict, batch: list[dict]) -> list:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+@pytest.mark.parametrize("kind", ["redis", "mooncake", "mooncake-dummy"])
 def test_llm_in_another_process_loads_what_this_one_computed_and_stores_it_once(
         kind: str, qwen3_dir: str, reference: LLM, request: pytest.FixtureRequest) -> None:
     require(kind)
@@ -297,6 +302,9 @@ def test_llm_in_another_process_loads_what_this_one_computed_and_stores_it_once(
     assert token_ids(llm.generate(batch, greedy(), use_tqdm=False)) == token_ids(expected)
     wait_for_saves(llm)
     backend = worker_half(llm).client.backend
+    if kind == "mooncake-dummy":  # the staging buffer is the dummy's shared memory: no copy
+        assert backend._bounce == 0
+        assert backend._shared == {worker_half(llm).mover.host.data_ptr(): backend.buffer.nbytes}
     prefix = worker_half(llm).prefix
     num_keys = backend.count_keys(prefix)
     assert num_keys == 2 * ((PROMPT_LEN + MAX_TOKENS - 1) // BLOCK)
@@ -338,7 +346,7 @@ def test_workers_in_processes_of_their_own_save_and_load(
         llm.llm_engine.engine_core.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["local", "redis", "mooncake"])
+@pytest.mark.parametrize("kind", ["local", "redis", "mooncake", "mooncake-dummy"])
 def test_a_block_gone_between_lookup_and_load_is_recomputed(
         kind: str, qwen3_dir: str, reference: LLM, request: pytest.FixtureRequest) -> None:
     """The pool loses block 3 of the prompt after the scheduler found it and before the worker

@@ -159,6 +159,12 @@ class PoolBackend(ABC):
         """The largest value (payload and trailer) the store takes; None: no fixed limit."""
         return None
 
+    def host_memory(self, size: int) -> int | None:
+        """The address of `size` bytes of host memory that this backend moves values from and
+        to without a copy when registered as the staging buffer (the backend keeps it mapped
+        for the process's life), or None: any memory is as good (most backends)."""
+        return None
+
     @property
     def buffer(self) -> memoryview | None:
         """The registered staging buffer as bytes, or None before `register_buffer`."""

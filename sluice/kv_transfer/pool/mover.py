@@ -51,6 +51,7 @@ class StagingMover:
             raise ValueError(f"slot stride {stride} is not a multiple of the {self.dtype} size")
         self.host = torch.empty(num_slots * stride, dtype=torch.uint8, pin_memory=self.cuda)
         self.host_views = self._layer_views(self.host, num_slots)
+        self._host_registered = 0  # the address of adopted host memory registered with CUDA
         self._device_staging: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._arena_views: dict[int, list[torch.Tensor]] = {}  # by the mapping's address
         self._arena_memory: dict[int, tuple[torch.Tensor, int, int]] = {}  # by id(views)
@@ -63,6 +64,30 @@ class StagingMover:
     @property
     def nbytes(self) -> int:
         return self.host.numel()
+
+    def use_host_memory(self, address: int) -> bool:
+        """Stage in the `nbytes` bytes at `address` (memory a backend moves values from and to
+        without a copy, mapped for the process's life: `PoolBackend.host_memory`) instead of
+        the buffer allocated here; before any move. On CUDA the memory is registered with the
+        driver first (cudaHostRegister, as the shm arena is; undone by `release`). False where
+        it cannot be: the buffer allocated here stays."""
+        nbytes = self.nbytes
+        if self.cuda:
+            cudart = torch.cuda.cudart()
+            with torch.cuda.device(self.device):
+                code = cudart.cudaHostRegister(address, nbytes, 0)
+            if int(code) != 0:
+                logger.warning("KV pool: the backend's shared staging memory (%d bytes) cannot "
+                               "be registered with CUDA (error %s): staging stays in pinned "
+                               "memory of its own", nbytes, code)
+                return False
+            self._host_registered = address
+        self.host = torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(address),
+                                     dtype=torch.uint8)
+        self.host_views = self._layer_views(self.host, self.num_slots)
+        if self.cuda and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # give the pinned buffer allocated here back
+        return True
 
     def _layer_views(self, buffer: torch.Tensor, num_slots: int,
                      stride: int | None = None) -> list[torch.Tensor]:
@@ -276,6 +301,9 @@ class StagingMover:
         self._device_staging = {}
         self.host_views = []
         self.host = torch.empty(0, dtype=torch.uint8)
+        if self._host_registered:
+            torch.cuda.cudart().cudaHostUnregister(self._host_registered)
+            self._host_registered = 0
         self.kv_caches = {}
         if self.cuda and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # the caching host allocator keeps freed pinned memory

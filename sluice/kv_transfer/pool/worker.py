@@ -147,6 +147,11 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         if self.settings.backend == "local":
             register_local_worker(self.config)
 
+        # Only the first connection, made here before any step, may move the staging buffer
+        # into memory the backend offers (a later one, from the retry thread, registers the
+        # buffer in use: the backend copies through memory of its own).
+        first_connection = [True]
+
         def on_connect(backend: PoolBackend) -> None:
             limit, needed = backend.max_value_size, value_size(self.payload_size)
             if limit is not None and limit < needed:
@@ -154,12 +159,18 @@ class KVPoolConnectorWorker(KVConnectorWorker):
                     f"KVPoolConnector: the {self.settings.backend} pool at {self.settings.url} "
                     f"takes values of at most {limit} bytes; a KV block of this model is "
                     f"{needed} (start `sluice pool-server` with --slot-bytes >= {needed})")
+            if first_connection[0]:
+                first_connection[0] = False
+                shared = backend.host_memory(mover.nbytes)
+                if shared is not None:
+                    mover.use_host_memory(shared)
             backend.register_buffer(mover.host.data_ptr(), mover.nbytes)
 
         self.client = PoolClient(
             self.settings, f"worker (rank {self.kv_cache_spec.tp_rank})",
             "loads are recomputed, saves dropped", options=self.settings.backend_options,
             on_connect=on_connect)
+        first_connection[0] = False
 
     # ---- loads ----
 
