@@ -341,9 +341,10 @@ class Scheduler:
             self._fail_request(request, message, outputs)
 
         failed_loads: set[str] = set()
-        if self.kv_transfers is not None and runner_output.kv_connector_output is not None:
-            failed_loads = self._apply_connector_output(runner_output.kv_connector_output,
-                                                        outputs)
+        if self.kv_transfers is not None:
+            if runner_output.kv_connector_output is not None:  # None: taken at launch
+                failed_loads = self._apply_connector_output(runner_output.kv_connector_output,
+                                                            outputs)
             self.kv_transfers.end_sync_loads(scheduler_output, failed_loads)
         proposed = runner_output.spec_token_ids
         # Per request: a model proposer's drafts, or the drafting policy's n-gram probes (to

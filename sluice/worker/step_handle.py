@@ -92,11 +92,12 @@ class StepHandle:
         transfers then), for the scheduler to apply before the step's tokens are ready: a
         finished load's first token goes out one step sooner. None when there is nothing to
         take early or the report names failed blocks (those concern the step's own rows, so
-        they wait for the result); the output then keeps an empty report."""
+        they wait for the result); the output then carries no report (a connector hears each
+        report once)."""
         report = self.output.kv_connector_output
         if report is None or report.invalid_block_ids or report.is_empty():
             return None
-        self.output.kv_connector_output = KVConnectorOutput()
+        self.output.kv_connector_output = None
         return report
 
     def result(self) -> ModelRunnerOutput:
