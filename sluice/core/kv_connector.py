@@ -161,7 +161,14 @@ class KVConnectorScheduler(ABC):
         return None
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """What the workers reported after a step (merged across ranks)."""
+        """What the workers reported after a step (merged across ranks). With async scheduling
+        and in-process workers this comes at the step's launch, before the device has run it
+        (StepHandle.take_connector_output): time a step in `step_finished`, not here."""
+        return None
+
+    def step_finished(self) -> None:
+        """A step's result is back: called once per step built by `build_connector_meta`, in
+        step order, after its report (if any) was applied."""
         return None
 
     def request_finished(self, request: Request,

@@ -76,7 +76,9 @@ class KVTransfers:
         request.status = RequestStatus.WAITING
 
     def end_sync_loads(self, scheduler_output: SchedulerOutput, failed: set[str]) -> None:
-        """The step that loaded these requests' KV is back: their blocks are good now."""
+        """The step that loaded these requests' KV is back: their blocks are good now. (Every
+        step's result comes here, so the connector hears of it here too.)"""
+        self.connector.step_finished()
         if not self._loading:
             return
         for req_id in scheduler_output.num_scheduled_tokens:

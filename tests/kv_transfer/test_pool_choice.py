@@ -6,12 +6,14 @@ recomputed, counted, with the greedy output unchanged."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
 
 from sluice import LLM
 from sluice.kv_transfer.pool.rates import PROBE_EVERY, LoadOrRecompute
+from sluice.worker.step_handle import StepHandle
 from tests.kv_transfer.conftest import require
 from tests.kv_transfer.test_pool_connector import (
     ENGINE,
@@ -127,6 +129,37 @@ def test_the_policy_overrides_the_rates() -> None:
 
 
 # ---- whole engines ----
+
+
+def test_a_steps_time_runs_to_its_result_when_its_report_comes_at_launch(
+        qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With async scheduling an in-process step's connector report is applied at its launch
+    (StepHandle.take_connector_output), before the device has run it: the recompute rate still
+    times each step to its result. Each result here waits `delay` more (a slow device)."""
+    delay = 0.2
+    result = StepHandle.result
+
+    def slow_result(self: StepHandle) -> Any:
+        if not self._done:
+            time.sleep(delay)
+        return result(self)
+
+    llm = LLM(model=qwen3_dir, kv_transfer_config=pool_config("local"), async_scheduling=True,
+              **ENGINE)
+    try:
+        monkeypatch.setattr(StepHandle, "result", slow_result)
+        llm.generate(prompts(seed=23, count=1), greedy(max_tokens=3), use_tqdm=False)
+        monkeypatch.undo()
+        connector = scheduler_half(llm)
+        assert connector._worker_stats.get("pool_save_blocks", 0) > 0  # reports were applied
+        steps = connector.rates.steps
+        assert steps.weight >= 2
+        # The samples' weighted mean time: each step took at least `delay` to its result.
+        assert steps.sum_y / steps.weight >= 0.9 * delay, (steps.sum_y, steps.weight)
+    finally:
+        wait_for_saves(llm)
+        assert_all_blocks_back(llm)
+        llm.llm_engine.engine_core.shutdown()
 
 
 def test_never_recomputes_every_hit_and_counts_it(qwen3_dir: str, reference: LLM) -> None:

@@ -107,7 +107,7 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
         self._stats: dict[str, float] = {}
         self._worker_stats: dict[str, float] = {}
         self.rates = LoadOrRecompute(settings.load_policy, kv_cache_spec.block_size)
-        # Per step planned and not reported yet: (when, tokens, whether it loads).
+        # Per step planned and not finished yet: (when, tokens, whether it loads).
         self._planned: collections.deque[tuple[float, int, bool]] = collections.deque(maxlen=64)
 
     # ---- lookups ----
@@ -202,11 +202,15 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for name, value in output.stats.items():
             self._worker_stats[name] = self._worker_stats.get(name, 0.0) + value
-        if self._planned:  # (reports come in step order, one per planned step)
-            planned_at, num_tokens, had_loads = self._planned.popleft()
-            self.rates.step_done(self.rates.step_seconds(planned_at), num_tokens, had_loads)
         self.rates.load_done(output.stats.get("pool_load_seconds", 0.0),
                              output.stats.get("pool_load_blocks", 0.0))
+
+    def step_finished(self) -> None:
+        # The step's time runs to its result: a report taken at launch (async scheduling)
+        # comes before the device has run the step.
+        if self._planned:  # (results come in step order, one per planned step)
+            planned_at, num_tokens, had_loads = self._planned.popleft()
+            self.rates.step_done(self.rates.step_seconds(planned_at), num_tokens, had_loads)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict | None]:
