@@ -58,6 +58,8 @@ def test_loads_keep_the_greedy_output_and_release_every_pin(
     batch = prompts(seed=11)
     expected = reference.generate(batch, greedy(), use_tqdm=False)
     llm = shm_llm(qwen3_dir, shm_pool.url)
+    # The arena is mapped (CUDA: registered for DMA) when the worker connects, before any load.
+    assert bool(worker_half(llm).mover._arena_views) == (direct == "1")
     saved_then_uncached(llm, batch)
     stats(llm)  # (the first run's counters)
     outputs = llm.generate(batch, greedy(), use_tqdm=False)

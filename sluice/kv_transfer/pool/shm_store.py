@@ -370,6 +370,13 @@ class ShmPoolBackend(PoolBackend):
         if checker is not None:
             checker.shutdown(wait=True)
 
+    @contextlib.contextmanager
+    def mapped_arena(self) -> Iterator[_Arena]:
+        """The server's arena (a connection made now if this thread has none), mapped until
+        the block ends: the worker registers it for DMA when it connects, before any load."""
+        with self._connected(time.monotonic() + self.timeout_s) as (_, arena):
+            yield arena
+
     # ---- connections and the arena ----
 
     @contextlib.contextmanager
