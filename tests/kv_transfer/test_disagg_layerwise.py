@@ -112,6 +112,32 @@ def test_an_ask_that_comes_mid_prompt_gets_every_earlier_block_with_the_next_ste
         assert "rooms_streamed" not in stats
 
 
+@pytest.mark.parametrize("ask_after_layer", [0, 1])
+def test_an_ask_that_comes_mid_step_joins_it_with_every_layer_stored_so_far(
+        ask_after_layer: int) -> None:
+    """A one-step prompt whose decode asks once layer `ask_after_layer` is stored (1: the last,
+    so it joins at the step's end): every layer streams within the step, and the room's write
+    sends only the status."""
+    src, dst = [1, 2], [6, 7]
+    with pd_pair("fake") as pair:
+        def ask_now(layer: int) -> None:
+            if layer == ask_after_layer:
+                pair.decode.receiver(9).init("d", pair.server.address, dst, 0,
+                                             num_prompt_tokens=8)
+                asked(pair, 9)
+
+        step(pair, LayerSendPlan(room=9, block_ids=src, num_complete_blocks=2,
+                                 num_prompt_tokens=8), ask_now)
+        assert blocks_equal(pair, src, dst)
+        stats = pair.prefill.take_stats()
+        assert stats["layer_writes"] == 2 and stats["layer_late_joins"] == 1
+        pair.prefill.sender(9).send("p", src, 8, first_token=3, first_logprobs=None)
+        [received] = pair.wait(pair.decode)
+        assert received.ok and received.first_token == 3
+        stats = pair.prefill.take_stats()
+        assert stats["rooms_streamed"] == 1 and stats.get("sent_blocks", 0) == 0
+
+
 def test_a_decode_abort_mid_prompt_fails_the_room_on_both_sides() -> None:
     with pd_pair("fake") as pair:
         pair.decode.receiver(9).init("d", pair.server.address, [4, 5], 0, 8)

@@ -193,6 +193,10 @@ class PrefillKVManager(KVManager):
         self._layer_steps: list[_LayerStep] = []
         self._layer_queue: deque[_LayerWrite] = deque()
         self._layer_writes_in_flight = 0
+        # The step's plans and its layers stored so far ((layer, event)), for a decode rank
+        # whose ask arrives mid-step: it gets the stored layers at once, then the rest.
+        self._layer_plans: list[LayerSendPlan] = []
+        self._stored_layers: list[tuple[int, Any]] = []
 
     def start(self) -> None:
         super().start()
@@ -265,18 +269,42 @@ class PrefillKVManager(KVManager):
 
     def begin_layer_sends(self, plans: list[LayerSendPlan]) -> None:
         """Before the forward: which decode ranks get this step's layers, and which blocks.
-        A rank whose ask arrives later in the step gets them with the next step (or with the
-        room's whole write)."""
+        A rank whose ask arrives later in the step joins at the next layer stored (or at the
+        step's end): it gets every layer stored until then at once (`_join_late`)."""
         with self.lock:
             self._layer_steps = []
-            for plan in plans:
-                entry = self.rooms.get(plan.room)
-                if entry is None or entry.failed is not None or entry.ended:
+            self._layer_plans = list(plans)
+            self._stored_layers = []
+            self._join_late()
+
+    def _join_late(self) -> list[_LayerStep]:
+        """(Lock held.) The step's layer writes for the targets that have asked and have none
+        yet: the layers stored so far queued for them now. Returns the steps added."""
+        joined = {id(step.target) for step in self._layer_steps}
+        added: list[_LayerStep] = []
+        for plan in self._layer_plans:
+            entry = self.rooms.get(plan.room)
+            if entry is None or entry.failed is not None or entry.ended:
+                continue
+            for target in entry.targets.values():
+                if id(target) in joined:
                     continue
-                for target in entry.targets.values():
-                    step = self._layer_step(entry, target, plan)
-                    if step is not None:
-                        self._layer_steps.append(step)
+                step = self._layer_step(entry, target, plan)
+                if step is not None:
+                    added.append(step)
+        for step in added:
+            self._layer_steps.append(step)
+            for layer, stored in self._stored_layers:
+                self._queue_layer(step, layer, stored)
+        if added and self._stored_layers:
+            self.add_stat("layer_late_joins", len(added))
+            self._work.notify_all()
+        return added
+
+    def _queue_layer(self, step: _LayerStep, layer: int, stored: Any) -> None:
+        step.target.layer_writes += 1
+        self._layer_writes_in_flight += 1
+        self._layer_queue.append(_LayerWrite(step, layer, stored))
 
     def _layer_step(self, entry: _Room, target: _Target, plan: LayerSendPlan
                     ) -> _LayerStep | None:
@@ -300,20 +328,26 @@ class PrefillKVManager(KVManager):
         """Layer `layer` of the step is in the cache (on the device: once `stored` is):
         queue its writes."""
         with self.lock:
+            self._stored_layers.append((layer, stored))
+            late = {id(step) for step in self._join_late()} if self._layer_plans else ()
             for step in self._layer_steps:
-                step.target.layer_writes += 1
-                self._layer_writes_in_flight += 1
-                self._layer_queue.append(_LayerWrite(step, layer, stored))
+                if id(step) not in late:  # (those got this layer with the ones before)
+                    self._queue_layer(step, layer, stored)
             if self._layer_steps:
                 self._work.notify_all()
 
     def wait_layer_sends(self) -> None:
-        """Return once every layer write of the step has landed or failed. Each is bounded as
-        a room's write is (the backend's own timeouts; the lease stops it between batches)."""
+        """Return once every layer write of the step has landed or failed (a rank that asked
+        after the last layer was stored joins first). Each is bounded as a room's write is
+        (the backend's own timeouts; the lease stops it between batches)."""
         with self._work:
+            if self._layer_plans and len(self._stored_layers) == len(self.layout.layer_addresses):
+                self._join_late()
             while self._layer_writes_in_flight and not self._stop.is_set():
                 self._work.wait(timeout=0.1)
             self._layer_steps = []
+            self._layer_plans = []
+            self._stored_layers = []
 
     def _write_layer(self, job: _LayerWrite) -> None:
         """The transfer thread: one layer's runs to one decode rank."""
