@@ -112,6 +112,23 @@ def assert_all_blocks_back(llm: LLM) -> None:
     assert manager.get_num_free_blocks() == manager.block_pool.num_blocks - 1
 
 
+@pytest.mark.parametrize("save_decode", [False, True])
+def test_the_blocks_an_output_fills_are_saved_only_when_asked(qwen3_dir: str,
+                                                             save_decode: bool) -> None:
+    """A 160-token prompt (10 blocks) and 40 output tokens, which fill 2 blocks more: the
+    prompt's blocks are saved, the output's only with save_decode_blocks (LMCache's
+    save_decode_cache, off by default)."""
+    config = pool_config("local", save_decode_blocks=save_decode)
+    llm = LLM(model=qwen3_dir, kv_transfer_config=config, **ENGINE)
+    try:
+        llm.generate(prompts(seed=24, count=1), greedy(max_tokens=40), use_tqdm=False)
+        counters = stats(llm)
+        assert counters["pool_save_blocks"] == PROMPT_LEN // BLOCK + (2 if save_decode else 0)
+        assert_all_blocks_back(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def stats(llm: LLM) -> dict[str, float]:
     wait_for_saves(llm)
     llm.generate([{"prompt_token_ids": [5]}], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -143,6 +160,7 @@ def test_settings_are_validated() -> None:
              ({"timeout_s": "5"}, "timeout_s must be .* got '5'"),
              ({"staging_bytes": -1}, "staging_bytes must be .* got -1"),
              ({"model_id": ""}, "model_id must be a non-empty string"),
+             ({"save_decode_blocks": 1}, "save_decode_blocks must be true or false, got 1"),
              ({"segment_size": 1}, r"unknown kv_connector_extra_config keys \['segment_size'\]"),
              # Another backend's option is unknown here.
              ({"backend": "redis", "url": "redis://h:1", "global_segment_size": 0},

@@ -185,8 +185,11 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
             if room == 0:
                 break
             request = scheduler.requests[req_id]
-            # Known tokens only (drafts are not the request's tokens yet).
-            num_full = min(request.num_computed_tokens + num_new, request.num_tokens) // block_size
+            # Known tokens only (drafts are not the request's tokens yet); the prompt's
+            # unless save_decode_blocks.
+            known = (request.num_tokens if self.settings.save_decode_blocks
+                     else request.num_prompt_tokens)
+            num_full = min(request.num_computed_tokens + num_new, known) // block_size
             first = self._num_considered.get(req_id, 0)
             if num_full <= first:
                 continue

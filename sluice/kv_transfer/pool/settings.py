@@ -37,7 +37,8 @@ ON_BACKEND_ERROR = ("fail", "recompute")
 # The connector's own keys; the backend's keyword options (global_segment_size, password, ...)
 # are accepted beside them and handed to the backend.
 _CONNECTOR_KEYS = ("backend", "url", "on_backend_error", "timeout_s", "lookup_timeout_s",
-                   "staging_bytes", "retry_interval_s", "model_id", "load_policy")
+                   "staging_bytes", "retry_interval_s", "model_id", "load_policy",
+                   "save_decode_blocks")
 # Staging slots start on this boundary (DMA-friendly, and a multiple of every dtype's size).
 SLOT_ALIGN = 256
 MIN_SLOTS = 4  # two to load into, two to save from
@@ -60,6 +61,9 @@ class PoolSettings:
     # Load a hit when loading is expected faster than recomputing it (rates.py), or always, or
     # never.
     load_policy: str = "auto"
+    # Save the blocks a request's output fills too (LMCache's save_decode_cache; off: a later
+    # prompt that holds them offers them when its lookup finds them missing).
+    save_decode_blocks: bool = False
     backend_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -96,6 +100,10 @@ class PoolSettings:
         if load_policy not in LOAD_POLICIES:
             raise ValueError(f"KVPoolConnector: kv_connector_extra_config.load_policy must be "
                              f"one of {list(LOAD_POLICIES)}, got {load_policy!r}")
+        save_decode = extra.get("save_decode_blocks", False)
+        if not isinstance(save_decode, bool):
+            raise ValueError(f"KVPoolConnector: kv_connector_extra_config.save_decode_blocks "
+                             f"must be true or false, got {save_decode!r}")
         remote_url = extra.get("remote_url")
         if remote_url is not None and parse_url(remote_url)[0] not in ("redis", "mooncake"):
             raise ValueError(f"KVPoolConnector: kv_connector_extra_config.remote_url must be a "
@@ -108,6 +116,7 @@ class PoolSettings:
                              f"got {remote_options!r}")
         settings = cls(backend=backend, url=url, on_backend_error=on_error,
                        model_id=extra.get("model_id"), load_policy=load_policy,
+                       save_decode_blocks=save_decode,
                        backend_options={k: v for k, v in extra.items() if k in option_names})
         for name in ("timeout_s", "lookup_timeout_s", "retry_interval_s"):
             value = extra.get(name, getattr(settings, name))
