@@ -6,12 +6,15 @@ stub directly and through the router, alternating, and prints the median time to
 line of each and the router's added ms (routed median minus direct median).
 
     python benchmarks/tools/router_overhead.py [--requests 40] [--lengths 1024 8192]
-    python benchmarks/tools/router_overhead.py --sluice-root /tmp/older   # another tree's router
+    git archive REV sluice | tar -x -C /tmp/old      # another tree's router beside this one's:
+    python benchmarks/tools/router_overhead.py --baseline-root /tmp/old
 
 The client is stdlib http.client on one kept-alive connection per target, sequential (one
-request in flight), so the difference between the two columns is the router's hop: reading the
-body, the upstream request, and relaying the first event back. The machine's noise matters at
-this scale (run it on an idle machine; the numbers are a few ms).
+request in flight), so the difference between the columns is the router's hop: reading the
+body, the upstream request, and relaying the first event back. With --baseline-root a second
+router (that tree's code, same venv) runs beside this tree's over the same stub, the requests
+to the stub and the routers taken in turn, so the machine's drift (a few tenths of a ms on a
+small VM, about the size of the differences measured) falls on every column alike.
 """
 
 from __future__ import annotations
@@ -115,42 +118,59 @@ def main() -> int:
                         help="prompt lengths in token ids")
     parser.add_argument("--sluice-root", type=Path, default=ROOT,
                         help="the tree whose `sluice router` runs (default: this one)")
+    parser.add_argument("--baseline-root", type=Path, default=None,
+                        help="another tree whose router runs beside it, measured in turn")
     ns = parser.parse_args()
 
-    env = {**os.environ, "PYTHONPATH": str(ns.sluice_root.resolve())}
-    stub_port, router_port = free_port(), free_port()
-    stub = subprocess.Popen([sys.executable, "-c", _STUB, str(stub_port)], env=env)
-    router = None
+    trees = {"routed": ns.sluice_root.resolve()}
+    if ns.baseline_root is not None:
+        trees = {"baseline": ns.baseline_root.resolve(), **trees}
+    stub_port = free_port()
+    stub = subprocess.Popen([sys.executable, "-c", _STUB, str(stub_port)],
+                            env={**os.environ, "PYTHONPATH": str(trees["routed"])})
+    routers: list[subprocess.Popen] = []
     try:
         wait_healthy(stub_port, stub)
-        router = subprocess.Popen(
-            [sys.executable, "-m", "sluice", "router", "--host", "127.0.0.1",
-             "--port", str(router_port), "--worker", f"http://127.0.0.1:{stub_port}",
-             "--log-level", "warning"], env=env, cwd=ns.sluice_root)
-        wait_healthy(router_port, router)
-        direct = http.client.HTTPConnection("127.0.0.1", stub_port, timeout=30)
-        routed = http.client.HTTPConnection("127.0.0.1", router_port, timeout=30)
-        print(f"router from {ns.sluice_root.resolve()}; {ns.requests} requests per length "
-              f"and target (after {ns.warmup} unmeasured), medians in ms")
-        print(f"{'tokens':>7} {'body KiB':>9} {'direct':>8} {'routed':>8} {'added':>8}")
+        conns = {"direct": http.client.HTTPConnection("127.0.0.1", stub_port, timeout=30)}
+        for name, tree in trees.items():
+            port = free_port()
+            routers.append(subprocess.Popen(
+                [sys.executable, "-m", "sluice", "router", "--host", "127.0.0.1",
+                 "--port", str(port), "--worker", f"http://127.0.0.1:{stub_port}",
+                 "--log-level", "warning"], env={**os.environ, "PYTHONPATH": str(tree)},
+                cwd=tree))
+            wait_healthy(port, routers[-1])
+            conns[name] = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            print(f"{name}: the router of {tree}")
+        print(f"{ns.requests} requests per length and target (after {ns.warmup} unmeasured), "
+              f"medians in ms; added: the router's median minus direct's")
+        names = list(conns)
+        print(f"{'tokens':>7} {'body KiB':>9}" + "".join(f" {n:>9}" for n in names)
+              + "".join(f" {'+' + n:>9}" for n in names[1:]))
         results = []
         for length in ns.lengths:
             body = json.dumps({"model": "stub", "prompt": [(7 * i + 11) % 150_000
                                                            for i in range(length)],
                                "max_tokens": 4, "stream": True}).encode()
-            times: dict[str, list[float]] = {"direct": [], "routed": []}
+            times: dict[str, list[float]] = {name: [] for name in names}
             for i in range(ns.warmup + ns.requests):
-                for name, conn in (("direct", direct), ("routed", routed)):
+                for name, conn in conns.items():
                     ms = first_line_ms(conn, body)
                     if i >= ns.warmup:
                         times[name].append(ms)
-            d, r = statistics.median(times["direct"]), statistics.median(times["routed"])
-            results.append({"tokens": length, "direct_ms": d, "routed_ms": r,
-                            "added_ms": r - d})
-            print(f"{length:>7} {len(body) / 1024:>9.1f} {d:>8.2f} {r:>8.2f} {r - d:>8.2f}")
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            row: dict[str, float] = {"tokens": length}
+            for name in names:
+                row[f"{name}_ms"] = medians[name]
+            for name in names[1:]:
+                row[f"{name}_added_ms"] = medians[name] - medians["direct"]
+            results.append(row)
+            print(f"{length:>7} {len(body) / 1024:>9.1f}"
+                  + "".join(f" {medians[n]:>9.2f}" for n in names)
+                  + "".join(f" {medians[n] - medians['direct']:>9.2f}" for n in names[1:]))
         print(json.dumps(results))
     finally:
-        for proc in (router, stub):
+        for proc in (*routers, stub):
             if proc is not None:
                 proc.terminate()
                 try:
