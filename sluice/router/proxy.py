@@ -36,14 +36,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from fastapi.responses import JSONResponse, Response
 
 from sluice.router.relay import (
+    TRANSPORT_ERRORS,
     ClientError,
     CommittedStream,
     Failure,
     Relay,
+    UpstreamLines,
     cancel,
     failed_before_first_token,
     open_stream,
@@ -132,8 +133,8 @@ class Proxy(Relay[_Pair]):
 
     async def _prefill(self, worker: Worker, path: str, body: dict[str, Any]) -> dict:
         # Any transport error drops a prefill (its rooms are lost with it).
-        response = await post_whole(self.client, "prefill", worker, f"{worker.url}{path}", body,
-                                    drop_on=httpx.HTTPError)
+        response = await post_whole(self.session, "prefill", worker, f"{worker.url}{path}",
+                                    body, drop_on=TRANSPORT_ERRORS)
         data = response.json()
         for choice in data.get("choices") or []:
             if choice.get("finish_reason") in ("error", "abort"):
@@ -147,7 +148,7 @@ class Proxy(Relay[_Pair]):
         p, d = pair.prefill, pair.decode
         pair.begin()
         p_task = asyncio.ensure_future(self._prefill(p, path, prefill_body))
-        d_task = asyncio.ensure_future(post_whole(self.client, "decode", d, f"{d.url}{path}",
+        d_task = asyncio.ensure_future(post_whole(self.session, "decode", d, f"{d.url}{path}",
                                                   decode_body))
         try:
             done, _ = await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
@@ -176,14 +177,14 @@ class Proxy(Relay[_Pair]):
         p_task = asyncio.ensure_future(self._prefill(p, path, prefill_body))
         response = None
         try:
-            response = await open_stream(self.client, "decode", d, f"{d.url}{path}",
+            response = await open_stream(self.session, "decode", d, f"{d.url}{path}",
                                          decode_body)
-            lines = response.aiter_lines()
+            lines = UpstreamLines(response)
             buffered = await read_to_first_token("decode", d, lines, _lost_prefill(p), p_task)
         except BaseException:
             await cancel(p_task)
             if response is not None:
-                await response.aclose()
+                response.close()
             pair.end()
             raise
 
@@ -191,8 +192,8 @@ class Proxy(Relay[_Pair]):
             await cancel(p_task)
             pair.end()
 
-        def patched(line: str) -> str:
-            if '"usage"' not in line:
+        def patched(line: bytes) -> bytes:
+            if b'"usage"' not in line:
                 return line
             event = sse_event(line)
             if not isinstance(event, dict) or not event.get("usage"):
@@ -201,6 +202,6 @@ class Proxy(Relay[_Pair]):
             if p_task.done() and not p_task.cancelled() and p_task.exception() is None:
                 prefill = p_task.result()
             _patch_usage(event["usage"], prefill)
-            return f"data: {json.dumps(event)}"
+            return f"data: {json.dumps(event)}".encode()
 
         return CommittedStream("decode", d, response, lines, buffered, on_close, patched)

@@ -18,6 +18,12 @@ rest:
 
 A client that goes away cancels the attempt in flight: its connections close, so the engines
 abort the request and free its blocks.
+
+The instances are called through one aiohttp session per router (`make_session`: created in the
+running loop, unbounded pool, kept-alive connections), bodies written once with msgspec; a
+connection that cannot be made (`aiohttp.ClientConnectorError`) drops the instance, any other
+transport error (`TRANSPORT_ERRORS`) is a plain failure. Streams are read as bytes and relayed
+as they came, line by line (lines end at "\n"; a "\r" before it is dropped).
 """
 
 from __future__ import annotations
@@ -27,11 +33,11 @@ import contextvars
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
-import httpx
+import aiohttp
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -106,26 +112,119 @@ def failed_before_first_token(choice: dict[str, Any], completion_tokens: int | N
     return choice.get("finish_reason") == "error" and not completion_tokens
 
 
-def sse_event(line: str) -> dict[str, Any] | str | None:
+def sse_event(line: bytes | str) -> dict[str, Any] | str | None:
     """A parsed `data:` line: its JSON object, "[DONE]", or None for anything else."""
-    if not line.startswith("data:"):
+    if isinstance(line, str):
+        line = line.encode()
+    if not line.startswith(b"data:"):
         return None
     data = line[5:].strip()
-    if data == "[DONE]":
-        return data
+    if data == b"[DONE]":
+        return "[DONE]"
     try:
         event = json.loads(data)
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or not UTF-8
         return None
     return event if isinstance(event, dict) else None
 
 
-def failed_mid_stream(role: str, worker: Worker, why: str) -> str:
+def _is_done(line: bytes) -> bool:
+    """`sse_event(line) == "[DONE]"`, without parsing every event of a stream."""
+    return line.startswith(b"data:") and line[5:].strip() == b"[DONE]"
+
+
+def failed_mid_stream(role: str, worker: Worker, why: str) -> bytes:
     """The events that end a committed stream whose instance failed: an error the `openai`
     client raises (APIError with this message), then [DONE]."""
     message = f"the {role} instance {worker.url} failed mid-stream: {why}"
     logger.warning("router: %s", message)
-    return f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n"
+    return f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n".encode()
+
+
+# What a call to an instance may raise that is the transport's fault (httpx.HTTPError's part
+# before): aiohttp's errors (ClientConnectorError: no connection could be made; ClientPayloadError:
+# the body broke off; ServerTimeoutError: a read timed out, ...), and the OS's.
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, OSError,
+                                                      asyncio.TimeoutError)
+CONNECT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,)
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def make_session(request_timeout_s: float) -> aiohttp.ClientSession:
+    """The router's client of its instances; call it in the running loop.
+
+    No limit on connections (in total or per instance); idle ones are kept 4 s, under the
+    engine servers' 5 s keep-alive (uvicorn's timeout_keep_alive), so the router never reuses
+    a connection the server is closing. Timeouts as httpx.Timeout(request_timeout_s,
+    connect=5) had them: 5 s to connect, `request_timeout_s` for any one read (a long stream
+    is not cut while it moves). No cookies, no proxies from the environment, no redirects
+    followed (per call), bodies as sent: the router asks for no compression
+    (`accept-encoding: identity`) and decodes none."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0)
+    timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=5.0,
+                                    sock_read=request_timeout_s)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                 cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
+
+
+class UpstreamLines:
+    """The lines of an instance's streamed answer, as they come: bytes, without their "\n"
+    (nor a "\r" before it); at the end, a last line that had no "\n". `next_line` takes one,
+    `batches` the rest, a read's worth at a time (what arrived together is relayed together)."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._content = response.content
+        self._pending: deque[bytes] = deque()
+        self._rest: list[bytes] = []  # the start of a line whose end has not come
+        self._eof = False
+
+    async def _fill(self) -> bool:
+        """Read until a whole line is pending; False once the stream has ended and none is."""
+        while not self._pending:
+            if self._eof:
+                return False
+            data = await self._content.readany()
+            if not data:
+                self._eof = True
+                if self._rest:
+                    self._pending.append(_unterminated(b"".join(self._rest)))
+                    self._rest.clear()
+                continue
+            if b"\n" not in data:
+                self._rest.append(data)
+                continue
+            if self._rest:
+                self._rest.append(data)
+                data = b"".join(self._rest)
+                self._rest.clear()
+            *lines, rest = data.split(b"\n")
+            if rest:
+                self._rest.append(rest)
+            self._pending.extend(map(_unterminated, lines))
+        return True
+
+    def pending(self) -> bytes | None:
+        """A line already read, or None."""
+        return self._pending.popleft() if self._pending else None
+
+    async def next_line(self) -> bytes | None:
+        """The next line; None at the end."""
+        if not self._pending and not await self._fill():
+            return None
+        return self._pending.popleft()
+
+    async def batches(self) -> AsyncIterator[list[bytes]]:
+        while self._pending or await self._fill():
+            batch = list(self._pending)
+            self._pending.clear()
+            yield batch
+
+
+def _unterminated(line: bytes) -> bytes:
+    return line[:-1] if line.endswith(b"\r") else line
 
 
 async def cancel(*tasks: asyncio.Future | None) -> None:
@@ -146,35 +245,44 @@ class CommittedStream:
     the client's stream with an error event. Closing it (the client went away) closes the
     instance's connection, which aborts the request there; `on_close` then runs."""
 
-    def __init__(self, role: str, worker: Worker, response: httpx.Response,
-                 lines: AsyncIterator[str], buffered: list[str],
-                 on_close: Callable[[], Any], patch: Callable[[str], str] | None = None) -> None:
+    def __init__(self, role: str, worker: Worker, response: aiohttp.ClientResponse,
+                 lines: UpstreamLines, buffered: list[bytes],
+                 on_close: Callable[[], Any], patch: Callable[[bytes], bytes] | None = None
+                 ) -> None:
         self.role = role
         self.worker = worker
         self.response = response
         self.lines = lines
         self.buffered = buffered
         self.on_close = on_close
-        self.patch = patch or (lambda line: line)
+        self.patch = patch
         worker.streaming += 1
 
-    async def events(self) -> AsyncIterator[str]:
-        done = False
+    def _relayed(self, lines: list[bytes]) -> tuple[bytes, bool]:
+        """The lines as the client gets them, and whether [DONE] is among them."""
+        done = any(_is_done(line) for line in lines)
+        if self.patch is not None:
+            lines = [self.patch(line) for line in lines]
+        return b"\n".join(lines) + b"\n", done
+
+    async def events(self) -> AsyncIterator[bytes]:
         try:
-            for line in self.buffered:
-                done = done or sse_event(line) == "[DONE]"
-                yield self.patch(line) + "\n"
-            async for line in self.lines:
-                done = done or sse_event(line) == "[DONE]"
-                yield self.patch(line) + "\n"
+            data, done = self._relayed(self.buffered)
+            yield data
+            async for batch in self.lines.batches():
+                data, last = self._relayed(batch)
+                done = done or last
+                yield data
             if not done:
                 yield failed_mid_stream(self.role, self.worker,
                                         "its stream ended without [DONE]")
-        except httpx.HTTPError as exc:
-            yield failed_mid_stream(self.role, self.worker, f"{type(exc).__name__}: {exc}")
+        except TRANSPORT_ERRORS as exc:
+            yield failed_mid_stream(self.role, self.worker, _why(exc))
         finally:
             self.worker.streaming -= 1
-            await self.response.aclose()
+            # Closes the connection unless the answer was read to its end (then it is back in
+            # the pool already): the instance sees the client go.
+            self.response.close()
             await self.on_close()
 
 
@@ -185,76 +293,104 @@ _decode = msgspec.json.Decoder().decode
 
 
 def _json_headers() -> dict[str, str]:
-    return {**(_forwarded.get() or {}), "content-type": "application/json"}
+    return {**(_forwarded.get() or {}), "content-type": "application/json",
+            "accept-encoding": "identity"}
 
 
-async def open_stream(client: httpx.AsyncClient, role: str, worker: Worker, url: str,
-                      body: dict[str, Any]) -> httpx.Response:
+class Answer:
+    """An instance's whole answer: its status, body and content type."""
+
+    __slots__ = ("status_code", "content", "content_type")
+
+    def __init__(self, status_code: int, content: bytes, content_type: str | None) -> None:
+        self.status_code = status_code
+        self.content = content
+        self.content_type = content_type
+
+    def json(self) -> Any:
+        return _decode(self.content)
+
+
+def _text(content: bytes) -> str:
+    return content[:300].decode("utf-8", "replace")
+
+
+async def open_stream(session: aiohttp.ClientSession, role: str, worker: Worker, url: str,
+                      body: dict[str, Any]) -> aiohttp.ClientResponse:
     """POST a streamed request; its response once the status is 200. An instance that cannot
     be reached (dropped: it refused the connection) or answers 5xx is a Failure, 4xx the
     client's answer."""
     try:
-        response = await client.send(
-            client.build_request("POST", url, content=_encode(body), headers=_json_headers()),
-            stream=True)
-    except httpx.HTTPError as exc:
-        raise Failure(role, worker, f"{type(exc).__name__}: {exc}",
-                      drop=isinstance(exc, httpx.ConnectError)) from None
-    if response.status_code >= 400:
+        response = await session.post(url, data=_encode(body), headers=_json_headers(),
+                                      allow_redirects=False)
+    except TRANSPORT_ERRORS as exc:
+        raise Failure(role, worker, _why(exc), drop=isinstance(exc, CONNECT_ERRORS)) from None
+    if response.status >= 400:
         try:
-            content = await response.aread()
-        except httpx.HTTPError as exc:
-            raise Failure(role, worker, f"HTTP {response.status_code}, then "
-                                        f"{type(exc).__name__}: {exc}") from None
+            content = await response.read()
+        except TRANSPORT_ERRORS as exc:
+            raise Failure(role, worker, f"HTTP {response.status}, then {_why(exc)}") from None
         finally:
-            await response.aclose()
-        if response.status_code >= 500:
-            raise Failure(role, worker, f"HTTP {response.status_code}: {content[:300]!r}")
-        raise ClientError(response.status_code, content)
+            response.close()
+        if response.status >= 500:
+            raise Failure(role, worker, f"HTTP {response.status}: {content[:300]!r}")
+        raise ClientError(response.status, content)
     return response
 
 
-async def post_whole(client: httpx.AsyncClient, role: str, worker: Worker, url: str,
-                     body: dict[str, Any], drop_on: type[httpx.HTTPError] = httpx.ConnectError
-                     ) -> httpx.Response:
+async def post_whole(session: aiohttp.ClientSession, role: str, worker: Worker, url: str,
+                     body: dict[str, Any],
+                     drop_on: tuple[type[BaseException], ...] = CONNECT_ERRORS) -> Answer:
     """POST a request and read its whole answer; failures as in `open_stream`, the instance
     dropped for an error of `drop_on`."""
     try:
-        response = await client.post(url, content=_encode(body), headers=_json_headers())
-    except httpx.HTTPError as exc:
-        raise Failure(role, worker, f"{type(exc).__name__}: {exc}",
-                      drop=isinstance(exc, drop_on)) from None
-    if response.status_code >= 500:
-        raise Failure(role, worker, f"HTTP {response.status_code}: {response.text[:300]}")
-    if response.status_code >= 400:
-        raise ClientError(response.status_code, response.content)
-    return response
+        async with session.post(url, data=_encode(body), headers=_json_headers(),
+                                allow_redirects=False) as response:
+            answer = Answer(response.status, await response.read(),
+                            response.headers.get("content-type"))
+    except TRANSPORT_ERRORS as exc:
+        raise Failure(role, worker, _why(exc), drop=isinstance(exc, drop_on)) from None
+    if answer.status_code >= 500:
+        raise Failure(role, worker, f"HTTP {answer.status_code}: {_text(answer.content)}")
+    if answer.status_code >= 400:
+        raise ClientError(answer.status_code, answer.content)
+    return answer
 
 
-async def read_to_first_token(role: str, worker: Worker, lines: AsyncIterator[str],
+async def read_to_first_token(role: str, worker: Worker, lines: UpstreamLines,
                               early_failure: Callable[[dict[str, Any]], Failure | None],
-                              watch: asyncio.Future | None = None) -> list[str]:
+                              watch: asyncio.Future | None = None) -> list[bytes]:
     """Read a stream up to its first event that carries a token, ends a choice or carries
     usage; the lines read, that one included. A stream that ends, fails or sends an error
     before that is a Failure, and so is a choice for which `early_failure` returns one; `watch`
     (a task running beside the stream) that fails first raises its exception."""
-    buffered: list[str] = []
+    buffered: list[bytes] = []
     while True:
-        line_task = asyncio.ensure_future(anext(lines, None))
-        try:
-            if watch is not None and not watch.done():
+        line = lines.pending()
+        if line is None and watch is not None and not watch.done():
+            line_task = asyncio.ensure_future(lines.next_line())
+            try:
                 await asyncio.wait((watch, line_task), return_when=asyncio.FIRST_COMPLETED)
                 if watch.done() and watch.exception() is not None:
                     raise watch.exception()
+                try:
+                    line = await line_task
+                except TRANSPORT_ERRORS as exc:
+                    raise Failure(role, worker, _why(exc)) from None
+            finally:
+                await cancel(line_task)
+            if line is None:
+                raise Failure(role, worker, "the stream ended before its first token")
+        elif line is None:
             try:
-                line = await line_task
-            except httpx.HTTPError as exc:
-                raise Failure(role, worker, f"{type(exc).__name__}: {exc}") from None
-        finally:
-            await cancel(line_task)
-        if line is None:
-            raise Failure(role, worker, "the stream ended before its first token")
+                line = await lines.next_line()
+            except TRANSPORT_ERRORS as exc:
+                raise Failure(role, worker, _why(exc)) from None
+            if line is None:
+                raise Failure(role, worker, "the stream ended before its first token")
         buffered.append(line)
+        if not line.startswith(b"data:"):
+            continue
         event = sse_event(line)
         if event == "[DONE]":
             raise Failure(role, worker, "the stream ended before its first token")
@@ -284,12 +420,25 @@ class Relay(ABC, Generic[Chosen]):
         self._uses_prompt = any(policy.uses_prompt for policy in policies.values())
         self.max_retries = max_retries
         self.metrics = metrics
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(request_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.request_timeout_s = request_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The client of the instances (made on first use if `start` was not awaited: it
+        belongs to the loop it is made in)."""
+        if self._session is None:
+            self._session = make_session(self.request_timeout_s)
+        return self._session
+
+    async def start(self) -> None:
+        """Make the session in the running loop (the server does, before it serves)."""
+        self.session  # noqa: B018 - made on access
 
     async def close(self) -> None:
-        await self.client.aclose()
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
 
     # ---- what a mode says ------------------------------------------------------------------
 

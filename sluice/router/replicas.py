@@ -22,6 +22,7 @@ from sluice.router.relay import (
     CommittedStream,
     Failure,
     Relay,
+    UpstreamLines,
     failed_before_first_token,
     open_stream,
     post_whole,
@@ -56,7 +57,7 @@ class ReplicaProxy(Relay[Worker]):
     async def _attempt_full(self, path: str, body: dict[str, Any], worker: Worker) -> Response:
         self._begin(worker)
         try:
-            response = await post_whole(self.client, ROLE, worker, f"{worker.url}{path}", body)
+            response = await post_whole(self.session, ROLE, worker, f"{worker.url}{path}", body)
         finally:
             worker.in_flight -= 1
         try:
@@ -69,19 +70,20 @@ class ReplicaProxy(Relay[Worker]):
                 if failed_before_first_token(choice, completion_tokens):
                     raise _ended_early(worker)(choice)
         return Response(response.content, status_code=response.status_code,
-                        media_type=response.headers.get("content-type", "application/json"))
+                        media_type=response.content_type or "application/json")
 
     async def _attempt_stream(self, path: str, body: dict[str, Any], worker: Worker
                               ) -> CommittedStream:
         self._begin(worker)
         response = None
         try:
-            response = await open_stream(self.client, ROLE, worker, f"{worker.url}{path}", body)
-            lines = response.aiter_lines()
+            response = await open_stream(self.session, ROLE, worker, f"{worker.url}{path}",
+                                         body)
+            lines = UpstreamLines(response)
             buffered = await read_to_first_token(ROLE, worker, lines, _ended_early(worker))
         except BaseException:
             if response is not None:
-                await response.aclose()
+                response.close()
             worker.in_flight -= 1
             raise
 

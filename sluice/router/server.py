@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import aiohttp
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -35,6 +36,9 @@ from sluice.router.replicas import ROLE, ReplicaProxy
 from sluice.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger("sluice")
+
+# /v1/models asks a worker with 5 s to connect and 5 s for any read.
+MODELS_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=5.0)
 
 
 def check_instance_url(url: str) -> None:
@@ -136,12 +140,13 @@ def build_app(args: RouterArgs) -> FastAPI:
         headers = forward_headers(request)
         for worker in pool.healthy(answering):
             try:
-                response = await proxy.client.get(f"{worker.url}/v1/models", timeout=5.0,
-                                                  headers=headers)
+                async with proxy.session.get(f"{worker.url}/v1/models", headers=headers,
+                                             timeout=MODELS_TIMEOUT,
+                                             allow_redirects=False) as response:
+                    content, status = await response.read(), response.status
             except Exception:  # noqa: BLE001 - try the next one
                 continue
-            return Response(response.content, status_code=response.status_code,
-                            media_type="application/json")
+            return Response(content, status_code=status, media_type="application/json")
         return error_response(503, f"no healthy {answering} instance")
 
     @app.get("/health")
@@ -175,6 +180,7 @@ def run_router(args: RouterArgs) -> int:
 
     async def serve() -> None:
         pool = app.state.pool
+        await app.state.proxy.start()  # its HTTP session, in this loop
         pool.start()
         logger.info("router on http://%s:%d: %s", host, port, ", ".join(
             f"{role} {[w.url for w in pool.of_role(role)]}" for role in pool.roles))

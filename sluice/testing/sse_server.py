@@ -5,6 +5,7 @@ limit.
     with SSEServer(handler) as server:       # its own thread and event loop, a free port
         server.url                           # http://127.0.0.1:PORT
         server.requests, server.connections  # what it was sent, connections accepted
+        server.open_connections              # of those, not yet closed
 
 A handler maps each request to a `Reply`: byte pieces written one write each (with `gap_s`
 between them, so that each arrives in its own TCP read), then the connection is kept for the
@@ -157,6 +158,11 @@ class SSEServer:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
+    @property
+    def open_connections(self) -> int:
+        """Connections accepted and not yet closed (by either side)."""
+        return len(self._handlers)
+
     async def serve(self, ready: Callable[[], None] | None = None) -> None:
         server = await asyncio.start_server(self._connection, HOST, self.port)
         self.port = server.sockets[0].getsockname()[1]
@@ -204,6 +210,8 @@ class SSEServer:
                     return
         except asyncio.CancelledError:
             pass  # the server stops
+        except ConnectionError:
+            pass  # the client went away mid-answer
         finally:
             self._handlers.discard(task)
             writer.close()

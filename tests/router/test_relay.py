@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -100,7 +101,7 @@ def route(scripts: dict[str, Script], body: dict[str, Any],
                 response = await client.post("/v1/completions", json=body, headers=headers)
                 workers = (await client.get("/workers")).json()
                 metrics = (await client.get("/metrics")).text
-            await app.state.proxy.client.aclose()
+            await app.state.proxy.close()
             workers["retries"] = sum(float(line.split()[-1]) for line in metrics.splitlines()
                                      if line.startswith("sluice_router_retries_total"))
             return response, workers
@@ -205,3 +206,65 @@ def test_the_clients_api_key_and_request_id_reach_the_worker() -> None:
     response, asked, _ = route({A: keyed, B: keyed}, {"prompt": "x", "stream": True})
     assert response.status_code == 401 and asked == [A]
     assert "authorization" not in seen[-1]
+
+
+def test_a_stream_is_relayed_byte_for_byte() -> None:
+    """What the worker streamed is what the client reads, however its writes split the events:
+    mid-line, several events in one write, comment lines, and text with characters other line
+    splitters end lines at (U+2028, U+0085, U+001E, sent raw as UTF-8)."""
+    first = ("data: " + json.dumps({"choices": [{"index": 0, "text": "a\u2028b\x85c\x1ed",
+                                                 "finish_reason": None}]},
+                                   ensure_ascii=False) + "\n\n").encode()
+    parts = [b": a comment line\n\n", first[:9], first[9:-1], first[-1:] + token("e"),
+             token("f") + token("", "length") + DONE]
+    response, asked, workers = route(
+        {A: lambda r: Reply([STREAM_HEAD] + [chunk(p) for p in parts] + [LAST_CHUNK],
+                            gap_s=0.01),
+         B: ok("never")}, {"prompt": "x", "stream": True})
+    assert response.status_code == 200 and asked == [A]
+    assert response.content == b"".join(parts)
+    assert workers["retries"] == 0
+
+
+def test_a_client_that_goes_away_closes_the_workers_stream() -> None:
+    """The client leaves after the first token: the router closes its connection to the
+    worker (so an engine would abort the request) and its counts of the request end."""
+    import uvicorn
+
+    events = [token("a")] + [token("x")] * 500 + [DONE]  # 5 s of events, 10 ms apart
+    with SSEServer(lambda r: Reply([STREAM_HEAD] + [chunk(e) for e in events] + [LAST_CHUNK],
+                                   gap_s=0.01)) as worker:
+
+        async def main() -> dict[str, Any]:
+            app = build_app(RouterArgs(workers=(worker.url,)))
+            app.state.pool.workers[0].healthy = True
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+            serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+            try:
+                while not server.started:
+                    await asyncio.sleep(0.01)
+                async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                    async with client.stream("POST", "/v1/completions",
+                                             json={"prompt": "x", "stream": True}) as response:
+                        async for line in response.aiter_lines():
+                            if line:
+                                assert json.loads(line[6:])["choices"][0]["text"] == "a"
+                                break
+                    assert worker.open_connections == 1
+                    deadline = time.monotonic() + 2.0
+                    while worker.open_connections and time.monotonic() < deadline:
+                        await asyncio.sleep(0.02)
+                    assert worker.open_connections == 0, "the worker's stream was not closed"
+                    return (await client.get("/workers")).json()["worker"][0]
+            finally:
+                server.should_exit = True
+                await serving
+                await app.state.proxy.close()
+                sock.close()
+
+        described = asyncio.run(main())
+    assert described["in_flight"] == described["streaming"] == 0
+    assert described["healthy"] and described["num_errors"] == 0
