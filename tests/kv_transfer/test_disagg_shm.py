@@ -24,7 +24,13 @@ from sluice.kv_transfer.disagg.messages import (
     TransferRequest,
     control_decoder,
 )
-from sluice.kv_transfer.disagg.shm import SharedKVArena, ShmBackend, host_id
+from sluice.kv_transfer.disagg.shm import (
+    SharedKVArena,
+    ShmBackend,
+    host_id,
+    mps_daemon_running,
+    warn_if_time_sliced,
+)
 from sluice.kv_transfer.disagg.transfer import choose_backend
 
 SHAPE = (2, 16, 4, 2, 4)  # [2, num_blocks, block_size, heads, dim]; 128 bytes a half block
@@ -217,3 +223,31 @@ def test_a_decode_gpu_is_found_by_uuid_under_this_process_index() -> None:
     assert local_cuda_index("", 2, visible) == 2  # an export from before UUIDs
     with pytest.raises(ValueError, match=r"GPU-cccc \(its cuda:0\).*CUDA_VISIBLE_DEVICES"):
         local_cuda_index("GPU-cccc", 0, visible)
+
+
+def fake_proc(root: Path, comms: dict[int, str]) -> str:
+    for pid, comm in comms.items():
+        (root / str(pid)).mkdir()
+        (root / str(pid) / "comm").write_text(comm + "\n")
+    (root / "self").mkdir()  # (not a pid: skipped)
+    return str(root)
+
+
+def test_one_gpu_shared_without_mps_is_warned_about(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Over CUDA IPC with the decode's cache on the prefill's own GPU, the prefill warns once
+    when no MPS daemon runs in its pid namespace (the two processes would time-slice the GPU);
+    not with one running (/proc's comm of nvidia-cuda-mps-control, cut at 15 characters), nor
+    for the decode on another GPU."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    without = fake_proc(tmp_path / "a", {1: "bash", 42: "python3"})
+    with_mps = fake_proc(tmp_path / "b", {1: "bash", 77: "nvidia-cuda-mps"})
+    assert not mps_daemon_running(without) and mps_daemon_running(with_mps)
+    assert not mps_daemon_running(str(tmp_path / "missing"))
+    with caplog.at_level("WARNING", logger="sluice"):
+        assert warn_if_time_sliced(0, [0, 0], proc=without)
+    assert "no MPS daemon runs" in caplog.text and "nvidia-cuda-mps-control -d" in caplog.text
+    assert not warn_if_time_sliced(0, [0, 0], proc=with_mps)
+    assert not warn_if_time_sliced(0, [1, 1], proc=without)  # another GPU: peer access
+    assert not warn_if_time_sliced(None, [0], proc=without)  # a CPU cache

@@ -237,6 +237,38 @@ def export_cuda(tensors: Sequence[Any]) -> CudaIpcExport:
                          layers=layers)
 
 
+def mps_daemon_running(proc: str = "/proc") -> bool:
+    """Whether an MPS control daemon or server (`nvidia-cuda-mps-control`, `-server`; /proc's
+    comm keeps 15 characters of either) runs in this pid namespace, which this backend's peers
+    share."""
+    try:
+        pids = [name for name in os.listdir(proc) if name.isdigit()]
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            with open(os.path.join(proc, pid, "comm")) as f:
+                if f.read().startswith("nvidia-cuda-mps"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def warn_if_time_sliced(own_device: int | None, peer_devices: Sequence[int],
+                        proc: str = "/proc") -> bool:
+    """Warn (and return True) when the decode's cache is on this prefill's own GPU and no MPS
+    daemon runs: the two processes then time-slice the GPU instead of sharing it (at 8B on an
+    H200 the mean TTFT was 1.9x colocated's, against 1.1-1.4x under MPS)."""
+    if own_device is None or own_device not in peer_devices or mps_daemon_running(proc):
+        return False
+    logger.warning("PD shm: the decode's KV cache is on this prefill's GPU (cuda:%d) and no MPS "
+                   "daemon runs: the two processes time-slice the GPU (at 8B the mean TTFT was "
+                   "1.9x colocated's); start `nvidia-cuda-mps-control -d` before both instances",
+                   own_device)
+    return True
+
+
 def copy_batch(dst_regions: _Regions, src_regions: _Regions, src: list[int], dst: list[int],
                lengths: list[int], non_blocking: bool = False) -> None:
     """Copy each descriptor's bytes, src[i] (in `src_regions`) to dst[i] (in `dst_regions`),
@@ -269,6 +301,8 @@ class ShmBackend(TransferBackend):
         self._export: CacheExport | None = None
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()  # the peers: writes and sweeps
+        self._local_device: int | None = None  # this rank's GPU (CUDA caches)
+        self._warned_time_sliced = False
         self._last_sweep = 0.0
         self._stream: Any = None
         self.copies = 0  # memory copies made (one per descriptor), for tests and stats
@@ -281,6 +315,7 @@ class ShmBackend(TransferBackend):
                 raise ValueError("only contiguous tensors can be registered")
             self._local.add(tensor)
         if tensors[0].is_cuda:
+            self._local_device = tensors[0].device.index
             self._export = None  # exported on first use: only a decode rank needs it
         elif self.arena is not None and all(self.arena.contains(t) for t in tensors):
             self._export = self.arena.export()
@@ -335,8 +370,11 @@ class ShmBackend(TransferBackend):
         visible = [cuda_uuid(i) for i in range(torch.cuda.device_count())]
         regions = _Regions()
         storages = []
-        for layer in export.layers:
-            device = local_cuda_index(layer.device_uuid, layer.device, visible)
+        devices = [local_cuda_index(layer.device_uuid, layer.device, visible)
+                   for layer in export.layers]
+        if not self._warned_time_sliced:
+            self._warned_time_sliced = warn_if_time_sliced(self._local_device, devices)
+        for layer, device in zip(export.layers, devices):
             storage = torch.UntypedStorage._new_shared_cuda(
                 device, layer.handle, layer.storage_nbytes, layer.storage_offset,
                 layer.ref_counter_handle, layer.ref_counter_offset, layer.event_handle,
