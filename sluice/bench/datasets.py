@@ -36,6 +36,8 @@ class SampleRequest:
     # Prompt tokens as the server counts them; an estimate when built without a tokenizer.
     prompt_len: int
     expected_output_len: int
+    # shared-prefix: the index of the prompt's prefix group (None for other datasets).
+    group: int | None = None
 
 
 def length_range(mean: int, range_ratio: float) -> tuple[int, int]:
@@ -153,6 +155,6 @@ def sample_shared_prefix(num_requests: int, num_groups: int, prefix_len: int, su
             if builder.starts_with(prompt, prefix_ids):
                 break
         out = int(rng.integers(out_low, out_high + 1))
-        requests.append(SampleRequest(prompt, builder.count(prompt), out))
+        requests.append(SampleRequest(prompt, builder.count(prompt), out, i % num_groups))
     order = rng.permutation(num_requests)
     return [requests[i] for i in order.tolist()]

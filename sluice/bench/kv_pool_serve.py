@@ -40,6 +40,8 @@ from sluice.bench.shared_prefix_load import (
     instance_flags,
     load_config,
     num_gpus,
+    reuse_table,
+    ttft_by_reuse,
     workload,
 )
 
@@ -104,6 +106,7 @@ def _run_setting(ns: argparse.Namespace, name: str, pooled: bool, workdir: Path
         result = asyncio.run(run_benchmark(config))
         counters = [instance.engine_info()["scheduler"] for instance in instances]
     summary = {key: result.get(key, math.nan) for key in _SUMMARY}
+    summary["ttft_by_reuse"] = ttft_by_reuse(result)
     summary["instances"] = [{key: c.get(key) for key in (
         "kv_connector", "prefix_cache_queries", "prefix_cache_hits", "num_scheduled_tokens_total",
         "num_preemptions_total")} for c in counters]
@@ -131,6 +134,7 @@ def main(ns: argparse.Namespace) -> int:
     result["no_pool"] = _run_setting(ns, "no_pool", False, workdir)
     result["pool"] = _run_setting(ns, "pool", True, workdir)
     print(_table(result["no_pool"], result["pool"]))
+    print(reuse_table({s: result[s]["ttft_by_reuse"] for s in ("no_pool", "pool")}))
     for setting in ("no_pool", "pool"):
         for i, counters in enumerate(result[setting]["instances"]):
             pool = counters["kv_connector"] or {}

@@ -291,6 +291,10 @@ async def run_benchmark(config: ServeBenchConfig) -> dict[str, Any]:
         # seconds runnable but waiting for a CPU / wall seconds (Linux; else None).
         "client_cpu_util": _stats(run.cpu_util),
         "client_cpu_wait": _stats(run.cpu_wait),
+        # Per request, in arrival order: the server it went to (0: base_url, then
+        # more_base_urls) and, for shared-prefix prompts, its prefix group.
+        "targets": picks.tolist(),
+        "prefix_groups": [s.group for s in samples],
     }
 
 

@@ -86,3 +86,51 @@ def num_gpus(device: str) -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+REUSE_CLASSES = ("first", "other_instance", "same_instance")
+
+
+def ttft_by_reuse(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """TTFT (ms) of a shared-prefix run (`run_benchmark`'s result) by what each request's
+    prefix had met before it, in arrival order: `first` (its group's first request anywhere),
+    `other_instance` (its group seen only on another instance: a pool hit, or a miss without
+    one), `same_instance` (a local prefix hit, unless evicted or still being computed). Per
+    class: count, mean, median, P99 and max; failed requests are left out."""
+    seen_groups: set[int] = set()
+    seen_pairs: set[tuple[int, int]] = set()
+    ttfts: dict[str, list[float]] = {name: [] for name in REUSE_CLASSES}
+    for group, target, ttft, error in zip(result["prefix_groups"], result["targets"],
+                                          result["ttfts"], result["errors"]):
+        if group is None:
+            continue
+        if group not in seen_groups:
+            name = "first"
+        elif (group, target) not in seen_pairs:
+            name = "other_instance"
+        else:
+            name = "same_instance"
+        seen_groups.add(group)
+        seen_pairs.add((group, target))
+        if not error:
+            ttfts[name].append(ttft * 1e3)
+    out: dict[str, dict[str, float]] = {}
+    for name, values in ttfts.items():
+        if values:
+            ordered = sorted(values)
+            out[name] = {"count": len(values), "mean_ms": sum(values) / len(values),
+                         "median_ms": ordered[len(ordered) // 2],
+                         "p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+                         "max_ms": ordered[-1]}
+    return out
+
+
+def reuse_table(settings: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The `ttft_by_reuse` of each setting (name -> classes), one line per setting and class."""
+    lines = [f"{'setting':<14}{'class':<16}{'count':>6}{'mean':>9}{'median':>9}{'p99':>9}"
+             f"{'max':>9}  (TTFT ms by prefix reuse)"]
+    for setting, classes in settings.items():
+        for name, row in classes.items():
+            lines.append(f"{setting:<14}{name:<16}{row['count']:>6.0f}{row['mean_ms']:>9.1f}"
+                         f"{row['median_ms']:>9.1f}{row['p99_ms']:>9.1f}{row['max_ms']:>9.1f}")
+    return "\n".join(lines)

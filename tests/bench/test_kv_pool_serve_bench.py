@@ -45,3 +45,24 @@ def test_bench_kv_pool_serve_compares_two_instances_with_and_without_a_pool(
     computed = [sum(i["num_scheduled_tokens_total"] for i in result[s]["instances"])
                 for s in ("no_pool", "pool")]
     assert computed[1] < computed[0]
+    assert "TTFT ms by prefix reuse" in run.stdout
+    for setting in ("no_pool", "pool"):
+        classes = result[setting]["ttft_by_reuse"]
+        assert classes["first"]["count"] == 2  # one per prefix group
+        assert sum(c["count"] for c in classes.values()) == 10
+
+
+def test_ttft_by_reuse_classes_each_request_by_what_its_prefix_met_before() -> None:
+    from sluice.bench.shared_prefix_load import ttft_by_reuse
+
+    # Arrival order: group 0 on instance 0, again there, then on 1; group 1 on 1, failed on 0.
+    result = {"prefix_groups": [0, 0, 0, 1, 1], "targets": [0, 0, 1, 1, 0],
+              "ttfts": [0.100, 0.010, 0.040, 0.120, 0.0], "errors": ["", "", "", "", "boom"]}
+    classes = ttft_by_reuse(result)
+    assert {name: row["count"] for name, row in classes.items()} == {
+        "first": 2, "same_instance": 1, "other_instance": 1}  # (the failed one left out)
+    assert classes["first"]["mean_ms"] == pytest.approx(110.0)
+    assert classes["first"]["max_ms"] == pytest.approx(120.0)
+    assert classes["other_instance"]["median_ms"] == pytest.approx(40.0)
+    assert ttft_by_reuse({"prefix_groups": [None], "targets": [0], "ttfts": [0.1],
+                          "errors": [""]}) == {}

@@ -253,6 +253,10 @@ def test_shared_prefix_prompts_share_their_group_prefix_in_tokens(
     for token_ids in ids:
         groups[tuple(token_ids[:48])] = groups.get(tuple(token_ids[:48]), 0) + 1
     assert sorted(groups.values()) == [4, 4, 4]
+    # Each request names its group: the same group, the same prefix.
+    prefix_of = {r.group: tuple(i[:48]) for r, i in zip(requests, ids)}
+    assert sorted(prefix_of) == [0, 1, 2] and len(set(prefix_of.values())) == 3
+    assert all(prefix_of[r.group] == tuple(i[:48]) for r, i in zip(requests, ids))
     assert len({tuple(i[48:]) for i in ids}) == 12
     # Shuffled: the groups do not come in blocks of four.
     order = [list(groups).index(tuple(i[:48])) for i in ids]
