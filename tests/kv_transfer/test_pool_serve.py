@@ -36,8 +36,8 @@ BLOCK = ENGINE_KWARGS["block_size"]  # 8
 PROMPT_LEN = 200
 FULL = (PROMPT_LEN - 1) // BLOCK * BLOCK  # 192 tokens from the pool, 8 computed
 MAX_TOKENS = 8
-# Blocks a request saves: every full block of the tokens it computed (the last output never is).
-SAVED_BLOCKS = (PROMPT_LEN + MAX_TOKENS - 1) // BLOCK
+# Blocks a request saves: every full block of its prompt (save_decode_blocks is off).
+SAVED_BLOCKS = PROMPT_LEN // BLOCK
 
 
 @dataclass
@@ -286,7 +286,7 @@ def test_backend_killed_mid_run_costs_no_output_and_hits_come_back(
     keys_before = pool.counter.count_keys(pool.prefix)
     for prompt in stored:  # A computes and saves them; B will load them
         complete(pool.a, prompt, max_tokens=16)
-    wait_for_keys(pool, keys_before + len(stored) * ((PROMPT_LEN + 15) // BLOCK))
+    wait_for_keys(pool, keys_before + len(stored) * SAVED_BLOCKS)
     errors_before = pool_errors(pool.b)
     # In flight when the backend dies: B loading, A computing and saving.
     requests = [(pool.b, p, wants[tuple(p)]) for p in stored[:3]]
