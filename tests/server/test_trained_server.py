@@ -44,6 +44,8 @@ def builtin_server(smollm2: TrainedModel, tmp_path_factory: pytest.TempPathFacto
     target = smollm2_path(cache)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if not os.path.isfile(target):
+        if os.path.islink(target):  # left by a run whose environment is gone
+            os.unlink(target)
         os.symlink(smollm2.gguf, target)
     started = launch_server(None, tmp_path_factory.mktemp("builtin") / "server.log",
                             "--enable-auto-tool-choice", "--num-gpu-blocks-override", "256",
