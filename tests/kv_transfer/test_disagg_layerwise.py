@@ -138,6 +138,72 @@ def test_an_ask_that_comes_mid_step_joins_it_with_every_layer_stored_so_far(
         assert stats["rooms_streamed"] == 1 and stats.get("sent_blocks", 0) == 0
 
 
+class DeviceEvent:
+    """A stored layer's event as the device gives it: done once `done_at` (monotonic) has
+    passed; set by the test."""
+
+    def __init__(self) -> None:
+        self.done_at = float("inf")
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.done_at
+
+    def synchronize(self) -> None:
+        while not self.query():
+            time.sleep(0.001)
+
+
+@pytest.mark.parametrize("decode_asks", [True, False])
+def test_a_step_launched_before_its_decode_asked_takes_the_ask_until_its_last_layer_is_computed(
+        decode_asks: bool) -> None:
+    """The host reaches a step's end when its last layer is launched, while the device still
+    computes it. An ask that comes in between joins the step's layer writes (the room's write
+    then sends only the status); with no ask, the step's end waits only until the last layer is
+    computed, and the room's write sends every block."""
+    import threading
+
+    src, dst = [1, 2], [6, 7]
+    with pd_pair("fake") as pair:
+        events = [DeviceEvent() for _ in pair.p_caches]
+        plan = LayerSendPlan(room=11, block_ids=src, num_complete_blocks=2, num_prompt_tokens=8)
+        pair.prefill.begin_layer_sends([plan])
+        for layer, event in enumerate(events):
+            pair.prefill.send_layer(layer, event)
+
+        def device_then_ask() -> None:
+            time.sleep(0.1)
+            if decode_asks:
+                pair.decode.receiver(11).init("d", pair.server.address, dst, 0,
+                                              num_prompt_tokens=8)
+                asked(pair, 11)
+            time.sleep(0.2)
+            for event in events:
+                event.done_at = time.monotonic()
+
+        thread = threading.Thread(target=device_then_ask)
+        start = time.monotonic()
+        thread.start()
+        pair.prefill.wait_layer_sends()
+        waited = time.monotonic() - start
+        thread.join()
+        assert 0.25 < waited < 5.0  # until the last layer was computed, not for ever
+        stats = pair.prefill.take_stats()
+        assert stats["layer_ask_waits"] == 1
+        if decode_asks:
+            assert stats["layer_writes"] == 2 and blocks_equal(pair, src, dst)
+        else:
+            assert "layer_writes" not in stats
+            pair.decode.receiver(11).init("d", pair.server.address, dst, 0, num_prompt_tokens=8)
+        pair.prefill.sender(11).send("p", src, 8, first_token=3, first_logprobs=None)
+        [received] = pair.wait(pair.decode)
+        assert received.ok and blocks_equal(pair, src, dst)
+        stats = pair.prefill.take_stats()
+        if decode_asks:
+            assert stats["rooms_streamed"] == 1 and stats.get("sent_blocks", 0) == 0
+        else:
+            assert stats["sent_blocks"] == 2
+
+
 def test_a_decode_abort_mid_prompt_fails_the_room_on_both_sides() -> None:
     with pd_pair("fake") as pair:
         pair.decode.receiver(9).init("d", pair.server.address, [4, 5], 0, 8)

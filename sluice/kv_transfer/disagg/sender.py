@@ -76,6 +76,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("sluice")
 
+# How often a step whose last layer is still computing looks for it to finish while it waits
+# for asks (wait_layer_sends); an ask itself wakes it at once.
+_ASK_POLL_S = 0.0005
+
 
 @dataclass(slots=True)
 class _Target:
@@ -93,6 +97,7 @@ class _Target:
     # layer writes queued or running for it.
     streamed_blocks: int = 0
     layer_writes: int = 0
+    refused: str | None = None  # why a step's layer writes left it out (counted once)
 
     @property
     def busy(self) -> bool:
@@ -301,6 +306,16 @@ class PrefillKVManager(KVManager):
             self._work.notify_all()
         return added
 
+    def _unasked_plans(self) -> bool:
+        """(Lock held.) Whether a room of the step's layer plans has no target yet."""
+        joined = {id(step.entry) for step in self._layer_steps}
+        for plan in self._layer_plans:
+            entry = self.rooms.get(plan.room)
+            if entry is None or (id(entry) not in joined and entry.failed is None
+                                 and not entry.ended and entry.missing_askers):
+                return True
+        return False
+
     def _queue_layer(self, step: _LayerStep, layer: int, stored: Any) -> None:
         step.target.layer_writes += 1
         self._layer_writes_in_flight += 1
@@ -309,13 +324,23 @@ class PrefillKVManager(KVManager):
     def _layer_step(self, entry: _Room, target: _Target, plan: LayerSendPlan
                     ) -> _LayerStep | None:
         ask = target.ask
-        if (target.heads is None or target.heads.num_heads == 0 or target.state.is_done
-                or target.busy or ask.session in self._suspect_peers
-                or time.monotonic() > target.deadline):
-            return None  # refused, nothing to write, or left to the whole write (it probes)
-        if (ask.num_prompt_tokens != plan.num_prompt_tokens or ask.first_block
+        if target.heads is None or target.heads.num_heads == 0 or target.state.is_done:
+            return None  # refused, nothing to write, or done
+        reason = None
+        if target.busy:
+            reason = "busy"
+        elif ask.session in self._suspect_peers:
+            reason = "suspect_peer"  # left to the whole write (it probes)
+        elif time.monotonic() > target.deadline:
+            reason = "lease_out"
+        elif (ask.num_prompt_tokens != plan.num_prompt_tokens or ask.first_block
                 + len(ask.block_ids) != -(-plan.num_prompt_tokens // self.spec.block_size)):
-            return None  # the whole write refuses it, naming both
+            reason = "mismatch"  # the whole write refuses it, naming both
+        if reason is not None:
+            if target.refused is None:
+                target.refused = reason
+                self.add_stat(f"layer_skipped_{reason}", 1)
+            return None
         first = max(ask.first_block, target.streamed_blocks)
         end = len(plan.block_ids)
         if first >= end:
@@ -339,10 +364,28 @@ class PrefillKVManager(KVManager):
     def wait_layer_sends(self) -> None:
         """Return once every layer write of the step has landed or failed (a rank that asked
         after the last layer was stored joins first). Each is bounded as a room's write is
-        (the backend's own timeouts; the lease stops it between batches)."""
+        (the backend's own timeouts; the lease stops it between batches).
+
+        The host reaches the step's end when its last layer is launched, long before the
+        device has computed it (a prompt of 8k tokens: ~200 ms on an H200). While a room of
+        the step has no target yet and the last layer is still computing, asks keep joining
+        (`_join_late`), so an ask that comes then still streams behind the compute instead of
+        waiting for the room's whole write after it. The wait is bounded by the step's own
+        compute; on the CPU (no events) the step is computed already."""
         with self._work:
             if self._layer_plans and len(self._stored_layers) == len(self.layout.layer_addresses):
                 self._join_late()
+                last = self._stored_layers[-1][1] if self._stored_layers else None
+                start = time.perf_counter()
+                waited = False
+                while (last is not None and self._unasked_plans() and not last.query()
+                       and not self._stop.is_set()):
+                    waited = True
+                    self._work.wait(timeout=_ASK_POLL_S)
+                    self._join_late()
+                if waited:
+                    self.add_stat("layer_ask_waits", 1)
+                    self.add_stat("layer_ask_wait_seconds", time.perf_counter() - start)
             while self._layer_writes_in_flight and not self._stop.is_set():
                 self._work.wait(timeout=0.1)
             self._layer_steps = []
@@ -439,6 +482,11 @@ class PrefillKVManager(KVManager):
                 self._fail_room(entry, problem, now)
                 return
             target.deadline = now + ask.lease_s
+            self._work.notify_all()  # a step waiting in wait_layer_sends lets it join
+            if entry.req_id is not None:
+                # The prompt was computed before this rank asked: nothing of it streamed.
+                self.add_stat("asks_after_prompt", 1)
+                self.add_stat("ask_after_prompt_seconds", now - entry.started)
             self._maybe_queue(entry, target, now)
         wakeup.notify()  # a request held for this ask goes with the next step
 
