@@ -413,6 +413,21 @@ def test_the_bootstrap_queue_holds_each_prompt_until_its_decode_asks_so_every_bl
     pair.assert_all_blocks_back()
 
 
+def test_prompts_shorter_than_bootstrap_wait_min_tokens_are_not_held(
+        make_pair, reference: LLM) -> None:
+    """With bootstrap_wait_min_tokens 30, the prompts of 40 and 33 tokens wait for their
+    decode's ask and the one of 17 computes at once; output equal colocated greedy's."""
+    batch = prompts(21, [40, 17, 33])
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = expected(reference, batch, [params] * len(batch))
+    pair = make_pair(max_num_batched_tokens=16, prefill_extra={"bootstrap_wait_min_tokens": 30})
+    run_and_check(pair, batch, params, want)
+    sent = pair.stats(pair.prefill)
+    assert sent["bootstrap_held"] == 2 and "bootstrap_wait_expired" not in sent
+    assert sent["send_rooms"] == 3
+    pair.assert_all_blocks_back()
+
+
 @pytest.mark.parametrize("wait_s", [0.3, 0.0])
 def test_a_prompt_whose_decode_has_not_asked_computes_after_the_bootstrap_wait(
         make_pair, reference: LLM, wait_s: float) -> None:

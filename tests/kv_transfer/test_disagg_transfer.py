@@ -401,4 +401,8 @@ def test_disaggregation_flags_build_the_connector_config_and_bad_ones_say_why(
         PDConfig.from_kv_transfer_config(KVTransferConfig(kv_connector="PDConnector"))
     with pytest.raises(ValueError, match="transfer_backend must be one of"):
         PDConfig(role="decode", engine_id="d", transfer_backend="rdma")
+    for bad_least in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"bootstrap_wait_min_tokens must be an integer "
+                                             f">= 0, got {bad_least!r}"):
+            PDConfig(role="prefill", engine_id="p", bootstrap_wait_min_tokens=bad_least)
     assert PDConfig(role="decode", engine_id="d").heartbeat_bound_s <= 10.0

@@ -61,6 +61,12 @@ class PDConfig:
     # step's layers already stream (SGLang's bootstrap queue); then it computes anyway and its
     # blocks go in the room's whole write. 0: compute at once.
     bootstrap_wait_s: float = 1.0
+    # Only prompts with at least this many tokens past their prefix-cache hit are held; shorter
+    # ones compute at once, and an ask that comes while they compute still joins their layer
+    # writes. 0: hold every prompt. On one H200 (8B, MPS) holding cost more than it saved at
+    # 1k tokens and saved more than it cost at 8k under load:
+    # benchmarks/journal/2026-12-03-pd-ask-window-hold-ab-h200.md.
+    bootstrap_wait_min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -80,6 +86,10 @@ class PDConfig:
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 60:
             raise ValueError(f"PDConnector bootstrap_wait_s must be a number in [0, 60], got "
                              f"{wait!r}")
+        least = self.bootstrap_wait_min_tokens
+        if isinstance(least, bool) or not isinstance(least, int) or least < 0:
+            raise ValueError(f"PDConnector bootstrap_wait_min_tokens must be an integer >= 0, "
+                             f"got {least!r}")
         for name in ("heartbeat_misses", "max_batch_descriptors"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -167,7 +167,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.is_prefill:
-            return (None if self._holds(request) else 0), False
+            return (None if self._holds(request, num_computed_tokens) else 0), False
         if request.request_id in self._attempted:
             return 0, False
         remote = pd_params.parse_or_none(request.kv_transfer_params)
@@ -195,12 +195,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
 
     # ---- prefill ---------------------------------------------------------------------------
 
-    def _holds(self, request: Request) -> bool:
+    def _holds(self, request: Request, num_cached_tokens: int) -> bool:
         """Whether the bootstrap queue holds the request this step (see the module
-        docstring)."""
+        docstring): not one whose prompt past its prefix-cache hit is shorter than
+        bootstrap_wait_min_tokens."""
         req_id = request.request_id
         if (req_id in self._released or not self.pd.layerwise or self.pd.bootstrap_wait_s <= 0
-                or request.num_output_tokens):
+                or request.num_output_tokens or request.num_prompt_tokens - num_cached_tokens
+                < self.pd.bootstrap_wait_min_tokens):
             return False
         now = time.monotonic()
         held = self._held.get(req_id)
