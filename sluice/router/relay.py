@@ -357,6 +357,34 @@ async def post_whole(session: aiohttp.ClientSession, role: str, worker: Worker, 
     return answer
 
 
+async def _next_line(role: str, worker: Worker, lines: UpstreamLines,
+                     watch: asyncio.Future | None) -> bytes:
+    """The stream's next line, its transport errors as a Failure, its end before the first
+    token a Failure; with `watch` still running, whichever comes first (a failed watch raises
+    its exception). Without one, no task is made per line."""
+    line = lines.pending()
+    if line is None:
+        if watch is None or watch.done():
+            waiting = lines.next_line()
+        else:
+            line_task = asyncio.ensure_future(lines.next_line())
+            try:
+                await asyncio.wait((watch, line_task), return_when=asyncio.FIRST_COMPLETED)
+                if watch.done() and watch.exception() is not None:
+                    raise watch.exception()
+                waiting = line_task
+            except BaseException:
+                await cancel(line_task)
+                raise
+        try:
+            line = await waiting
+        except TRANSPORT_ERRORS as exc:
+            raise Failure(role, worker, _why(exc)) from None
+    if line is None:
+        raise Failure(role, worker, "the stream ended before its first token")
+    return line
+
+
 async def read_to_first_token(role: str, worker: Worker, lines: UpstreamLines,
                               early_failure: Callable[[dict[str, Any]], Failure | None],
                               watch: asyncio.Future | None = None) -> list[bytes]:
@@ -366,28 +394,7 @@ async def read_to_first_token(role: str, worker: Worker, lines: UpstreamLines,
     (a task running beside the stream) that fails first raises its exception."""
     buffered: list[bytes] = []
     while True:
-        line = lines.pending()
-        if line is None and watch is not None and not watch.done():
-            line_task = asyncio.ensure_future(lines.next_line())
-            try:
-                await asyncio.wait((watch, line_task), return_when=asyncio.FIRST_COMPLETED)
-                if watch.done() and watch.exception() is not None:
-                    raise watch.exception()
-                try:
-                    line = await line_task
-                except TRANSPORT_ERRORS as exc:
-                    raise Failure(role, worker, _why(exc)) from None
-            finally:
-                await cancel(line_task)
-            if line is None:
-                raise Failure(role, worker, "the stream ended before its first token")
-        elif line is None:
-            try:
-                line = await lines.next_line()
-            except TRANSPORT_ERRORS as exc:
-                raise Failure(role, worker, _why(exc)) from None
-            if line is None:
-                raise Failure(role, worker, "the stream ended before its first token")
+        line = await _next_line(role, worker, lines, watch)
         buffered.append(line)
         if not line.startswith(b"data:"):
             continue
