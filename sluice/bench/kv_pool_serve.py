@@ -49,12 +49,12 @@ _SUMMARY = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p9
             "request_throughput", "output_throughput", "total_token_throughput", "completed")
 
 
-def _pool_config(ns: argparse.Namespace, stack: ExitStack) -> dict[str, Any]:
+def _pool_config(ns: argparse.Namespace, stack: ExitStack, load_mode: str) -> dict[str, Any]:
     """The KVPoolConnector config of a fresh server of `ns.backend` (started here)."""
     from sluice.testing import servers
 
     extra: dict[str, Any] = {"backend": ns.backend, "staging_bytes": ns.staging_bytes,
-                             "load_policy": ns.load_policy}
+                             "load_policy": ns.load_policy, "load_mode": load_mode}
     if ns.backend == "shm":
         extra["url"] = stack.enter_context(servers.start_shm_pool(
             capacity_bytes=ns.pool_bytes, slot_bytes=ns.shm_slot_bytes)).url
@@ -87,14 +87,15 @@ def _instances(ns: argparse.Namespace, flags: list[str], workdir: Path) -> list[
     return instances
 
 
-def _run_setting(ns: argparse.Namespace, name: str, pooled: bool, workdir: Path
+def _run_setting(ns: argparse.Namespace, name: str, load_mode: str | None, workdir: Path
                  ) -> dict[str, Any]:
+    """One setting: without the pool (`load_mode` None) or with it, loading in that mode."""
     from sluice.testing.pd_cluster import start_instances
 
     flags = instance_flags(ns)
     with ExitStack() as stack:
-        if pooled:
-            flags += ["--kv-transfer-config", json.dumps(_pool_config(ns, stack))]
+        if load_mode is not None:
+            flags += ["--kv-transfer-config", json.dumps(_pool_config(ns, stack, load_mode))]
         instances = _instances(ns, flags, workdir / name)
         (workdir / name).mkdir(parents=True, exist_ok=True)
         # One after the other: instances sharing a GPU size their cache from what is free.
@@ -131,11 +132,19 @@ def main(ns: argparse.Namespace) -> int:
     result: dict[str, Any] = {"model": ns.model, "backend": ns.backend,
                               "load_policy": ns.load_policy, "gpus": num_gpus(ns.device),
                               "workload": workload(ns)}
-    result["no_pool"] = _run_setting(ns, "no_pool", False, workdir)
-    result["pool"] = _run_setting(ns, "pool", True, workdir)
-    print(_table(result["no_pool"], result["pool"]))
-    print(reuse_table({s: result[s]["ttft_by_reuse"] for s in ("no_pool", "pool")}))
-    for setting in ("no_pool", "pool"):
+    # One pool setting is "pool"; with both load modes, "pool" (async) and "pool_sync".
+    pooled = {("pool" if i == 0 else f"pool_{mode}"): mode
+              for i, mode in enumerate(dict.fromkeys(ns.load_mode))}
+    result["load_modes"] = pooled
+    result["no_pool"] = _run_setting(ns, "no_pool", None, workdir)
+    for name, mode in pooled.items():
+        result[name] = _run_setting(ns, name, mode, workdir)
+    settings = ["no_pool", *pooled]
+    for name, mode in pooled.items():
+        print(f"{name} (load_mode {mode}) against no_pool:")
+        print(_table(result["no_pool"], result[name]))
+    print(reuse_table({s: result[s]["ttft_by_reuse"] for s in settings}))
+    for setting in settings:
         for i, counters in enumerate(result[setting]["instances"]):
             pool = counters["kv_connector"] or {}
             print(f"{setting} instance{i}: tokens computed "
@@ -149,7 +158,7 @@ def main(ns: argparse.Namespace) -> int:
         write_record(ns.output, make_record("kv-pool-serve", result, device=ns.device,
                                             command=shlex.split(command)))
         print(f"results saved to {ns.output}")
-    complete = all(result[s]["completed"] == ns.num_prompts for s in ("no_pool", "pool"))
+    complete = all(result[s]["completed"] == ns.num_prompts for s in settings)
     return 0 if complete else 1
 
 
@@ -165,6 +174,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--load-policy", default="auto", choices=("auto", "always", "never"),
                         help="the connector's load_policy (default: auto, load a hit only when "
                              "expected faster than recomputing it)")
+    parser.add_argument("--load-mode", nargs="+", default=["async"], choices=("async", "sync"),
+                        help="the connector's load_mode (default: async); two modes run the "
+                             "pool twice, 'pool' in the first and 'pool_<mode>' in the second")
     parser.add_argument("--shm-slot-bytes", type=int, default=4 << 20,
                         help="shm: the pool server's slot, at least one block's KV over every "
                              "layer plus 8 bytes (default: 4 MiB)")

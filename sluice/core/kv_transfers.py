@@ -38,6 +38,8 @@ class KVTransfers:
         self._loading: dict[str, Request] = {}  # sync (step out) or async (parked) loads
         self._async_loads: set[str] = set()  # of those, the asynchronous ones
         self._finished_recving: set[str] = set()  # async loads reported done, not promoted
+        # Async loads reported done whose requests hold their blocks and are not admitted yet.
+        self.loaded: set[str] = set()
         self._delayed_free: dict[str, Request] = {}
         self._abandoned_loads: dict[str, tuple[Request, float]] = {}  # (request, deadline)
 
@@ -94,6 +96,10 @@ class KVTransfers:
         read, and the device runs it before any later step that may reuse them."""
         self._loading.pop(request_id, None)
 
+    def admitted(self, request_id: str) -> None:
+        """The request runs: its loaded blocks are a running request's now."""
+        self.loaded.discard(request_id)
+
     # ---- the workers' report -----------------------------------------------------------
 
     def update(self, kv_output: KVConnectorOutput,
@@ -112,6 +118,7 @@ class KVTransfers:
                 self.kv_cache_manager.free(abandoned[0])
             elif req_id in self._async_loads:
                 self._finished_recving.add(req_id)
+                self.loaded.add(req_id)
                 first_token = kv_output.first_tokens.get(req_id)
                 if first_token is not None:
                     first_tokens.append((req_id, first_token))
@@ -161,6 +168,7 @@ class KVTransfers:
         delay_free, params = self.connector.request_finished(
             request, self.kv_cache_manager.get_block_ids(request_id))
         self._loading.pop(request_id, None)
+        self.loaded.discard(request_id)
         if request_id in self._async_loads:
             self._async_loads.discard(request_id)
             if request_id not in self._finished_recving:

@@ -244,6 +244,8 @@ class Scheduler:
         """Admit waiting requests in arrival order while budget, sequences and blocks last.
         Requests that cannot go yet for a connector's reason (KV still loading, the connector
         not sure yet) are passed over and keep their place."""
+        if self.kv_transfers is not None and self.kv_transfers.loaded:
+            self._loaded_first()
         passed_over: list[Request] = []
         while (self.waiting and plan.token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
@@ -265,6 +267,16 @@ class Scheduler:
             elif not admitted:
                 break
         self.waiting.extendleft(reversed(passed_over))
+
+    def _loaded_first(self) -> None:
+        """Requests whose asynchronous load ended go to the head of the queue: they hold their
+        blocks, and a request ahead of them (one preempted meanwhile) may need exactly those,
+        which they give back only once they have run (behind it: a deadlock)."""
+        loaded = self.kv_transfers.loaded
+        first = [r for r in self.waiting if r.request_id in loaded]
+        rest = [r for r in self.waiting if r.request_id not in loaded]
+        self.waiting.clear()
+        self.waiting.extend(first + rest)
 
     def _admit(self, request: Request, plan: StepPlan) -> bool | None:
         """Schedule the waiting request at the head of the queue, or park it while its KV
@@ -324,6 +336,8 @@ class Scheduler:
             return None  # passed over until a worker reports the load done
         self.waiting.popleft()
         self.running.append(request)
+        if self.kv_transfers is not None:
+            self.kv_transfers.admitted(request.request_id)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = plan.now
         plan.add_admitted(request, block_ids,

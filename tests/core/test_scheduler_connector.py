@@ -292,3 +292,31 @@ def test_kv_transfer_config_names_unknown_keys_and_bad_values() -> None:
         KVTransferConfig.from_dict("{kv_connector")
     config = KVTransferConfig.from_dict('{"kv_connector": "X", "kv_role": "kv_consumer"}')
     assert config.is_consumer and not config.is_producer
+
+
+def test_a_loaded_request_goes_before_one_preempted_that_needs_its_blocks() -> None:
+    """11 blocks: "a"'s asynchronous load holds 5 and ends while "r" decodes; "r" then runs out
+    of blocks and preempts itself to the head of the queue, where it needs blocks "a" holds.
+    "a" goes first (behind "r", neither could ever run), then "r"; every block comes back."""
+    config = KVTransferConfig(kv_connector="Scripted")
+    connector = ScriptedConnector(config)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=32,
+                                          max_num_seqs=8),
+                          KVCacheManager(12, BLOCK), connector, config)
+    connector.script["a"] = [(20, True)]
+    scheduler.add_request(request("r", 20, start=100, max_tokens=20))
+    run(scheduler, scheduler.schedule())
+    scheduler.add_request(request("a", 24))
+    out = scheduler.schedule()
+    assert scheduler.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    run(scheduler, out, KVConnectorOutput(finished_recving={"a"}))
+    finished, preempted = [], False
+    for _ in range(60):
+        if not scheduler.requests:
+            break
+        out = scheduler.schedule()
+        preempted |= "r" in out.preempted_req_ids
+        finished += [o.req_id for o in run(scheduler, out) if o.finish_reason]
+    assert preempted and finished == ["a", "r"]
+    assert free_blocks(scheduler) == 11
+    scheduler.kv_cache_manager.check_integrity()

@@ -161,6 +161,7 @@ def test_settings_are_validated() -> None:
              ({"staging_bytes": -1}, "staging_bytes must be .* got -1"),
              ({"model_id": ""}, "model_id must be a non-empty string"),
              ({"save_decode_blocks": 1}, "save_decode_blocks must be true or false, got 1"),
+             ({"load_mode": "lazy"}, r"load_mode must be one of \['async', 'sync'\], got 'lazy'"),
              ({"segment_size": 1}, r"unknown kv_connector_extra_config keys \['segment_size'\]"),
              # Another backend's option is unknown here.
              ({"backend": "redis", "url": "redis://h:1", "global_segment_size": 0},
@@ -436,19 +437,21 @@ def test_local_hits_the_pool_lost_are_saved_again(
         assert_all_blocks_back(engine)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize(("kv_cache_dtype", "load_mode"),
+                         [("auto", "async"), ("fp8", "async"), ("auto", "sync")])
 def test_pool_with_chunked_prefill_and_preemption_keeps_greedy_output(
         qwen3_dir: str, reference: LLM, request: pytest.FixtureRequest,
-        kv_cache_dtype: str) -> None:
+        kv_cache_dtype: str, load_mode: str) -> None:
     """Also with an 8-bit cache, whose blocks the pool holds as bytes (against an fp8
-    engine)."""
+    engine), and with loads inside the step (load_mode "sync")."""
     batch = prompts(seed=4, count=4)
     if kv_cache_dtype == "fp8":
         reference = LLM(model=qwen3_dir, kv_cache_dtype="fp8", **ENGINE)
     expected = token_ids(reference.generate(batch, greedy(16), use_tqdm=False))
     engine = dict(ENGINE, max_num_batched_tokens=64, num_gpu_blocks_override=13,
                   max_model_len=176, kv_cache_dtype=kv_cache_dtype)
-    llm = LLM(model=qwen3_dir, kv_transfer_config=pool_config("local", request), **engine)
+    config = pool_config("local", request, load_mode=load_mode)
+    llm = LLM(model=qwen3_dir, kv_transfer_config=config, **engine)
     # All four at once: chunked, and preempting for blocks (160 + 16 = max_model_len).
     for _ in range(2):
         assert token_ids(llm.generate(batch, greedy(16), use_tqdm=False)) == expected
@@ -570,3 +573,86 @@ def test_local_pool_refuses_workers_in_other_processes(qwen3_dir: str) -> None:
         LLM(model=qwen3_dir, kv_transfer_config=config, distributed_executor_backend="mp",
             **ENGINE)
 
+
+
+# ---- asynchronous loads (load_mode "async", the default) ----
+
+
+def gate_loads(llm: LLM) -> Any:
+    """Every load of `llm`'s worker waits, on its load thread, until the returned event is set
+    (at most 20 s)."""
+    import threading
+
+    worker = worker_half(llm)
+    gate, fetch = threading.Event(), worker._fetch
+
+    def gated(*args: Any) -> Any:
+        assert gate.wait(20.0), "the test never opened the gate"
+        return fetch(*args)
+
+    worker._fetch = gated
+    return gate
+
+
+def in_pool_not_in_cache(llm: LLM, batch: list[dict]) -> None:
+    llm.generate(batch, greedy(), use_tqdm=False)
+    wait_for_saves(llm)
+    assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+
+
+def test_a_hit_loads_while_the_others_decode_and_keeps_greedy_output(
+        qwen3_dir: str, reference: LLM) -> None:
+    """A pool hit whose load is held back waits in WAITING_FOR_REMOTE_KVS while a running
+    request's tokens go on; once the load ends it computes only its last block, and both
+    outputs equal the reference's."""
+    hit, other = prompts(seed=30, count=1)[0], prompts(seed=31, count=1, length=40)[0]
+    expected = token_ids(reference.generate([hit, other], greedy(16), use_tqdm=False))
+    llm = LLM(model=qwen3_dir, kv_transfer_config=pool_config("local"), **ENGINE)
+    in_pool_not_in_cache(llm, [hit])
+    gate = gate_loads(llm)
+    engine = llm.llm_engine
+    computed = count_computed_tokens(llm)
+    engine.add_request("other", other, greedy(16))
+    engine.step()
+    engine.add_request("hit", hit, greedy(16))
+    tokens: dict[str, list[int]] = {"hit": [], "other": []}
+    outputs = {}
+    for _ in range(4):
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+        assert engine.scheduler.requests["hit"].status.name == "WAITING_FOR_REMOTE_KVS"
+    assert len(tokens["other"]) >= 4 and not tokens["hit"]
+    gate.set()
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [outputs[r].outputs[0].token_ids for r in ("hit", "other")] == expected
+    assert outputs["hit"].num_cached_tokens == FULL
+    assert computed["hit"] == PROMPT_LEN - FULL + 16 - 1
+    assert stats(llm)["pool_load_blocks"] == FULL // BLOCK
+    assert_all_blocks_back(llm)
+    engine.engine_core.shutdown()
+
+
+def test_abort_mid_async_load_keeps_the_blocks_until_it_ends_then_frees_them(
+        qwen3_dir: str) -> None:
+    hit = prompts(seed=32, count=1)[0]
+    llm = LLM(model=qwen3_dir, kv_transfer_config=pool_config("local"), **ENGINE)
+    in_pool_not_in_cache(llm, [hit])
+    gate = gate_loads(llm)
+    engine = llm.llm_engine
+    engine.add_request("doomed", hit, greedy())
+    engine.step()
+    assert engine.scheduler.requests["doomed"].status.name == "WAITING_FOR_REMOTE_KVS"
+    manager = engine.kv_cache_manager
+    engine.abort_request("doomed")
+    engine.step()
+    # The load may still write them: not free yet.
+    assert manager.get_num_free_blocks() < manager.block_pool.num_blocks - 1
+    gate.set()
+    deadline = time.monotonic() + 10.0
+    while manager.get_num_free_blocks() < manager.block_pool.num_blocks - 1:
+        assert time.monotonic() < deadline, "the aborted load's blocks never came back"
+        engine.step()
+        time.sleep(0.01)
+    assert_all_blocks_back(llm)
+    engine.engine_core.shutdown()

@@ -22,9 +22,14 @@ network fetch of a step's loads precedes its first layer; what is layer by layer
 side (each layer's scatter into the cache has its own event), and in a pool hit the step computes
 at most a block of the prompt anyway, so there is little compute to hide a fetch behind.
 
-Loads are synchronous (inside the step of the request's first new tokens), as the CPU tier's:
-started before the forward (the fetch runs on a thread while the step's inputs are prepared, and
-overlaps the previous step's device work under async scheduling) and waited on per layer.
+Loads are asynchronous by default (`load_mode` "async", as LMCache's and vLLM's async loads):
+the request waits in WAITING_FOR_REMOTE_KVS while the worker's load thread fetches its blocks
+and its load stream writes them, and the other requests' steps go on; the worker reports the
+request done once the copies have run on the device, and its next step computes the rest. A
+load of 256 blocks of an 8B model takes ~30 ms at 20 GB/s; inside a step it stalls every
+request in the batch that long. `load_mode` "sync" loads inside the step of the request's
+first new tokens, as the CPU tier's: started before the forward (the fetch runs on a thread
+while the step's inputs are prepared) and waited on per layer.
 
 Scheduler half (here): `get_num_new_matched_tokens` asks the pool, in ONE batched existence
 query through the scheduler's own client (a short `lookup_timeout_s`; for Mooncake a client that
@@ -74,6 +79,10 @@ class PoolMetadata(msgspec.Struct):
 
     load_block_ids: list[int] = msgspec.field(default_factory=list)
     load_hashes: list[bytes] = msgspec.field(default_factory=list)
+    # Asynchronous loads (load_mode "async"): the loads above belong, in order, to these
+    # requests, load_request_blocks[i] blocks each; empty: the loads are this step's own.
+    load_request_ids: list[str] = msgspec.field(default_factory=list)
+    load_request_blocks: list[int] = msgspec.field(default_factory=list)
     save_block_ids: list[int] = msgspec.field(default_factory=list)
     save_hashes: list[bytes] = msgspec.field(default_factory=list)
 
@@ -101,7 +110,9 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
                                              "global_segment_size": 0}
             self.client = PoolClient(settings, "scheduler", "lookups are misses",
                                      options=options, call_timeout_s=settings.lookup_timeout_s)
-        self._pending_loads: list[tuple[int, bytes]] = []  # (cache block, hash) for the plan
+        self.load_async = settings.load_mode == "async"
+        # (cache block, hash, request) for the plan
+        self._pending_loads: list[tuple[int, bytes, str]] = []
         # Per live request: its full blocks before this index were considered for saving.
         self._num_considered: dict[str, int] = {}
         self._stats: dict[str, float] = {}
@@ -152,7 +163,7 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
             self._add("pool_skipped_hits", 1)
             self._add("pool_skipped_hit_blocks", num_hits)
             return 0, False
-        return num_hits * block_size, False
+        return num_hits * block_size, self.load_async
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -160,7 +171,8 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
         num_blocks = num_external_tokens // block_size
         first = request.num_computed_tokens // block_size - num_blocks
         for i in range(first, first + num_blocks):
-            self._pending_loads.append((block_ids[i], request.block_hashes[i].hash_value))
+            self._pending_loads.append((block_ids[i], request.block_hashes[i].hash_value,
+                                        request.request_id))
         # Loaded blocks are in the pool already (unless blocks before them are to be offered
         # again: saves cover one run of blocks, so those go again too; the put skips them).
         if self._num_considered.get(request.request_id, first) >= first:
@@ -172,11 +184,19 @@ class KVPoolConnectorScheduler(KVConnectorScheduler):
                              scheduler: SchedulerView) -> PoolMetadata:
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self._num_considered.pop(req_id, None)  # (preempted: looked up again on return)
-        meta = PoolMetadata(load_block_ids=[b for b, _ in self._pending_loads],
-                            load_hashes=[h for _, h in self._pending_loads])
+        meta = PoolMetadata(load_block_ids=[b for b, _, _ in self._pending_loads],
+                            load_hashes=[h for _, h, _ in self._pending_loads])
+        if self.load_async:
+            for _, _, req_id in self._pending_loads:
+                if meta.load_request_ids and meta.load_request_ids[-1] == req_id:
+                    meta.load_request_blocks[-1] += 1
+                else:
+                    meta.load_request_ids.append(req_id)
+                    meta.load_request_blocks.append(1)
         self._pending_loads = []
+        # (An asynchronous load is not the step's: the step's time stays a recompute rate.)
         self._planned.append((time.perf_counter(), scheduler_output.total_num_scheduled_tokens,
-                              bool(meta.load_block_ids)))
+                              bool(meta.load_block_ids) and not self.load_async))
         if not self.config.is_producer:
             return meta
         block_size = self.kv_cache_spec.block_size

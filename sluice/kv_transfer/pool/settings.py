@@ -34,11 +34,12 @@ logger = logging.getLogger("sluice")
 # One value is one block of every layer of this rank: [num_layers, 2, block_size, heads, dim].
 VALUE_LAYOUT = "L.2.bs.h.d"
 ON_BACKEND_ERROR = ("fail", "recompute")
+LOAD_MODES = ("async", "sync")
 # The connector's own keys; the backend's keyword options (global_segment_size, password, ...)
 # are accepted beside them and handed to the backend.
 _CONNECTOR_KEYS = ("backend", "url", "on_backend_error", "timeout_s", "lookup_timeout_s",
                    "staging_bytes", "retry_interval_s", "model_id", "load_policy",
-                   "save_decode_blocks")
+                   "save_decode_blocks", "load_mode")
 # Staging slots start on this boundary (DMA-friendly, and a multiple of every dtype's size).
 SLOT_ALIGN = 256
 MIN_SLOTS = 4  # two to load into, two to save from
@@ -64,6 +65,9 @@ class PoolSettings:
     # Save the blocks a request's output fills too (LMCache's save_decode_cache; off: a later
     # prompt that holds them offers them when its lookup finds them missing).
     save_decode_blocks: bool = False
+    # "async": a hit loads while the request waits (WAITING_FOR_REMOTE_KVS) and the steps of
+    # the others go on; "sync": inside the step of its first new tokens, layer by layer.
+    load_mode: str = "async"
     backend_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -104,6 +108,10 @@ class PoolSettings:
         if not isinstance(save_decode, bool):
             raise ValueError(f"KVPoolConnector: kv_connector_extra_config.save_decode_blocks "
                              f"must be true or false, got {save_decode!r}")
+        load_mode = extra.get("load_mode", "async")
+        if load_mode not in LOAD_MODES:
+            raise ValueError(f"KVPoolConnector: kv_connector_extra_config.load_mode must be one "
+                             f"of {list(LOAD_MODES)}, got {load_mode!r}")
         remote_url = extra.get("remote_url")
         if remote_url is not None and parse_url(remote_url)[0] not in ("redis", "mooncake"):
             raise ValueError(f"KVPoolConnector: kv_connector_extra_config.remote_url must be a "
@@ -116,7 +124,7 @@ class PoolSettings:
                              f"got {remote_options!r}")
         settings = cls(backend=backend, url=url, on_backend_error=on_error,
                        model_id=extra.get("model_id"), load_policy=load_policy,
-                       save_decode_blocks=save_decode,
+                       save_decode_blocks=save_decode, load_mode=load_mode,
                        backend_options={k: v for k, v in extra.items() if k in option_names})
         for name in ("timeout_s", "lookup_timeout_s", "retry_interval_s"):
             value = extra.get(name, getattr(settings, name))

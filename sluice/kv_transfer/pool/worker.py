@@ -18,12 +18,16 @@ Per step (the runner's calls, sluice/worker/kv_connector.py):
   (recomputed); a mapping that cannot be registered is one warning and the staged path. The
   step's saves get slots in the save half (fewer than planned
   when the half is full: the first blocks are kept, later ones dropped and counted).
+  Asynchronous loads (`load_mode` "async": the plan names their requests) go to the same
+  thread, but no layer of this step waits for them.
 - `wait_for_layer_load(layer)`: waits for the load thread (every backend call it makes is bounded
   by `timeout_s`), then, on CUDA, orders the compute stream after that layer's scatter.
 - `save_kv_layer(layer, kv)`: copies the layer's saved blocks toward their slots.
 - `wait_for_save`: the copies are complete as far as the blocks are concerned (they may be
   reused after this step); the save thread then checks which keys the pool lacks and puts those
   (a failed put is only a lost cache entry: counted), and frees the slots.
+- `get_finished`: the asynchronous loads that ended, in start order, once their fetch is back
+  and (CUDA) their last scatter ran; their failed blocks are in the same step's errors.
 - `get_block_ids_with_load_errors`: the blocks whose load failed, for the scheduler's recompute
   path (the runner does not sample rows that read them).
 
@@ -131,6 +135,8 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         self._save_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="sluice-pool-save")
         self._load: concurrent.futures.Future | None = None
+        # Asynchronous loads in flight: (their requests, the fetch's future), in start order.
+        self._async_loads: list[tuple[list[str], concurrent.futures.Future]] = []
         self._layer_events: dict[str, Any] = {}
         self._half_free: list[Any] = [None, None]  # CUDA: host reads of each load half queued
         self._save: _StepSave | None = None
@@ -184,7 +190,8 @@ class KVPoolConnectorWorker(KVConnectorWorker):
     # ---- loads ----
 
     def has_loads(self) -> bool:
-        return bool(self._metadata is not None and self._metadata.load_block_ids)
+        meta = self._metadata  # (asynchronous loads are not the step's)
+        return bool(meta is not None and meta.load_block_ids and not meta.load_request_ids)
 
     def has_saves(self) -> bool:
         return self._save is not None  # (asked after start_load_kv took the save slots)
@@ -197,13 +204,19 @@ class KVPoolConnectorWorker(KVConnectorWorker):
             return
         if meta.load_block_ids:
             keys = [self.prefix + h.hex() for h in meta.load_hashes]
-            self._load = self._load_thread.submit(self._fetch, list(meta.load_block_ids), keys,
-                                                  self.mover.compute_marker())
+            load = self._load_thread.submit(self._fetch, list(meta.load_block_ids), keys,
+                                            self.mover.compute_marker())
+            if meta.load_request_ids:
+                self._async_loads.append((list(meta.load_request_ids), load))
+            else:
+                self._load = load
         if meta.save_block_ids:
             self._begin_save(list(meta.save_block_ids), meta.save_hashes)
 
-    def _fetch(self, block_ids: list[int], keys: list[str], after: Any) -> dict[str, Any]:
-        """The load thread: fetch, check and move every block; returns {layer: event} (CUDA)."""
+    def _fetch(self, block_ids: list[int], keys: list[str], after: Any
+               ) -> tuple[dict[str, Any], list[int]]:
+        """The load thread: fetch, check and move every block; returns ({layer: event} (CUDA),
+        the blocks that failed)."""
         start = time.perf_counter()
         backend = self.client.backend if self.client is not None else None
         direct = self._direct and hasattr(backend, "get_pinned")
@@ -268,12 +281,11 @@ class KVPoolConnectorWorker(KVConnectorWorker):
             num_loaded += len(picks)
         if num_unreachable:
             self._add_stat(f"pool_errors.load.{error}", num_unreachable)
-        self._invalid.update(failed)
         self._add_stat("pool_loads", 1)
         self._add_stat("pool_load_blocks", num_loaded)
         self._add_stat("pool_load_bytes", num_loaded * self.payload_size)
         self._add_stat("pool_load_seconds", time.perf_counter() - start)
-        return events
+        return events, failed
 
     def _fetch_direct(self, backend: Any, ids: list[int], keys: list[str], after: Any
                       ) -> tuple[list[bool], dict[str, Any]] | None:
@@ -321,7 +333,26 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         if self._load is not None:
             # Every backend call of the load is bounded by timeout_s: this wait is too.
             load, self._load = self._load, None
-            self._layer_events = load.result()
+            self._layer_events, failed = load.result()
+            self._invalid.update(failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """The asynchronous loads whose fetch ended and whose copies ran on the device (their
+        failed blocks go to the same report's errors). In start order: each load's device
+        work follows the earlier ones' on the load stream."""
+        done: set[str] = set()
+        while self._async_loads:
+            req_ids, load = self._async_loads[0]
+            if not load.done():
+                break
+            events, failed = load.result()
+            last = next(reversed(events.values()), None)  # (every layer's scatter before it)
+            if last is not None and not last.query():
+                break
+            self._async_loads.pop(0)
+            self._invalid.update(failed)
+            done.update(req_ids)
+        return set(), done
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._join_load()
