@@ -656,21 +656,3 @@ def test_abort_mid_async_load_keeps_the_blocks_until_it_ends_then_frees_them(
         time.sleep(0.01)
     assert_all_blocks_back(llm)
     engine.engine_core.shutdown()
-
-
-def test_host_copies_go_in_pieces_and_the_piece_size_is_validated(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
-    from sluice.kv_transfer.pool import mover
-
-    src = torch.randint(0, 256, (1000,), dtype=torch.uint8)
-    for chunk in (0, 7, 1000, 4096):
-        dst = torch.zeros_like(src)
-        mover.chunked_copy(dst, src, chunk)
-        assert torch.equal(dst, src)
-    monkeypatch.setenv("SLUICE_POOL_DMA_CHUNK_BYTES", "8M")
-    with pytest.raises(ValueError, match="SLUICE_POOL_DMA_CHUNK_BYTES must be .* got '8M'"):
-        mover._dma_chunk_bytes()
-    monkeypatch.setenv("SLUICE_POOL_DMA_CHUNK_BYTES", "65536")
-    assert mover._dma_chunk_bytes() == 65536

@@ -23,51 +23,17 @@ straight into the cache blocks. On CUDA the mapping is registered with the drive
 non-blocking H2D copy (torch._foreach_copy_) from its arena slot into its device staging slot
 on the load stream, then the same scatter per layer; the event after the copies says when the
 arena is no longer read (the load thread waits for it before unpinning).
-
-Host copies of more than `DMA_CHUNK_BYTES` (8 MiB; `SLUICE_POOL_DMA_CHUNK_BYTES`, 0: whole runs)
-are issued in pieces of that size. A copy engine runs a copy to its end: a step's own small
-copies in the same direction (its sampled tokens to the host, its inputs to the device) queue
-behind whatever copy it is running, and one step's saves of an 8B model's 4k-token prompt are
-576 MiB, ~20 ms at PCIe speed. In pieces, they wait for one piece (~0.3 ms).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import Any
 
 import torch
 
 logger = logging.getLogger("sluice")
-
-
-def _dma_chunk_bytes() -> int:
-    raw = os.environ.get("SLUICE_POOL_DMA_CHUNK_BYTES", str(8 << 20))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"SLUICE_POOL_DMA_CHUNK_BYTES must be a byte count >= 0 (0: one copy "
-                         f"per run), got {raw!r}")
-    return value
-
-
-DMA_CHUNK_BYTES = _dma_chunk_bytes()
-
-
-def chunked_copy(dst: torch.Tensor, src: torch.Tensor, chunk: int = DMA_CHUNK_BYTES) -> None:
-    """dst.copy_(src, non_blocking=True) of two 1-D byte tensors, in pieces of at most `chunk`
-    bytes (0: one copy)."""
-    size = dst.numel()
-    if chunk <= 0 or size <= chunk:
-        dst.copy_(src, non_blocking=True)
-        return
-    starts = range(0, size, chunk)
-    torch._foreach_copy_([dst[i:i + chunk] for i in starts], [src[i:i + chunk] for i in starts],
-                         non_blocking=True)
 
 
 class StagingMover:
@@ -183,8 +149,8 @@ class StagingMover:
             self.load_stream.wait_event(after)
             buffer, views = self._staging("load", num_slots)
             start = first_slot * self.stride
-            chunked_copy(buffer[:num_slots * self.stride],
-                         self.host[start:start + num_slots * self.stride])
+            buffer[:num_slots * self.stride].copy_(
+                self.host[start:start + num_slots * self.stride], non_blocking=True)
             ids = self._ids(block_ids)
             if rows is not None:
                 rows = rows.pin_memory().to(self.device, non_blocking=True)
@@ -319,8 +285,9 @@ class StagingMover:
             buffer, _ = self._staging("save", sum(length for _, length in slot_runs))
             offset = 0
             for slot, length in slot_runs:
-                chunked_copy(self.host[slot * self.stride:(slot + length) * self.stride],
-                             buffer[offset * self.stride:(offset + length) * self.stride])
+                self.host[slot * self.stride:(slot + length) * self.stride].copy_(
+                    buffer[offset * self.stride:(offset + length) * self.stride],
+                    non_blocking=True)
                 offset += length
             copied = torch.cuda.Event()
             copied.record()
