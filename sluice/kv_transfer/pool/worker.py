@@ -140,6 +140,8 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         self._layer_events: dict[str, Any] = {}
         self._half_free: list[Any] = [None, None]  # CUDA: host reads of each load half queued
         self._save: _StepSave | None = None
+        self._saves_copied = threading.Event()  # cleared while a step's saves copy (CUDA)
+        self._saves_copied.set()
         self._invalid: set[int] = set()
         self._stats: dict[str, float] = {}
         self._stats_lock = threading.Lock()
@@ -381,6 +383,9 @@ class KVPoolConnectorWorker(KVConnectorWorker):
                 self.stride // self.kv_cache_spec.block_size)
         if not slots:
             return
+        # (CUDA) The last step's saves are out of the device staging buffer before this
+        # step's gathers reuse it (copy_saves: ~12 ms for a 4k-token prompt of an 8B model).
+        self._saves_copied.wait()
         num = len(slots)
         self._save = _StepSave(keys=[self.prefix + h.hex() for h in hashes[:num]], slots=slots,
                                runs=slot_runs(slots),
@@ -397,13 +402,19 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         save, self._save = self._save, None
         if save is None:
             return
-        copied = self.mover.finish_saves(save.runs)
-        self._save_thread.submit(self._put, save, copied)
+        gathered = self.mover.finish_saves()
+        if gathered is not None:
+            self._saves_copied.clear()
+        self._save_thread.submit(self._put, save, gathered)
 
-    def _put(self, save: _StepSave, copied: Any) -> None:
-        """The save thread: store the values the pool lacks, then free the slots."""
-        if copied is not None:
-            copied.synchronize()
+    def _put(self, save: _StepSave, gathered: Any) -> None:
+        """The save thread: copy the step's saves to the host (CUDA), store the values the
+        pool lacks, then free the slots."""
+        if gathered is not None:
+            try:
+                self.mover.copy_saves(save.runs, gathered)
+            finally:
+                self._saves_copied.set()
         start = time.perf_counter()
         backend = self.client.backend
         held_by = None
