@@ -23,8 +23,10 @@ Per step (the runner's calls, sluice/worker/kv_connector.py):
 - `wait_for_layer_load(layer)`: waits for the load thread (every backend call it makes is bounded
   by `timeout_s`), then, on CUDA, orders the compute stream after that layer's scatter.
 - `save_kv_layer(layer, kv)`: copies the layer's saved blocks toward their slots.
-- `wait_for_save`: the copies are complete as far as the blocks are concerned (they may be
-  reused after this step); the save thread then checks which keys the pool lacks and puts those
+- `wait_for_save`: the gathers are complete as far as the blocks are concerned (they may be
+  reused after this step); the save thread then copies them to the host slots (CUDA: in 8 MiB
+  pieces, one at a time, so the steps' own D2H copies do not queue behind them; the next
+  step's gathers wait until that is done), checks which keys the pool lacks and puts those
   (a failed put is only a lost cache entry: counted), and frees the slots.
 - `get_finished`: the asynchronous loads that ended, in start order, once their fetch is back
   and (CUDA) their last scatter ran; their failed blocks are in the same step's errors.
