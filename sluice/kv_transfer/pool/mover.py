@@ -12,7 +12,7 @@ the host slots: one contiguous copy per run of slots, and one scatter (load) or 
 kernel per layer. Loads run on a load stream; each layer's scatter records an event that the
 layer's attention waits for. Saves gather each layer on a save stream after the compute stream
 stored it; the compute stream then waits only for the gathers (the blocks may be reused after
-that), while the save thread copies them to the host in 8 MiB pieces, one at a time (a step's
+that), while a copy thread copies them to the host in 8 MiB pieces, one at a time (a step's
 own small D2H copies would queue behind one whole copy: `copy_saves`), then puts them. On
 the CPU the cache reads and writes the host views directly, synchronously.
 
@@ -288,14 +288,14 @@ class StagingMover:
         return gathered
 
     def copy_saves(self, slot_runs: list[tuple[int, int]], gathered: Any) -> None:
-        """(The save thread, CUDA) Copy the gathered blocks to the host slots of `slot_runs`,
-        in pieces of PACE_BYTES, each queued once the one before it ended. A copy engine serves
-        the copies of one direction in order, so a step's own small D2H copy (its sampled
-        tokens) queued behind a whole copy of one 4k-token prompt of an 8B model (576 MiB)
-        waited 8.8 ms on the H200, and 0.16 ms behind paced pieces (whose copy runs at 47
-        against 55 GB/s; benchmarks/tools/dma_interleave.py). Returns once the last piece is
-        in the host slots. Call it before the next step's save_layer (the gathers reuse the
-        device staging buffer)."""
+        """(The worker's copy thread, CUDA) Copy the gathered blocks to the host slots of
+        `slot_runs`, in pieces of PACE_BYTES, each queued once the one before it ended. A
+        copy engine serves the copies of one direction in order, so a step's own small D2H
+        copy (its sampled tokens) queued behind a whole copy of one 4k-token prompt of an 8B
+        model (576 MiB) waited 8.8 ms on the H200, and 0.16 ms behind paced pieces (whose
+        copy runs at 47 against 55 GB/s; benchmarks/tools/dma_interleave.py). Returns once
+        the last piece is in the host slots. Call it before the next step's save_layer (the
+        gathers reuse the device staging buffer)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.save_stream):
             self.save_stream.wait_event(gathered)
             buffer, _ = self._staging("save", sum(length for _, length in slot_runs))

@@ -24,10 +24,11 @@ Per step (the runner's calls, sluice/worker/kv_connector.py):
   by `timeout_s`), then, on CUDA, orders the compute stream after that layer's scatter.
 - `save_kv_layer(layer, kv)`: copies the layer's saved blocks toward their slots.
 - `wait_for_save`: the gathers are complete as far as the blocks are concerned (they may be
-  reused after this step); the save thread then copies them to the host slots (CUDA: in 8 MiB
+  reused after this step); a copy thread then copies them to the host slots (CUDA: in 8 MiB
   pieces, one at a time, so the steps' own D2H copies do not queue behind them; the next
-  step's gathers wait until that is done), checks which keys the pool lacks and puts those
-  (a failed put is only a lost cache entry: counted), and frees the slots.
+  step's gathers wait until that is done) and the save thread, after it, checks which keys
+  the pool lacks and puts those (a failed put is only a lost cache entry: counted), and frees
+  the slots.
 - `get_finished`: the asynchronous loads that ended, in start order, once their fetch is back
   and (CUDA) their last scatter ran; their failed blocks are in the same step's errors.
 - `get_block_ids_with_load_errors`: the blocks whose load failed, for the scheduler's recompute
@@ -142,8 +143,11 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         self._layer_events: dict[str, Any] = {}
         self._half_free: list[Any] = [None, None]  # CUDA: host reads of each load half queued
         self._save: _StepSave | None = None
-        self._saves_copied = threading.Event()  # cleared while a step's saves copy (CUDA)
-        self._saves_copied.set()
+        # (CUDA) Saves' host copies, paced, on a thread of their own: neither waits for the
+        # other's puts; the last step's copy, which the next step's gathers wait for.
+        self._copy_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="sluice-pool-copy")
+        self._copying: concurrent.futures.Future | None = None
         self._invalid: set[int] = set()
         self._stats: dict[str, float] = {}
         self._stats_lock = threading.Lock()
@@ -387,7 +391,8 @@ class KVPoolConnectorWorker(KVConnectorWorker):
             return
         # (CUDA) The last step's saves are out of the device staging buffer before this
         # step's gathers reuse it (copy_saves: ~12 ms for a 4k-token prompt of an 8B model).
-        self._saves_copied.wait()
+        if self._copying is not None:
+            self._copying.result()
         num = len(slots)
         self._save = _StepSave(keys=[self.prefix + h.hex() for h in hashes[:num]], slots=slots,
                                runs=slot_runs(slots),
@@ -405,18 +410,17 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         if save is None:
             return
         gathered = self.mover.finish_saves()
+        copied = None
         if gathered is not None:
-            self._saves_copied.clear()
-        self._save_thread.submit(self._put, save, gathered)
+            copied = self._copying = self._copy_thread.submit(self.mover.copy_saves, save.runs,
+                                                              gathered)
+        self._save_thread.submit(self._put, save, copied)
 
-    def _put(self, save: _StepSave, gathered: Any) -> None:
-        """The save thread: copy the step's saves to the host (CUDA), store the values the
+    def _put(self, save: _StepSave, copied: concurrent.futures.Future | None) -> None:
+        """The save thread: once the step's saves are on the host (CUDA), store the values the
         pool lacks, then free the slots."""
-        if gathered is not None:
-            try:
-                self.mover.copy_saves(save.runs, gathered)
-            finally:
-                self._saves_copied.set()
+        if copied is not None:
+            copied.result()
         start = time.perf_counter()
         backend = self.client.backend
         held_by = None
@@ -477,6 +481,7 @@ class KVPoolConnectorWorker(KVConnectorWorker):
         """Wait for the step's load, drop saves not started, close the client, give back the
         staging memory (pinned host memory included)."""
         self._load_thread.shutdown(wait=True)
+        self._copy_thread.shutdown(wait=True)
         self._save_thread.shutdown(wait=True, cancel_futures=True)
         idle = True
         if self.client is not None:
